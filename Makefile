@@ -1,0 +1,44 @@
+# The two commands of the README:   make run   (the main job)   and   make test   (everything CI runs).
+# Both create .venv on first use: the CPU torch wheel first (pinned, so nothing pulls a CUDA build),
+# then kvpool in editable mode with its test extras.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.kvpool-installed
+PYTEST_ARGS ?=
+
+.PHONY: run test lint typecheck pytest bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/kvpool up
+
+test: lint typecheck pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# mypy cannot follow setuptools' package-dir mapping of an editable install, so it checks a tree of
+# links laid out as the installed package.
+typecheck: $(STAMP)
+	rm -rf build/typecheck && mkdir -p build/typecheck/kvpool
+	ln -s $(CURDIR)/kvpool/*.py $(CURDIR)/kvpool/py.typed build/typecheck/kvpool/
+	for p in pool transport metadata prefill_decode; do ln -s $(CURDIR)/$$p build/typecheck/kvpool/$$p; done
+	cd build/typecheck && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p kvpool
+
+pytest: $(STAMP)
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) bench/metadata.py
+
+clean:
+	rm -rf build $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,37 @@
+"""One exception hierarchy for the whole project.
+
+Every error a caller can act on is a :class:`KvPoolError`; library errors (gRPC, etcd, NIXL, boto3) are
+translated into these where the library is wrapped, so callers never catch a third-party type.  Each
+message says what happened *and* what to do about it.
+"""
+
+
+class KvPoolError(Exception):
+    """Base class of every error kvpool raises on purpose."""
+
+
+class ConfigError(KvPoolError, ValueError):
+    """A configuration value is malformed or out of range; the message names the field."""
+
+
+class MetadataUnavailable(KvPoolError):
+    """etcd could not be reached (after a bounded retry) or refused the request."""
+
+
+class MalformedRecord(KvPoolError):
+    """A value stored in etcd is not a record kvpool understands (not msgpack, wrong schema)."""
+
+
+class ChunkNotFound(KvPoolError, KeyError):
+    """No replica of the chunk is known to the pool: treat it as a cache miss and recompute."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; we want the sentence.
+        return str(self.args[0]) if self.args else "chunk not found"
+
+
+class PoolFull(KvPoolError):
+    """The pool cannot hold the data, even after eviction."""
+
+
+class CorruptChunk(KvPoolError):
+    """Stored bytes do not match their checksum; the replica has been dropped."""

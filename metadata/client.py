@@ -1,0 +1,257 @@
+"""The one place kvpool talks to etcd: retries, timeouts and error translation.
+
+Every call is bounded: a retriable failure (etcd down, leader change, timeout) is retried with backoff
+until ``retry_deadline_s``, then raised as :class:`MetadataUnavailable`; nothing waits forever.  Callers
+never see a gRPC or pyetcd exception.
+"""
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import pyetcd
+from pyetcd import etcdrpc
+from pyetcd import exceptions as etcd_exc
+from pyetcd import transactions as etcd_txn
+from pyetcd import utils as etcd_utils
+
+from kvpool.errors import MetadataUnavailable
+from kvpool.metadata.config import MetadataConfig, parse_endpoint
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_RETRIABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN}
+_RETRIABLE_EXC = (
+    etcd_exc.ConnectionFailedError,
+    etcd_exc.ConnectionTimeoutError,
+    etcd_exc.NoServerAvailableError,
+    etcd_exc.InternalServerError,
+)
+# Reconnect quickly after etcd restarts; gRPC's default backoff grows to 120 s.
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+Put = etcd_txn.Put
+Get = etcd_txn.Get
+Delete = etcd_txn.Delete
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    return bytes(etcd_utils.prefix_range_end(prefix))
+
+
+def _retriable(exc: BaseException) -> bool:
+    if isinstance(exc, _RETRIABLE_EXC):
+        return True
+    return isinstance(exc, grpc.RpcError) and exc.code() in _RETRIABLE_CODES
+
+
+class KeyValue:
+    """One key of a range or watch answer, detached from protobuf."""
+
+    __slots__ = ("create_revision", "key", "lease", "mod_revision", "value")
+
+    def __init__(self, kv: Any) -> None:
+        self.key: bytes = kv.key
+        self.value: bytes = kv.value
+        self.lease: int = kv.lease
+        self.create_revision: int = kv.create_revision
+        self.mod_revision: int = kv.mod_revision
+
+
+class EtcdClient:
+    """A thread-safe etcd v3 client (gRPC channels are thread-safe) with bounded retries."""
+
+    def __init__(self, config: MetadataConfig) -> None:
+        if not config.endpoints:
+            raise MetadataUnavailable(
+                "no etcd endpoints configured: start an embedded etcd (kvpool up) or set KVPOOL_ETCD_ENDPOINTS"
+            )
+        self.config = config
+        several = len(config.endpoints) > 1
+        endpoints = [
+            pyetcd.Endpoint(host, port, secure=False, time_retry=1.0 if several else 0.0, opts=_CHANNEL_OPTIONS)
+            for host, port in map(parse_endpoint, config.endpoints)
+        ]
+        self._client = pyetcd.MultiEndpointEtcd3Client(
+            endpoints=endpoints, timeout=config.request_timeout_s, failover=several
+        )
+        self.endpoints = ", ".join(config.endpoints)
+
+    def close(self) -> None:
+        self._client.close()
+
+    # -- the retry loop ------------------------------------------------------------------------------
+
+    def call(self, what: str, fn: Callable[[], T], deadline_s: float | None = None) -> T:
+        """Run ``fn`` until it succeeds, fails for good, or ``deadline_s`` (default: config) passes."""
+        deadline = time.monotonic() + (self.config.retry_deadline_s if deadline_s is None else deadline_s)
+        delay, attempts = 0.05, 0
+        while True:
+            attempts += 1
+            try:
+                return fn()
+            except (grpc.RpcError, etcd_exc.Etcd3Exception) as exc:
+                if not _retriable(exc):
+                    raise MetadataUnavailable(f"etcd at {self.endpoints} refused {what}: {_describe(exc)}") from exc
+                if time.monotonic() + delay > deadline:
+                    raise MetadataUnavailable(
+                        f"etcd at {self.endpoints} unreachable for {what} after {attempts} attempts "
+                        f"({_describe(exc)}); check that etcd is running and that KVPOOL_ETCD_ENDPOINTS "
+                        "(or --etcd) points at it"
+                    ) from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    # -- key-value ------------------------------------------------------------------------------------
+
+    def get(self, key: bytes) -> KeyValue | None:
+        resp = self.call("get", lambda: self._client.get_response(key))
+        return KeyValue(resp.kvs[0]) if resp.kvs else None
+
+    def get_prefix(self, prefix: bytes) -> list[KeyValue]:
+        """Every key under ``prefix`` (paged); see :meth:`snapshot` for the revision too."""
+        return self.snapshot(prefix)[1]
+
+    def snapshot(self, prefix: bytes, page_size: int | None = None) -> tuple[int, list[KeyValue]]:
+        """Every key under ``prefix`` at one revision, read in pages of ``page_size`` keys.
+
+        One ``get_prefix`` of many keys fails once the answer passes the client's 4 MiB receive limit;
+        paging at a fixed revision gives the same consistent view without that limit.
+        """
+        limit = page_size or self.config.page_size
+        end = prefix_end(prefix)
+        start, revision = prefix, 0
+        out: list[KeyValue] = []
+        while True:
+            resp = self.call(
+                "range",
+                lambda s=start, r=revision: self._client.get_range_response(  # type: ignore[misc]
+                    s, end, sort_order="ascend", limit=limit, revision=r or None
+                ),
+            )
+            if not revision:
+                revision = resp.header.revision
+            out.extend(KeyValue(kv) for kv in resp.kvs)
+            if not resp.more or not resp.kvs:
+                return revision, out
+            start = resp.kvs[-1].key + b"\0"
+
+    def revision(self) -> int:
+        """The store's current revision."""
+        resp = self.call("status", lambda: self._client.get_response(b"\0", count_only=True))
+        return int(resp.header.revision)
+
+    def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
+        """Put and return the revision of the write."""
+        resp = self.call("put", lambda: self._client.put(key, value, lease=lease or None))
+        return int(resp.header.revision)
+
+    def delete_prefix(self, prefix: bytes) -> int:
+        resp = self.call("delete", lambda: self._client.delete_prefix(prefix))
+        return int(resp.deleted)
+
+    def txn(
+        self, compare: Sequence[Any], success: Sequence[Any], failure: Sequence[Any] = ()
+    ) -> tuple[bool, list[Any]]:
+        """One transaction: ``(succeeded, responses)``, range answers as lists of :class:`KeyValue`."""
+        ok, responses = self.call(
+            "transaction", lambda: self._client.transaction(list(compare), list(success), list(failure))
+        )
+        out: list[Any] = []
+        for r in responses:
+            if isinstance(r, list):  # a range answer: [(value, KVMetadata), ...]
+                out.append([_kv_from_meta(value, meta) for value, meta in r])
+            else:
+                out.append(r)
+        return bool(ok), out
+
+    @staticmethod
+    def absent(key: bytes) -> Any:
+        """Compare: the key does not exist."""
+        return etcd_txn.Create(key) == 0
+
+    # -- leases ---------------------------------------------------------------------------------------
+
+    def grant_lease(self, ttl_s: int) -> int:
+        lease = self.call("lease grant", lambda: self._client.lease(ttl_s))
+        return int(lease.id)
+
+    def refresh_lease(self, lease_id: int, deadline_s: float | None = None) -> int:
+        """Keep a lease alive once; returns its remaining TTL, 0 if it has expired."""
+        responses = self.call(
+            "lease keep-alive", lambda: list(self._client.refresh_lease(lease_id)), deadline_s=deadline_s
+        )
+        return int(responses[-1].TTL) if responses else 0
+
+    def revoke_lease(self, lease_id: int) -> None:
+        self.call("lease revoke", lambda: self._client.revoke_lease(lease_id))
+
+    # -- watch ----------------------------------------------------------------------------------------
+
+    def watch(self, prefix: bytes, start_revision: int) -> "WatchStream":
+        return WatchStream(self._client.channel, prefix, start_revision, self._client.metadata)
+
+
+def _kv_from_meta(value: bytes, meta: Any) -> KeyValue:
+    kv = KeyValue.__new__(KeyValue)
+    kv.key, kv.value, kv.lease = meta.key, value, meta.lease_id
+    kv.create_revision, kv.mod_revision = meta.create_revision, meta.mod_revision
+    return kv
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class WatchStream:
+    """A watch on a prefix from ``start_revision``: iterate for responses, :meth:`cancel` from any thread.
+
+    Iteration raises :class:`MetadataUnavailable` when the stream breaks (etcd died or restarted) or
+    the start revision was compacted away; the caller re-snapshots and watches again.
+    """
+
+    def __init__(self, channel: grpc.Channel, prefix: bytes, start_revision: int, metadata: Any) -> None:
+        self._requests: queue.Queue[Any] = queue.Queue()
+        create = etcdrpc.WatchCreateRequest(key=prefix, range_end=prefix_end(prefix), start_revision=start_revision)
+        self._requests.put(etcdrpc.WatchRequest(create_request=create))
+        self._call = etcdrpc.WatchStub(channel).Watch(iter(self._requests.get, None), metadata=metadata)
+        self._lock = threading.Lock()
+        self._cancelled = False
+
+    def request_progress(self) -> None:
+        """Ask etcd for a (possibly empty) answer carrying the current revision."""
+        self._requests.put(etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest()))
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+        self._requests.put(None)
+        self._call.cancel()
+
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            for resp in self._call:
+                if resp.compact_revision:
+                    raise MetadataUnavailable(f"watch start revision compacted (now {resp.compact_revision})")
+                if resp.canceled:
+                    raise MetadataUnavailable(f"etcd cancelled the watch: {resp.cancel_reason or 'no reason given'}")
+                yield resp
+        except grpc.RpcError as exc:
+            with self._lock:
+                if self._cancelled:
+                    return
+            raise MetadataUnavailable(f"watch stream broke: {_describe(exc)}") from exc
+        with self._lock:
+            if not self._cancelled:
+                raise MetadataUnavailable("watch stream ended")

@@ -1,0 +1,164 @@
+"""The values kvpool stores in etcd, and their msgpack encoding.
+
+Every value is a msgpack map with a schema version ``"v"``.  Decoding is strict: anything that is not
+a map of the expected fields and types raises :class:`MalformedRecord`, which readers log and skip,
+so one bad value never crashes a reader.  The chunk key and the holding node live in the etcd key,
+not in the value (see :mod:`kvpool.metadata.namespace`).
+"""
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+from kvpool.errors import MalformedRecord
+
+SCHEMA_VERSION = 1
+
+
+class Tier(enum.Enum):
+    """Storage tiers, nearest first: readers prefer a lower rank."""
+
+    GPU = "gpu"
+    DRAM = "dram"
+    NVME = "nvme"
+    REMOTE = "remote"
+
+    @property
+    def rank(self) -> int:
+        return _TIER_RANK[self]
+
+
+_TIER_RANK = {t: i for i, t in enumerate(Tier)}
+
+
+def _pack(fields: dict[str, Any]) -> bytes:
+    return msgpack.packb({"v": SCHEMA_VERSION, **fields}, use_bin_type=True)
+
+
+def _unpack(kind: str, raw: bytes, spec: dict[str, type | tuple[type, ...]]) -> dict[str, Any]:
+    try:
+        obj = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise MalformedRecord(f"{kind}: not msgpack ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(obj, dict):
+        raise MalformedRecord(f"{kind}: expected a map, got {type(obj).__name__}")
+    if obj.get("v") != SCHEMA_VERSION:
+        raise MalformedRecord(f"{kind}: schema version {obj.get('v')!r}, this kvpool reads {SCHEMA_VERSION}")
+    for name, typ in spec.items():
+        if name not in obj:
+            raise MalformedRecord(f"{kind}: field {name!r} missing")
+        value = obj[name]
+        if not isinstance(value, typ) or (isinstance(value, bool) and typ is int):
+            raise MalformedRecord(f"{kind}: field {name!r} has type {type(value).__name__}")
+    return obj
+
+
+def _tier(kind: str, value: str) -> Tier:
+    try:
+        return Tier(value)
+    except ValueError:
+        raise MalformedRecord(f"{kind}: unknown tier {value!r}") from None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one replica of one chunk lives, and how to check it."""
+
+    key: bytes  #: chunk key (32 bytes)
+    node: str  #: holder: a node id, or the remote tier's name
+    tier: Tier
+    segment: str
+    offset: int
+    length: int  #: bytes stored (after the codec)
+    checksum: int
+    codec: str = "raw"
+    checksum_alg: str = "crc32c"
+    created: float = 0.0
+    last_access: float = 0.0
+
+    _SPEC: ClassVar[dict[str, type | tuple[type, ...]]] = {
+        "tier": str, "segment": str, "offset": int, "length": int, "checksum": int,
+        "codec": str, "checksum_alg": str, "created": (int, float), "last_access": (int, float),
+    }  # fmt: skip
+
+    def encode(self) -> bytes:
+        return _pack(
+            {
+                "tier": self.tier.value, "segment": self.segment, "offset": self.offset, "length": self.length,
+                "checksum": self.checksum, "codec": self.codec, "checksum_alg": self.checksum_alg,
+                "created": self.created, "last_access": self.last_access,
+            }
+        )  # fmt: skip
+
+    @classmethod
+    def decode(cls, key: bytes, node: str, raw: bytes) -> "Placement":
+        f = _unpack("placement", raw, cls._SPEC)
+        if f["offset"] < 0 or f["length"] < 0:
+            raise MalformedRecord(f"placement: negative offset/length {f['offset']}/{f['length']}")
+        return cls(
+            key=key, node=node, tier=_tier("placement", f["tier"]), segment=f["segment"], offset=f["offset"],
+            length=f["length"], checksum=f["checksum"], codec=f["codec"], checksum_alg=f["checksum_alg"],
+            created=float(f["created"]), last_access=float(f["last_access"]),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """One storage segment a node contributes to the pool."""
+
+    name: str
+    tier: Tier
+    capacity: int
+    used: int = 0
+
+    def to_wire(self) -> list[Any]:
+        return [self.name, self.tier.value, self.capacity, self.used]
+
+    @classmethod
+    def from_wire(cls, item: Any) -> "SegmentInfo":
+        if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], str) and isinstance(item[1], str)
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in item[2:])):  # fmt: skip
+            raise MalformedRecord(f"node record: segment entry {item!r} is not [name, tier, capacity, used]")
+        return cls(item[0], _tier("node record", item[1]), item[2], item[3])
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """A node of the pool, as published on its lease."""
+
+    node_id: str
+    host: str
+    pid: int
+    address: bytes = b""  #: the transport's address of this node (e.g. NIXL agent metadata)
+    segments: tuple[SegmentInfo, ...] = field(default_factory=tuple)
+    started: float = 0.0
+    updated: float = 0.0
+
+    _SPEC: ClassVar[dict[str, type | tuple[type, ...]]] = {
+        "host": str, "pid": int, "address": bytes, "segments": list, "started": (int, float), "updated": (int, float),
+    }  # fmt: skip
+
+    def encode(self) -> bytes:
+        return _pack(
+            {
+                "host": self.host, "pid": self.pid, "address": self.address,
+                "segments": [s.to_wire() for s in self.segments], "started": self.started, "updated": self.updated,
+            }
+        )  # fmt: skip
+
+    @classmethod
+    def decode(cls, node_id: str, raw: bytes) -> "NodeRecord":
+        f = _unpack("node record", raw, cls._SPEC)
+        return cls(
+            node_id=node_id, host=f["host"], pid=f["pid"], address=f["address"],
+            segments=tuple(SegmentInfo.from_wire(s) for s in f["segments"]),
+            started=float(f["started"]), updated=float(f["updated"]),
+        )  # fmt: skip
+
+    def capacity(self, tier: Tier) -> int:
+        return sum(s.capacity for s in self.segments if s.tier is tier)
+
+    def used(self, tier: Tier) -> int:
+        return sum(s.used for s in self.segments if s.tier is tier)

@@ -1,0 +1,105 @@
+"""Chunk keys: a SHA-256 hash chain over fixed-size token chunks.
+
+``H_0 = SHA-256(identity)`` and ``H_k = SHA-256(H_{k-1} || tokens of chunk k)``, so a key names a whole
+prefix, not just one chunk: two prompts share key ``k`` exactly when their first ``k`` chunks agree.  The
+identity folds in everything that changes the bytes of a KV chunk (model, dtype, layout, chunk size,
+tensor-parallel shard, codec), so two caches that cannot be exchanged never share a key.  Nothing here
+depends on the process, the host or ``PYTHONHASHSEED``: the same prompt gives the same keys everywhere.
+"""
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+DEFAULT_CHUNK_SIZE = 256
+_MAX_TOKEN_ID = 2**32 - 1  # tokens are hashed as little-endian uint32
+_IDENTITY_TAG = "kvpool.cache-identity/1"
+
+
+@dataclass(frozen=True)
+class CacheIdentity:
+    """Everything that makes two KV caches exchangeable.
+
+    ``layout`` names how a chunk's bytes are arranged, e.g. ``"all-layers:[L,2,T,H,D]"`` for a chunk
+    that holds every layer, or ``"layer:[2,T,H,D]"`` for layer-wise chunks.
+    """
+
+    model: str
+    kv_dtype: str
+    layout: str
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    tp_size: int = 1
+    tp_rank: int = 0
+    codec: str = "raw"
+
+    def __post_init__(self) -> None:
+        for name in ("model", "kv_dtype", "layout", "codec"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"CacheIdentity.{name} must be a non-empty string, got {value!r}")
+        for name in ("chunk_size", "tp_size", "tp_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"CacheIdentity.{name} must be an int, got {value!r}")
+        if self.chunk_size <= 0:
+            raise ValueError(f"CacheIdentity.chunk_size must be > 0, got {self.chunk_size}")
+        if self.tp_size <= 0:
+            raise ValueError(f"CacheIdentity.tp_size must be > 0, got {self.tp_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"CacheIdentity.tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
+
+    def root(self) -> bytes:
+        """``H_0``: the SHA-256 of a canonical encoding of the identity."""
+        canonical = json.dumps({"tag": _IDENTITY_TAG, **asdict(self)}, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).digest()
+
+
+def token_array(tokens: Any, field: str = "tokens") -> np.ndarray:
+    """Validate token ids and return them as a little-endian uint32 array (no copy when already one).
+
+    Accepts a sequence of ints, a 1-D integer numpy array or a 1-D integer torch tensor.  Raises
+    ``ValueError`` naming ``field`` for non-integers, negative ids, ids above 2**32-1 or a wrong shape.
+    """
+    if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor, without importing torch
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"{field} must hold integer token ids, got dtype {arr.dtype}")
+    else:
+        items = list(tokens)
+        for i, t in enumerate(items):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise ValueError(f"{field}[{i}] must be an int token id, got {type(t).__name__} {t!r}")
+        arr = np.asarray(items, dtype=np.int64) if items else np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"{field} must be 1-D, got shape {tuple(arr.shape)}")
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0:
+            raise ValueError(f"{field} must be non-negative token ids, found {lo} at index {int(arr.argmin())}")
+        if hi > _MAX_TOKEN_ID:
+            raise ValueError(f"{field} holds id {hi} above the largest supported token id {_MAX_TOKEN_ID}")
+    return arr.astype("<u4", copy=False)
+
+
+def next_key(previous: bytes, chunk_tokens: np.ndarray) -> bytes:
+    """One link of the chain: ``SHA-256(previous || chunk tokens as little-endian uint32)``."""
+    h = hashlib.sha256(previous)
+    h.update(np.ascontiguousarray(chunk_tokens, dtype="<u4").tobytes())
+    return h.digest()
+
+
+def chunk_keys(identity: CacheIdentity, tokens: Any) -> list[bytes]:
+    """The keys of every *full* chunk of ``tokens``; a trailing partial chunk gets no key."""
+    arr = token_array(tokens)
+    c = identity.chunk_size
+    keys: list[bytes] = []
+    key = identity.root()
+    for start in range(0, len(arr) - c + 1, c):
+        key = next_key(key, arr[start : start + c])
+        keys.append(key)
+    return keys
