@@ -1,0 +1,1 @@
+"""Everything etcd: embedded server, client, node registry, placements, watch-synced cache."""

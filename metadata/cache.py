@@ -9,7 +9,7 @@ etcd answers: entries deleted meanwhile (a node's lease expired, etcd restarted 
 
 import logging
 import threading
-import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,17 +40,12 @@ class MetadataCache:
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
-    def start(self, timeout_s: float | None = None) -> "MetadataCache":
-        """Start syncing; return once the first snapshot is in (or raise ``MetadataUnavailable``)."""
+    def start(self) -> "MetadataCache":
+        """Take the first snapshot here (``MetadataUnavailable`` if etcd cannot be reached), then keep
+        in sync from a background thread."""
+        self._reset(*self.etcd.snapshot(self.namespace.root))
         self._thread = threading.Thread(target=self._run, name="kvpool-metadata-cache", daemon=True)
         self._thread.start()
-        timeout = self.etcd.config.retry_deadline_s * 2 if timeout_s is None else timeout_s
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._synced, timeout=timeout):
-                self.close()
-                raise MetadataUnavailable(
-                    f"metadata cache: no snapshot from etcd at {self.etcd.endpoints} in {timeout:.0f} s"
-                )
         return self
 
     def close(self) -> None:
@@ -71,10 +66,10 @@ class MetadataCache:
         delay = 0.05
         while not self._stop.is_set():
             try:
-                revision, kvs = self.etcd.snapshot(self.namespace.root)
-                self._reset(revision, kvs)
-                delay = 0.05
-                self._watch = self.etcd.watch(self.namespace.root, revision + 1)
+                if not self._synced:
+                    self._reset(*self.etcd.snapshot(self.namespace.root))
+                    delay = 0.05
+                self._watch = self.etcd.watch(self.namespace.root, self._revision + 1)
                 if self._stop.is_set():
                     self._watch.cancel()
                 for resp in self._watch:
@@ -89,6 +84,8 @@ class MetadataCache:
                 delay = min(delay * 2, 1.0)
             except Exception:
                 log.exception("metadata cache sync step failed; retrying")
+                with self._cond:
+                    self._synced = False
                 self._stop.wait(delay)
 
     # -- applying snapshots and events --------------------------------------------------------------
@@ -111,11 +108,9 @@ class MetadataCache:
                     self._delete(ev.kv.key)
                 else:
                     self._put(self._chunks, self._nodes, ev.kv.key, ev.kv.value)
-            if resp.events:
-                self._revision = max(self._revision, max(ev.kv.mod_revision for ev in resp.events))
-            elif not resp.created:  # a progress notification: everything up to the header revision is here
-                self._revision = max(self._revision, resp.header.revision)
-            self._cond.notify_all()
+            if resp.events:  # events arrive in revision order: everything up to the last one is applied
+                self._revision = max(self._revision, resp.events[-1].kv.mod_revision)
+                self._cond.notify_all()
 
     def _put(
         self, chunks: dict[bytes, dict[str, Placement]], nodes: dict[str, NodeRecord], key: bytes, value: bytes
@@ -160,20 +155,18 @@ class MetadataCache:
     def sync(self, timeout_s: float = 5.0) -> int:
         """Wait until every write made to etcd before this call is visible here; return that revision.
 
-        This is the read-your-writes barrier: after a publish, ``cache.sync()`` then a lookup sees it.
+        The read-your-writes barrier: after a publish, ``cache.sync()`` then a lookup sees it.  It writes
+        the cluster's sync marker and waits for the watch to deliver that write; events arrive in
+        revision order, so everything before it has been applied.  (etcd's progress notifications
+        cannot serve here: before 3.5.8 they may overtake events still queued for the watcher.)
         """
-        target = self.etcd.revision()
-        deadline = time.monotonic() + timeout_s
+        target = self.etcd.put(self.namespace.sync_marker, uuid.uuid4().bytes)
         with self._cond:
-            while not (self._synced and self._revision >= target):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise MetadataUnavailable(
-                        f"metadata cache did not reach revision {target} in {timeout_s} s (at {self._revision})"
-                    )
-                if self._watch is not None and self._synced:
-                    self._watch.request_progress()
-                self._cond.wait(timeout=min(0.1, remaining))
+            if not self._cond.wait_for(lambda: self._synced and self._revision >= target, timeout=timeout_s):
+                raise MetadataUnavailable(
+                    f"metadata cache did not reach revision {target} in {timeout_s} s (at {self._revision}); "
+                    "its watch on etcd is broken or slow"
+                )
         return target
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:

@@ -122,22 +122,32 @@ class EtcdClient:
         return self.snapshot(prefix)[1]
 
     def snapshot(self, prefix: bytes, page_size: int | None = None) -> tuple[int, list[KeyValue]]:
-        """Every key under ``prefix`` at one revision, read in pages of ``page_size`` keys.
+        """Every key under ``prefix`` at one revision, read in pages.
 
-        One ``get_prefix`` of many keys fails once the answer passes the client's 4 MiB receive limit;
-        paging at a fixed revision gives the same consistent view without that limit.
+        One ``get_prefix`` of many keys fails once the answer passes the client's 4 MiB receive limit.
+        Pages of ``page_size`` keys, all read at the first page's revision, give the same consistent
+        view; a page that is still too large (big values) is halved until it fits.
         """
         limit = page_size or self.config.page_size
         end = prefix_end(prefix)
         start, revision = prefix, 0
         out: list[KeyValue] = []
+
+        def page() -> Any:
+            try:
+                return self._client.get_range_response(
+                    start, end, sort_order="ascend", limit=limit, revision=revision or None
+                )
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and limit > 1:
+                    return None  # too many bytes for one answer: halve the page
+                raise
+
         while True:
-            resp = self.call(
-                "range",
-                lambda s=start, r=revision: self._client.get_range_response(  # type: ignore[misc]
-                    s, end, sort_order="ascend", limit=limit, revision=r or None
-                ),
-            )
+            resp = self.call("range", page)
+            if resp is None:
+                limit //= 2
+                continue
             if not revision:
                 revision = resp.header.revision
             out.extend(KeyValue(kv) for kv in resp.kvs)
@@ -181,8 +191,8 @@ class EtcdClient:
 
     # -- leases ---------------------------------------------------------------------------------------
 
-    def grant_lease(self, ttl_s: int) -> int:
-        lease = self.call("lease grant", lambda: self._client.lease(ttl_s))
+    def grant_lease(self, ttl_s: int, deadline_s: float | None = None) -> int:
+        lease = self.call("lease grant", lambda: self._client.lease(ttl_s), deadline_s=deadline_s)
         return int(lease.id)
 
     def refresh_lease(self, lease_id: int, deadline_s: float | None = None) -> int:
@@ -192,8 +202,8 @@ class EtcdClient:
         )
         return int(responses[-1].TTL) if responses else 0
 
-    def revoke_lease(self, lease_id: int) -> None:
-        self.call("lease revoke", lambda: self._client.revoke_lease(lease_id))
+    def revoke_lease(self, lease_id: int, deadline_s: float | None = None) -> None:
+        self.call("lease revoke", lambda: self._client.revoke_lease(lease_id), deadline_s=deadline_s)
 
     # -- watch ----------------------------------------------------------------------------------------
 
@@ -228,10 +238,6 @@ class WatchStream:
         self._call = etcdrpc.WatchStub(channel).Watch(iter(self._requests.get, None), metadata=metadata)
         self._lock = threading.Lock()
         self._cancelled = False
-
-    def request_progress(self) -> None:
-        """Ask etcd for a (possibly empty) answer carrying the current revision."""
-        self._requests.put(etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest()))
 
     def cancel(self) -> None:
         with self._lock:

@@ -8,6 +8,7 @@ soon as etcd answers and calls ``on_new_lease(lease_id)`` so that the owner can 
 again.  The decision logic is :meth:`LeaseKeeper.tick`, callable without the thread.
 """
 
+import contextlib
 import enum
 import logging
 import threading
@@ -77,8 +78,13 @@ class LeaseKeeper:
         return self.state
 
     def _replace(self) -> None:
+        # Revoke the old lease first: etcd restores leases when it restarts, and keys still bound to the
+        # old one would block re-publishing and then vanish when it expires.
+        # It may have expired already (etcd refuses: not found) or etcd may still be down (seen below).
+        with contextlib.suppress(MetadataUnavailable):
+            self.etcd.revoke_lease(self.lease_id, deadline_s=self.interval_s)
         try:
-            lease_id = self.etcd.grant_lease(self.ttl_s)
+            lease_id = self.etcd.grant_lease(self.ttl_s, deadline_s=self.interval_s)
         except MetadataUnavailable as exc:
             log.info("%s: etcd still unreachable, cannot grant a new lease yet (%s)", self.name, exc)
             return

@@ -2,6 +2,7 @@
 
 ``/kvpool/<cluster>/nodes/<node>``            → NodeRecord, bound to the node's lease
 ``/kvpool/<cluster>/chunks/<key hex>/<node>`` → Placement of one replica, bound to the holder's lease
+``/kvpool/<cluster>/sync``                     → a barrier marker (see ``MetadataCache.sync``)
 """
 
 from dataclasses import dataclass
@@ -29,6 +30,11 @@ class Namespace:
     @property
     def chunks(self) -> bytes:
         return self.root + b"chunks/"
+
+    @property
+    def sync_marker(self) -> bytes:
+        """Written by ``MetadataCache.sync`` as a barrier; holds nothing else."""
+        return self.root + b"sync"
 
     def node(self, node_id: str) -> bytes:
         return self.nodes + validate_name("node_id", node_id).encode()

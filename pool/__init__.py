@@ -1,0 +1,1 @@
+"""The pool: chunk keys today; segments, the ``PoolNode`` actor and the client next (issue 3)."""

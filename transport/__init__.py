@@ -1,0 +1,1 @@
+"""The transfer engine: a ``Transport`` interface with a NIXL/UCX implementation (see issue 8)."""

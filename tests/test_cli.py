@@ -1,0 +1,52 @@
+"""The command line, run as a user runs it: the installed ``kvpool`` script in a subprocess."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kvpool.metadata.client import EtcdClient
+from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig
+from kvpool.metadata.namespace import Namespace
+from kvpool.metadata.records import NodeRecord, SegmentInfo, Tier
+from kvpool.metadata.registry import NodeRegistry
+
+KVPOOL = str(Path(sys.executable).with_name("kvpool"))
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if k != ENDPOINTS_ENV} | {"COLUMNS": "160"} | (env or {})
+    return subprocess.run([KVPOOL, *args], capture_output=True, text=True, timeout=120, env=full)
+
+
+def test_up_on_the_embedded_default() -> None:
+    """The README's main command: embedded etcd, this node registered, status printed, all torn down."""
+    out = run("up", "--node-id", "readme-node")
+    assert out.returncode == 0, out.stderr
+    assert "embedded etcd up on 127.0.0.1:" in out.stdout
+    assert "readme-node" in out.stdout and "chunks: 0" in out.stdout
+
+
+def test_status_of_a_running_pool(metadata_config: MetadataConfig, etcd: EtcdClient, namespace: Namespace) -> None:
+    record = NodeRecord("n7", "127.0.0.3", 1, segments=(SegmentInfo("dram0", Tier.DRAM, 2 << 30, 1 << 30),))
+    reg = NodeRegistry(etcd, namespace, 5).register(record)
+    try:
+        out = run("status", "--cluster", metadata_config.cluster, env={ENDPOINTS_ENV: metadata_config.endpoints[0]})
+        assert out.returncode == 0, out.stderr
+        assert "n7" in out.stdout and "1.00 GiB / 2.00 GiB" in out.stdout
+    finally:
+        reg.close()
+
+
+def test_errors_are_one_line_with_a_nonzero_exit() -> None:
+    out = run("status", "--etcd", "127.0.0.1:9")
+    assert out.returncode == 1
+    assert "MetadataUnavailable" in out.stderr and "Traceback" not in out.stderr
+    bad = run("status", "--etcd", "not-an-endpoint")
+    assert bad.returncode == 1 and "ConfigError" in bad.stderr and "host:port" in bad.stderr
+
+
+def test_every_command_explains_itself() -> None:
+    for args in (["--help"], ["up", "--help"], ["status", "--help"]):
+        out = run(*args)
+        assert out.returncode == 0 and "Usage" in out.stdout
