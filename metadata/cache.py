@@ -10,7 +10,7 @@ etcd answers: entries deleted meanwhile (a node's lease expired, etcd restarted 
 import logging
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.errors import MalformedRecord, MetadataUnavailable
@@ -168,6 +168,11 @@ class MetadataCache:
                     "its watch on etcd is broken or slow"
                 )
         return target
+
+    def wait_until(self, predicate: Callable[["MetadataCache"], bool], timeout_s: float) -> bool:
+        """Block until ``predicate(self)`` holds, re-checking on every applied change (no polling)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: predicate(self), timeout=timeout_s)
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading chunks of ``keys`` have at least one known replica."""

@@ -20,7 +20,7 @@ from pyetcd import transactions as etcd_txn
 from pyetcd import utils as etcd_utils
 
 from kvpool.errors import MetadataUnavailable
-from kvpool.metadata.config import MetadataConfig, parse_endpoint
+from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig, parse_endpoint
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,7 +73,7 @@ class EtcdClient:
     def __init__(self, config: MetadataConfig) -> None:
         if not config.endpoints:
             raise MetadataUnavailable(
-                "no etcd endpoints configured: start an embedded etcd (kvpool up) or set KVPOOL_ETCD_ENDPOINTS"
+                f"no etcd endpoints configured: start an embedded etcd (kvpool up) or set {ENDPOINTS_ENV}"
             )
         self.config = config
         several = len(config.endpoints) > 1
@@ -105,7 +105,7 @@ class EtcdClient:
                 if time.monotonic() + delay > deadline:
                     raise MetadataUnavailable(
                         f"etcd at {self.endpoints} unreachable for {what} after {attempts} attempts "
-                        f"({_describe(exc)}); check that etcd is running and that KVPOOL_ETCD_ENDPOINTS "
+                        f"({_describe(exc)}); check that etcd is running and that {ENDPOINTS_ENV} "
                         "(or --etcd) points at it"
                     ) from exc
                 time.sleep(delay)

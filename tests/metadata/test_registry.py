@@ -66,8 +66,8 @@ def test_dead_process_vanishes_within_ttl(
         killed = time.monotonic()
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        with cache._cond:  # woken by the watch's delete events, not polled
-            assert cache._cond.wait_for(lambda: not cache._nodes and not cache._chunks, timeout=ttl + 1.0)
+        # woken by the watch's delete events, not polled
+        assert cache.wait_until(lambda c: not c.nodes() and not c.chunk_count(), timeout_s=ttl + 1.0)
         gone_after = time.monotonic() - killed
         assert NodeRegistry(etcd, namespace, ttl).nodes() == []
         assert etcd.get_prefix(namespace.chunks) == []
