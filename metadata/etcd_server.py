@@ -70,23 +70,27 @@ class EmbeddedEtcd:
         host: str = "127.0.0.1",
         data_dir: str | os.PathLike[str] | None = None,
         *,
+        client_port: int | None = None,
+        peer_port: int | None = None,
+        advertise_host: str | None = None,
         fast: bool = True,
         binary: str | None = None,
     ) -> None:
         self.host = host
+        self.advertise_host = advertise_host or host
         self._own_dir = data_dir is None
         self.base_dir = Path(tempfile.mkdtemp(prefix="kvpool-etcd-")) if data_dir is None else Path(data_dir)
         self.fast = fast
         self.binary = binary or etcd_binary()
-        self.client_port = free_port(host)
-        self.peer_port = free_port(host)
+        self.client_port = client_port or free_port(host)
+        self.peer_port = peer_port or free_port(host)
         self._proc: subprocess.Popen[bytes] | None = None
         # weakref.finalize also runs at interpreter exit: etcd never outlives the process that started it.
         self._finalizer = weakref.finalize(self, _terminate, None, None)
 
     @property
     def endpoint(self) -> str:
-        return f"{self.host}:{self.client_port}"
+        return f"{self.advertise_host}:{self.client_port}"
 
     @property
     def data_dir(self) -> Path:
@@ -102,17 +106,17 @@ class EmbeddedEtcd:
     def start(self, timeout_s: float = 30.0) -> "EmbeddedEtcd":
         if self.running():
             return self
-        client_url = f"http://{self.host}:{self.client_port}"
-        peer_url = f"http://{self.host}:{self.peer_port}"
+        listen, advertise = (f"http://{h}:{self.client_port}" for h in (self.host, self.advertise_host))
+        peer_listen, peer_advertise = (f"http://{h}:{self.peer_port}" for h in (self.host, self.advertise_host))
         args = [
             self.binary,
             "--name", "kvpool",
             "--data-dir", str(self.data_dir),
-            "--listen-client-urls", client_url,
-            "--advertise-client-urls", client_url,
-            "--listen-peer-urls", peer_url,
-            "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"kvpool={peer_url}",
+            "--listen-client-urls", listen,
+            "--advertise-client-urls", advertise,
+            "--listen-peer-urls", peer_listen,
+            "--initial-advertise-peer-urls", peer_advertise,
+            "--initial-cluster", f"kvpool={peer_advertise}",
             "--log-level", "warn",
             *(FAST_FLAGS if self.fast else ()),
         ]  # fmt: skip
@@ -130,7 +134,7 @@ class EmbeddedEtcd:
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        url = f"http://{self.host}:{self.client_port}/health"
+        url = f"http://{self.endpoint}/health"
         last = "no answer yet"
         while time.monotonic() < deadline:
             if self._proc is None or self._proc.poll() is not None:

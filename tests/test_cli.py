@@ -50,3 +50,35 @@ def test_every_command_explains_itself() -> None:
     for args in (["--help"], ["up", "--help"], ["status", "--help"]):
         out = run(*args)
         assert out.returncode == 0 and "Usage" in out.stdout
+
+
+def test_etcd_command_serves_until_terminated(tmp_path: Path) -> None:
+    """``kvpool etcd`` (the head node's metadata server in cluster.yaml) serves, and SIGTERM stops etcd too."""
+    from kvpool.metadata.etcd_server import free_port
+
+    port, peer = free_port("127.0.0.2"), free_port("127.0.0.2")
+    proc = subprocess.Popen(
+        [KVPOOL, "etcd", "--data-dir", str(tmp_path), "--host", "127.0.0.2", "--port", str(port), "--peer-port", str(peer)],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and "etcd serving on 127.0.0.2" in proc.stdout.readline()
+        client = EtcdClient(MetadataConfig(endpoints=(f"127.0.0.2:{port}",)))
+        assert client.put(b"/k", b"v") > 1
+        client.close()
+        marker = f"http://127.0.0.2:{port}".encode()  # only the etcd binary's arguments hold the URL
+        etcd_pids = [p.parent.name for p in Path("/proc").glob("[0-9]*/cmdline") if marker in _reads(p)]
+        assert len(etcd_pids) == 1
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+        assert not Path(f"/proc/{etcd_pids[0]}").exists()
+        assert (tmp_path / "data" / "member").is_dir()  # the data stays for the next start
+    finally:
+        proc.kill()
+
+
+def _reads(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:  # the process ended meanwhile
+        return b""
