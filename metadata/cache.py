@@ -91,6 +91,7 @@ class MetadataCache:
     # -- applying snapshots and events --------------------------------------------------------------
 
     def _reset(self, revision: int, kvs: list[KeyValue]) -> None:
+        self.malformed = 0  # recounted from the snapshot
         chunks: dict[bytes, dict[str, Placement]] = {}
         nodes: dict[str, NodeRecord] = {}
         for kv in kvs:
