@@ -33,5 +33,6 @@ class PoolFull(KvPoolError):
     """The pool cannot hold the data, even after eviction."""
 
 
-class CorruptChunk(KvPoolError):
-    """Stored bytes do not match their checksum; the replica has been dropped."""
+class CorruptChunk(ChunkNotFound):
+    """Stored bytes did not match their checksum and no intact replica was left; the corrupt replicas have
+    been dropped.  A ``ChunkNotFound``: callers treat it as a miss and recompute."""

@@ -1,0 +1,179 @@
+"""Offset allocation inside one storage segment: pure bookkeeping, no I/O.
+
+The segment is ``[0, capacity)`` where ``capacity`` is the requested size rounded down to ``alignment``.
+Every byte of it is in exactly one extent, either a live allocation or a free extent.  Free extents are
+kept sorted by offset and always coalesced (no two are adjacent), so a request fails only when no single
+free extent is large enough.  All offsets and sizes are multiples of ``alignment``.
+"""
+
+from bisect import bisect_left
+from dataclasses import dataclass
+from itertools import pairwise
+
+from kvpool.errors import PoolFull
+
+
+@dataclass(frozen=True)
+class AllocatorStats:
+    """A snapshot of an :class:`OffsetAllocator`; ``used + free == capacity``."""
+
+    capacity: int
+    used: int
+    free: int
+    largest_free: int
+    free_extents: int
+    allocations: int
+    fragmentation: float  #: ``1 - largest_free / free``; 0.0 when nothing is free
+
+
+class OffsetAllocator:
+    """First-fit allocator over the free extents of one segment.
+
+    ``allocate`` is O(free extents); ``free`` finds its neighbours by bisection in O(log n) and then
+    edits a Python list (a memmove, linear but small).
+    """
+
+    def __init__(self, capacity: int, alignment: int = 4096) -> None:
+        if not _is_int(alignment) or alignment < 1 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two >= 1, got {alignment!r}")
+        if not _is_int(capacity) or capacity <= 0:
+            raise ValueError(f"capacity must be an int > 0, got {capacity!r}")
+        if capacity < alignment:
+            raise ValueError(f"capacity must be at least one alignment unit ({alignment} B), got {capacity}")
+        self._alignment = alignment
+        self._capacity = capacity - capacity % alignment
+        #: offsets of free extents, ascending; ``_free_size`` holds their sizes
+        self._free_starts: list[int] = [0]
+        self._free_size: dict[int, int] = {0: self._capacity}
+        self._live: dict[int, int] = {}  #: offset -> rounded size of each live allocation
+        self._used = 0
+
+    @property
+    def capacity(self) -> int:
+        """Usable bytes: the requested capacity rounded down to ``alignment``."""
+        return self._capacity
+
+    @property
+    def alignment(self) -> int:
+        return self._alignment
+
+    @property
+    def used(self) -> int:
+        """Bytes in live allocations, each counted at its rounded size."""
+        return self._used
+
+    @property
+    def free_bytes(self) -> int:
+        return self._capacity - self._used
+
+    @property
+    def largest_free(self) -> int:
+        """Size of the largest free extent (0 when the segment is full)."""
+        return max(self._free_size.values(), default=0)
+
+    @property
+    def allocations(self) -> int:
+        return len(self._live)
+
+    def allocate(self, size: int) -> int:
+        """Reserve ``size`` bytes (rounded up to ``alignment``) and return their offset.
+
+        Takes the front of the lowest-offset free extent that fits.  Raises ``PoolFull`` when none fits,
+        leaving the allocator unchanged.
+        """
+        rounded = self._round(size)
+        for i, start in enumerate(self._free_starts):
+            extent = self._free_size[start]
+            if extent < rounded:
+                continue
+            del self._free_size[start]
+            if extent == rounded:
+                del self._free_starts[i]
+            else:  # the remainder keeps its place in the sorted list
+                self._free_starts[i] = start + rounded
+                self._free_size[start + rounded] = extent - rounded
+            self._live[start] = rounded
+            self._used += rounded
+            return start
+        stats = self.stats()
+        aligned = f" ({_human(rounded)} aligned)" if rounded != size else ""
+        raise PoolFull(
+            f"cannot allocate {_human(size)}{aligned}: largest free extent is {_human(stats.largest_free)} "
+            f"of {_human(stats.capacity)} capacity (fragmentation {stats.fragmentation:.2f}); "
+            "free or evict allocations, or use a larger segment"
+        )
+
+    def can_allocate(self, size: int) -> bool:
+        """Whether ``allocate(size)`` would succeed now."""
+        return self._round(size) <= self.largest_free
+
+    def size_of(self, offset: int) -> int:
+        """The rounded size of the live allocation at ``offset``."""
+        if offset not in self._live:
+            raise ValueError(f"offset {offset!r} is not a live allocation")
+        return self._live[offset]
+
+    def free(self, offset: int) -> None:
+        """Release the live allocation at ``offset`` and merge it with free neighbours on both sides."""
+        if offset not in self._live:
+            raise ValueError(f"offset {offset!r} is not a live allocation (never allocated, or already freed)")
+        size = self._live.pop(offset)
+        self._used -= size
+        i = bisect_left(self._free_starts, offset)
+        if i < len(self._free_starts) and self._free_starts[i] == offset + size:  # merge right
+            size += self._free_size.pop(self._free_starts.pop(i))
+        if i > 0:
+            left = self._free_starts[i - 1]
+            if left + self._free_size[left] == offset:  # merge left
+                self._free_size[left] += size
+                return
+        self._free_starts.insert(i, offset)
+        self._free_size[offset] = size
+
+    def stats(self) -> AllocatorStats:
+        free, largest = self.free_bytes, self.largest_free
+        return AllocatorStats(
+            capacity=self._capacity,
+            used=self._used,
+            free=free,
+            largest_free=largest,
+            free_extents=len(self._free_starts),
+            allocations=len(self._live),
+            fragmentation=1.0 - largest / free if free else 0.0,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the bookkeeping is inconsistent (for tests; O(n log n))."""
+        a = self._alignment
+        _require(self._free_starts == sorted(self._free_size), "free list is not sorted or out of sync")
+        extents = sorted(
+            [(o, s, "free") for o, s in self._free_size.items()] + [(o, s, "live") for o, s in self._live.items()]
+        )
+        for (o1, s1, k1), (o2, _, k2) in pairwise(extents):
+            _require(o1 + s1 <= o2, f"{k1} extent at {o1}+{s1} overlaps {k2} extent at {o2}")
+            _require(not (k1 == k2 == "free" and o1 + s1 == o2), f"free extents at {o1} and {o2} not coalesced")
+        for o, s, kind in extents:
+            _require(s > 0 and o % a == 0 and s % a == 0, f"{kind} extent {o}+{s} is empty or not aligned to {a}")
+            _require(o >= 0 and o + s <= self._capacity, f"{kind} extent {o}+{s} is outside the segment")
+        _require(self._used == sum(self._live.values()), "used does not match live allocations")
+        _require(self._used + sum(self._free_size.values()) == self._capacity, "used + free != capacity")
+
+    def _round(self, size: int) -> int:
+        if not _is_int(size) or size <= 0:
+            raise ValueError(f"size must be an int > 0, got {size!r}")
+        return -(-size // self._alignment) * self._alignment
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)
+
+
+def _human(n: int) -> str:
+    """``n`` bytes as a short string: ``512 B``, ``4.0 KiB``, ``5.0 MiB`` (up to TiB)."""
+    exp = min((n.bit_length() - 1) // 10, 4) if n > 0 else 0
+    return f"{n} B" if exp == 0 else f"{n / 1024**exp:.1f} {'BKMGT'[exp]}iB"

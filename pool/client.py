@@ -1,0 +1,279 @@
+"""``PoolClient``: put and get KV chunks anywhere in the pool.
+
+Works from a Ray driver, task or actor (``ray.init`` done).  Lookups (``exists``, ``lookup_prefix``, the
+replicas of a chunk) are answered by a local watch-synced copy of etcd, without a round trip.  Data:
+
+- **same node**: the client maps its node's DRAM segment; a put reserves room (one actor call), writes
+  straight into the shared memory and commits (one call); a get pins the chunk (one call), copies it
+  out of the mapping into the caller's buffer, verifies the checksum and unpins.
+- **another node**: *fallback until the transfer engine (NIXL) lands*: the bytes travel as Ray call
+  arguments/results (``put_batch`` / ``read_batch`` on the holder).  Everything that path touches is in
+  :meth:`PoolClient._remote_put` and :meth:`PoolClient._remote_read`.
+
+Every read is checked against the checksum stored in its placement: a mismatch drops that replica
+(everywhere) and tries the next; if none is intact the caller gets :class:`CorruptChunk`, a kind of
+:class:`ChunkNotFound` — a miss, never wrong bytes.
+"""
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import crc32c
+import ray
+
+from kvpool.errors import ChunkNotFound, ConfigError, CorruptChunk, KvPoolError, PoolFull
+from kvpool.metadata.cache import MetadataCache
+from kvpool.metadata.client import EtcdClient
+from kvpool.metadata.namespace import KEY_BYTES, Namespace
+from kvpool.metadata.records import Placement
+from kvpool.pool.buffers import byte_view
+from kvpool.pool.config import PoolConfig
+from kvpool.pool.node import NodeInfo, actor_name
+from kvpool.pool.segment import DramSegment
+from kvpool.pool.store import Reservation, StoredChunk, short
+
+log = logging.getLogger(__name__)
+
+
+def checksum(view: memoryview) -> int:
+    return int(crc32c.crc32c(view))
+
+
+def _get(ref: Any, timeout: float | None = 60) -> Any:
+    """``ray.get`` that re-raises a pool node's own kvpool error as itself, and a dead or unreachable
+    node as ``ChunkNotFound`` (for a read: a miss; the caller moves on to the next replica)."""
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, KvPoolError):
+            raise exc.cause from None
+        raise
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+        raise ChunkNotFound(f"pool node unreachable: {type(exc).__name__}") from exc
+
+
+def _check_key(key: bytes) -> bytes:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise ValueError(f"a chunk key is {KEY_BYTES} bytes (kvpool.pool.keys.chunk_keys), got {key!r:.60}")
+    return key
+
+
+class PoolClient:
+    def __init__(self, config: PoolConfig) -> None:
+        if not ray.is_initialized():
+            raise ConfigError("PoolClient needs Ray: call ray.init(address=...) first")
+        self.config = config
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.etcd = EtcdClient(config.metadata)
+        self.cache = MetadataCache(self.etcd, Namespace(config.metadata.cluster)).start()
+        self._actors: dict[str, Any] = {}
+        self._segment: DramSegment | None = None
+        self._local: Any = None
+        try:
+            self._local = self._actor(self.node_id)
+            info: NodeInfo = _get(self._local.info.remote())
+            self._segment = DramSegment.attach(info.dram_path, info.dram_capacity)
+        except ChunkNotFound:
+            log.info("no pool node on this Ray node (%s): every transfer goes remote", self.node_id[:12])
+
+    def close(self) -> None:
+        self.cache.close()
+        self.etcd.close()
+        if self._segment is not None:
+            self._segment.close()
+
+    def __enter__(self) -> "PoolClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _actor(self, node_id: str) -> Any:
+        if node_id not in self._actors:
+            try:
+                self._actors[node_id] = ray.get_actor(actor_name(node_id), namespace=self.config.namespace)
+            except ValueError:
+                raise ChunkNotFound(f"no pool node actor for node {node_id[:12]} (it died or was stopped)") from None
+        return self._actors[node_id]
+
+    # -- put -------------------------------------------------------------------------------------------
+
+    def put(self, key: bytes, data: Any, replicas: int = 1) -> None:
+        self.put_batch([(key, data)], replicas=replicas)
+
+    def put_batch(self, items: Sequence[tuple[bytes, Any]], replicas: int = 1) -> None:
+        """Store each ``(key, data)`` on ``replicas`` distinct nodes (this node first when it has a pool
+        node).  Keys name content: a key already held is not written again."""
+        views = [(_check_key(k), byte_view(d)) for k, d in items]
+        if not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
+        targets = self._targets(replicas)
+        sums = [checksum(v) for _, v in views]
+        revision = 0
+        for node_id in targets:
+            if node_id == self.node_id and self._segment is not None:
+                revision = max(revision, self._local_put(views, sums, replicated=replicas > 1))
+            else:
+                revision = max(revision, self._remote_put(node_id, views, sums, replicated=replicas > 1))
+        self.cache.wait_until(lambda c: c.revision >= revision, timeout_s=self.config.metadata.retry_deadline_s)
+
+    def _targets(self, replicas: int) -> list[str]:
+        nodes = self.cache.nodes()
+        if len(nodes) < replicas:
+            raise PoolFull(f"replicas={replicas} needs {replicas} pool nodes; {len(nodes)} are alive")
+        free = {n.node_id: sum(s.capacity - s.used for s in n.segments) for n in nodes}
+        ordered = sorted(free, key=lambda nid: (nid != self.node_id or self._segment is None, -free[nid]))
+        return ordered[:replicas]
+
+    def _local_put(self, views: list[tuple[bytes, memoryview]], sums: list[int], replicated: bool) -> int:
+        """Reserve, write into the shared segment, commit; in rounds of at most a quarter of the segment,
+        since space reserved but not yet committed cannot be evicted to make room."""
+        assert self._segment is not None
+        revision, start, budget = 0, 0, max(1, self._segment.capacity // 4)
+        while start < len(views):
+            end, total = start, 0
+            while end < len(views) and (end == start or total + views[end][1].nbytes <= budget):
+                total += views[end][1].nbytes
+                end += 1
+            revision = max(revision, self._local_put_round(views[start:end], sums[start:end], replicated))
+            start = end
+        return revision
+
+    def _local_put_round(self, views: list[tuple[bytes, memoryview]], sums: list[int], replicated: bool) -> int:
+        assert self._segment is not None
+        reservations: list[Reservation] = _get(self._local.reserve_batch.remote([(k, v.nbytes) for k, v in views]))
+        fresh = [(r, v, s) for r, (_, v), s in zip(reservations, views, sums, strict=True) if not r.already_stored]
+        try:
+            for r, view, _ in fresh:
+                self._segment.write(r.offset, view)
+        except BaseException:
+            _get(self._local.abort_batch.remote([r.key for r, _, _ in fresh]))
+            raise
+        return int(_get(self._local.commit_batch.remote([(r.key, s) for r, _, s in fresh], replicated)))
+
+    def _remote_put(
+        self, node_id: str, views: list[tuple[bytes, memoryview]], sums: list[int], replicated: bool
+    ) -> int:
+        """Fallback until the transfer engine: the bytes go as a Ray call argument."""
+        items = [(k, bytes(v), s) for (k, v), s in zip(views, sums, strict=True)]
+        return int(_get(self._actor(node_id).put_batch.remote(items, replicated)))
+
+    # -- get -------------------------------------------------------------------------------------------
+
+    def get(self, key: bytes) -> bytes:
+        return self.get_batch([key])[0]
+
+    def get_batch(self, keys: Sequence[bytes]) -> list[bytes]:
+        out: list[bytes] = []
+        for key in keys:
+            replica = self._replicas(key)[0]
+            buf = bytearray(replica.length)
+            self.get_into(key, buf)
+            out.append(bytes(buf))
+        return out
+
+    def get_into(self, key: bytes, buffer: Any) -> int:
+        """Copy the chunk into ``buffer`` (exactly its size); returns the number of bytes."""
+        dest = byte_view(buffer, writable=True, field="buffer")
+        corrupt: list[Placement] = []
+        for replica in self._replicas(key):
+            if replica.length != dest.nbytes:
+                raise ValueError(
+                    f"buffer holds {dest.nbytes} bytes, chunk {short(key)} is {replica.length}: pass a buffer of its size"
+                )
+            try:
+                got = self._read_into(replica, dest)
+            except ChunkNotFound:
+                continue  # the placement was stale: that node no longer holds it
+            if got == replica.checksum:
+                return dest.nbytes
+            log.warning("chunk %s on %s fails its checksum; dropping that replica", short(key), replica.node[:12])
+            corrupt.append(replica)
+            self._drop_corrupt(replica)
+        if corrupt:
+            raise CorruptChunk(f"every replica of chunk {short(key)} was corrupt and has been dropped; recompute it")
+        raise ChunkNotFound(f"chunk {short(key)}: no replica could be read; recompute it")
+
+    def get_into_batch(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[int]:
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        return [self.get_into(k, b) for k, b in zip(keys, buffers, strict=True)]
+
+    def _replicas(self, key: bytes) -> list[Placement]:
+        """Nearest first: this node, then DRAM before NVMe before remote."""
+        replicas = self.cache.replicas(_check_key(key))
+        if not replicas:
+            raise ChunkNotFound(f"chunk {short(key)} is not in the pool; recompute it")
+        return sorted(replicas, key=lambda p: (p.node != self.node_id, p.tier.rank))
+
+    def _read_into(self, replica: Placement, dest: memoryview) -> int:
+        """Copy one replica into ``dest``; returns the checksum of what arrived."""
+        if replica.node == self.node_id and self._segment is not None:
+            [chunk] = _get(self._local.locate_batch.remote([replica.key]))
+            if chunk is None:
+                raise ChunkNotFound(f"chunk {short(replica.key)} left this node")
+            try:
+                return self._copy_local(chunk, dest)
+            finally:
+                self._local.release_batch.remote([replica.key])
+        [data] = self._remote_read(replica.node, [replica.key])
+        if data is None or len(data) != dest.nbytes:
+            raise ChunkNotFound(f"chunk {short(replica.key)} left node {replica.node[:12]}")
+        dest[:] = data
+        return checksum(dest)
+
+    def _copy_local(self, chunk: StoredChunk, dest: memoryview) -> int:
+        assert self._segment is not None
+        if chunk.tier.value != "dram":  # not promoted (promote_on_hit off, or DRAM full): read via the node
+            [data] = _get(self._local.read_batch.remote([chunk.key]))
+            if data is None:
+                raise ChunkNotFound(f"chunk {short(chunk.key)} left this node")
+            dest[:] = data
+        else:
+            self._segment.read_into(chunk.offset, dest)
+        return checksum(dest)
+
+    def _remote_read(self, node_id: str, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Fallback until the transfer engine: the bytes come back as a Ray call result."""
+        return list(_get(self._actor(node_id).read_batch.remote(list(keys))))
+
+    def _drop_corrupt(self, replica: Placement) -> None:
+        try:
+            revision = _get(self._actor(replica.node).remove_batch.remote([replica.key], True))
+            self.cache.wait_until(lambda c: c.revision >= revision, timeout_s=self.config.metadata.retry_deadline_s)
+        except ChunkNotFound:
+            pass
+
+    # -- lookups, removal, stats ----------------------------------------------------------------------
+
+    def exists(self, key: bytes) -> bool:
+        return bool(self.cache.replicas(_check_key(key)))
+
+    def exists_batch(self, keys: Sequence[bytes]) -> list[bool]:
+        return [self.exists(k) for k in keys]
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading chunks of a hash chain the pool holds (no etcd round trip)."""
+        return self.cache.lookup_prefix([_check_key(k) for k in keys])
+
+    def remove(self, key: bytes) -> bool:
+        """Remove every replica; False if the pool did not hold the chunk."""
+        replicas = self.cache.replicas(_check_key(key))
+        revision = 0
+        for p in replicas:
+            try:
+                revision = max(revision, int(_get(self._actor(p.node).remove_batch.remote([key]))))
+            except ChunkNotFound:
+                continue
+        self.cache.wait_until(lambda c: c.revision >= revision, timeout_s=self.config.metadata.retry_deadline_s)
+        return bool(replicas)
+
+    def stats(self) -> dict[str, Any]:
+        nodes = {}
+        for n in self.cache.nodes():
+            try:
+                nodes[n.node_id] = _get(self._actor(n.node_id).stats.remote(), timeout=10)
+            except Exception as exc:  # a node dying right now: report, don't fail the whole view
+                nodes[n.node_id] = {"error": f"{type(exc).__name__}: {exc}"}
+        return {"nodes": nodes, "chunks": self.cache.chunk_count(), "replicas": self.cache.replica_count()}

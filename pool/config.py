@@ -1,0 +1,76 @@
+"""The pool's one validated config object."""
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+
+from kvpool.errors import ConfigError
+from kvpool.metadata.config import MetadataConfig
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Watermarks:
+    """DRAM above ``high`` (a fraction of capacity) migrates LRU chunks to NVMe until ``low``."""
+
+    high: float = 0.8
+    low: float = 0.6
+
+    def __post_init__(self) -> None:
+        if not (
+            isinstance(self.high, (int, float)) and isinstance(self.low, (int, float)) and 0 < self.low < self.high <= 1
+        ):
+            raise ConfigError(f"watermarks must satisfy 0 < low < high <= 1, got low={self.low!r} high={self.high!r}")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """What one node contributes to the pool, and how it behaves.
+
+    ``dram_bytes`` / ``nvme_bytes`` of 0 mean "the default": a quarter of the free space in ``shm_dir`` and
+    a tenth of the free space in ``nvme_dir``, capped at 4 GiB and 16 GiB.  ``nvme_dir`` empty means a
+    fresh temporary directory.  ``nvme_bytes < 0`` disables the NVMe tier.
+    """
+
+    metadata: MetadataConfig = field(default_factory=MetadataConfig)
+    dram_bytes: int = 0
+    nvme_bytes: int = 0
+    shm_dir: str = "/dev/shm"
+    nvme_dir: str = ""
+    watermarks: Watermarks = field(default_factory=Watermarks)
+    promote_on_hit: bool = True  #: a hit on an NVMe chunk copies it back to DRAM
+    alignment: int = 4096
+    namespace: str = "kvpool"  #: the Ray namespace of the PoolNode actors
+
+    def __post_init__(self) -> None:
+        for name in ("dram_bytes", "nvme_bytes", "alignment"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{name} must be an int number of bytes, got {value!r}")
+        if self.dram_bytes < 0:
+            raise ConfigError(f"dram_bytes must be >= 0 (0: default), got {self.dram_bytes}")
+        if self.alignment < 1 or self.alignment & (self.alignment - 1):
+            raise ConfigError(f"alignment must be a power of two, got {self.alignment}")
+        if not os.path.isdir(self.shm_dir):
+            raise ConfigError(f"shm_dir {self.shm_dir!r} is not a directory (the DRAM segment's file lives there)")
+        if self.nvme_dir and not os.path.isdir(self.nvme_dir):
+            raise ConfigError(
+                f"nvme_dir {self.nvme_dir!r} is not a directory; create it or leave it empty for a temp dir"
+            )
+
+    def resolved_dram_bytes(self) -> int:
+        if self.dram_bytes:
+            return self.dram_bytes
+        return min(shutil.disk_usage(self.shm_dir).free // 4, 4 * GiB) // MiB * MiB
+
+    def resolved_nvme_dir(self, tag: str) -> str:
+        """``nvme_dir``, or a fresh temporary directory named ``kvpool-nvme-<tag>-...``."""
+        return self.nvme_dir or tempfile.mkdtemp(prefix=f"kvpool-nvme-{tag}-")
+
+    def resolved_nvme_bytes(self, directory: str) -> int:
+        if self.nvme_bytes:
+            return max(self.nvme_bytes, 0)
+        return min(shutil.disk_usage(directory).free // 10, 16 * GiB) // MiB * MiB

@@ -1,0 +1,270 @@
+"""The ``PoolNode`` Ray actor: one per node, contributing its DRAM and NVMe segments to the pool.
+
+A thin shell around :class:`ChunkStore`: it creates the segments, joins the node registry on a lease,
+and publishes every change of the store as placement records in etcd (bound to its lease, so they vanish
+with the node).  It is named ``kvpool-node-<ray node id>`` in the pool's Ray namespace, detached, and
+pinned to its node with ``NodeAffinitySchedulingStrategy``.
+"""
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from kvpool.errors import ChunkNotFound
+from kvpool.metadata.client import EtcdClient
+from kvpool.metadata.namespace import Namespace
+from kvpool.metadata.placement import PlacementStore
+from kvpool.metadata.records import NodeRecord, Placement, SegmentInfo
+from kvpool.metadata.registry import NodeRegistry
+from kvpool.pool.config import PoolConfig
+from kvpool.pool.segment import DramSegment, NvmeSegment
+from kvpool.pool.store import SEGMENT_NAMES, ChangeKind, ChunkStore, Reservation, StoredChunk
+
+log = logging.getLogger(__name__)
+RECORD_REFRESH_S = 1.0  #: the node record's usage figures lag by at most this
+
+
+_SEGMENT_FILE = re.compile(r"^kvpool-(?:nvme-)?[0-9a-f]{16}-(\d+)(?:\.seg|\.nvme|-\w+)$")
+
+
+def reap_stale_segments(*directories: str) -> None:
+    """Remove segment files and NVMe temp dirs left by pool nodes that were killed (``ray.kill`` and
+    crashes run no cleanup).  Their names carry the owner's pid; a live pid is left alone."""
+    for directory in directories:
+        for entry in os.scandir(directory):
+            m = _SEGMENT_FILE.match(entry.name)
+            if m is None or _alive(int(m[1])):
+                continue
+            log.info("removing %s, left by dead pool node process %s", entry.path, m[1])
+            if entry.is_dir():
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def actor_name(node_id: str) -> str:
+    return f"kvpool-node-{node_id}"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    dram_path: str  #: the shared-memory file a same-node client maps
+    dram_capacity: int
+    nvme_capacity: int
+    nvme_direct: bool  #: O_DIRECT in use on the NVMe segment
+
+
+class PoolNode:
+    """Plain class; :func:`start_pool` wraps it as a Ray actor.  Calls run one at a time."""
+
+    def __init__(self, config: PoolConfig, node_id: str) -> None:
+        self.config = config
+        self.node_id = node_id
+        tag = f"{node_id[:16]}-{os.getpid()}"  # the pid lets a later node reap what a killed one left
+        reap_stale_segments(config.shm_dir, config.nvme_dir or tempfile.gettempdir())
+        self.dram = DramSegment.create(config.resolved_dram_bytes(), config.shm_dir, name=tag)
+        self._nvme_dir = config.resolved_nvme_dir(tag)
+        self._own_nvme_dir = not config.nvme_dir
+        nvme_bytes = config.resolved_nvme_bytes(self._nvme_dir)
+        self.nvme = NvmeSegment.create(nvme_bytes, self._nvme_dir, name=tag) if nvme_bytes > 0 else None
+        self.store = ChunkStore(
+            self.dram, self.nvme, watermarks=config.watermarks,
+            promote_on_hit=config.promote_on_hit, alignment=config.alignment,
+        )  # fmt: skip
+        self.etcd = EtcdClient(config.metadata)
+        ns = Namespace(config.metadata.cluster)
+        self.placements = PlacementStore(self.etcd, ns)
+        self._record_at = 0.0
+        self.registration = NodeRegistry(self.etcd, ns, config.metadata.lease_ttl_s).register(
+            self._record(), on_new_lease=self._republish
+        )
+        log.info("pool node %s up: DRAM %d B at %s, NVMe %d B", node_id, self.dram.capacity, self.dram.path, nvme_bytes)
+
+    # -- etcd ------------------------------------------------------------------------------------------
+
+    def _record(self) -> NodeRecord:
+        segments = tuple(SegmentInfo(SEGMENT_NAMES[t], t, cap, used) for t, (used, cap) in self.store.usage().items())
+        return NodeRecord(node_id=self.node_id, host=socket.gethostname(), pid=os.getpid(), segments=segments)
+
+    def _placement(self, chunk: StoredChunk) -> Placement:
+        now = time.time()
+        return Placement(
+            key=chunk.key, node=self.node_id, tier=chunk.tier, segment=chunk.segment, offset=chunk.offset,
+            length=chunk.length, checksum=chunk.checksum, created=now, last_access=now,
+        )  # fmt: skip
+
+    def _publish(self) -> int:
+        """Publish what the store changed; returns the etcd revision a reader must reach to see it."""
+        final: dict[bytes, tuple[ChangeKind, StoredChunk]] = {}
+        for change in self.store.take_changes():
+            final[change.chunk.key] = (change.kind, change.chunk)
+        puts = [self._placement(c) for kind, c in final.values() if kind is not ChangeKind.DROPPED]
+        drops = [self._placement(c) for kind, c in final.values() if kind is ChangeKind.DROPPED]
+        lease = self.registration.lease_id
+        if puts:
+            self.placements.publish(puts, lease, if_absent=False)
+        if drops:
+            self.placements.delete(drops)
+        if final and time.monotonic() - self._record_at > RECORD_REFRESH_S:
+            self.registration.update(self._record())
+            self._record_at = time.monotonic()
+        return self.etcd.revision() if final else 0
+
+    def _republish(self, lease_id: int) -> None:
+        """The lease was lost and replaced: every placement on the old one is gone; publish them again."""
+        self.placements.publish([self._placement(c) for c in self.store.chunks()], lease_id, if_absent=False)
+        self.registration.update(self._record())
+
+    # -- the actor's calls -----------------------------------------------------------------------------
+
+    def info(self) -> NodeInfo:
+        return NodeInfo(
+            self.node_id, self.dram.path, self.dram.capacity, self.nvme.capacity if self.nvme else 0,
+            bool(self.nvme and self.nvme.direct),
+        )  # fmt: skip
+
+    def reserve_batch(self, items: Sequence[tuple[bytes, int]]) -> list[Reservation]:
+        """DRAM room for each ``(key, length)``, written next by a same-node client, then committed."""
+        out: list[Reservation] = []
+        try:
+            for key, length in items:
+                out.append(self.store.reserve(key, length))
+        except BaseException:
+            for r in out:
+                if not r.already_stored:
+                    self.store.abort(r.key)
+            raise
+        finally:
+            self._publish()  # migrations made to find room
+        return out
+
+    def commit_batch(self, items: Sequence[tuple[bytes, int]], replicated: bool = False) -> int:
+        for key, checksum in items:
+            self.store.commit(key, checksum, replicated=replicated)
+        return self._publish()
+
+    def abort_batch(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.store.abort(key)
+
+    def put_batch(self, items: Sequence[tuple[bytes, bytes, int]], replicated: bool = False) -> int:
+        """Store bytes sent through Ray: the cross-node path until the transfer engine replaces it."""
+        try:
+            for key, data, checksum in items:
+                self.store.put(key, memoryview(data), checksum, replicated=replicated)
+        finally:
+            revision = self._publish()
+        return revision
+
+    def locate_batch(self, keys: Sequence[bytes]) -> list[StoredChunk | None]:
+        """Pin each held chunk for a same-node reader (None: not held here); release with release_batch."""
+        out: list[StoredChunk | None] = []
+        for key in keys:
+            try:
+                out.append(self.store.locate(key))
+            except ChunkNotFound:
+                out.append(None)
+        self._publish()
+        return out
+
+    def release_batch(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.store.release(key)
+
+    def read_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Copies of the stored bytes, sent through Ray: the cross-node path until the transfer engine."""
+        out: list[bytes | None] = []
+        for key in keys:
+            try:
+                out.append(self.store.read(key))
+                self.store.policy.touch(key)
+            except ChunkNotFound:
+                out.append(None)
+        return out
+
+    def remove_batch(self, keys: Sequence[bytes], corrupt: bool = False) -> int:
+        for key in keys:
+            if key in self.store:
+                self.store.remove(key, corrupt=corrupt)
+        return self._publish()
+
+    def stats(self) -> dict[str, Any]:
+        usage = self.store.usage()
+        return {
+            "node_id": self.node_id,
+            "tiers": {
+                t.value: {"used": used, "capacity": cap, "chunks": self.store.policy.count(t)}
+                for t, (used, cap) in usage.items()
+            },
+            "watermarks": {"high": self.config.watermarks.high, "low": self.config.watermarks.low},
+            "nvme_direct": bool(self.nvme and self.nvme.direct),
+            **self.store.counters,
+        }
+
+    def shutdown(self) -> None:
+        """Leave the pool now: revoke the lease (its placements go with it) and free the segments."""
+        self.registration.close(revoke=True)
+        self.etcd.close()
+        self.dram.close()
+        if self.nvme is not None:
+            self.nvme.close()
+        if self._own_nvme_dir:
+            shutil.rmtree(self._nvme_dir, ignore_errors=True)
+
+
+def start_pool(config: PoolConfig, node_ids: Sequence[str] | None = None) -> dict[str, Any]:
+    """One ``PoolNode`` actor on each alive Ray node (or on ``node_ids``); returns ``node id → handle``.
+
+    Already running actors are reused (``get_if_exists``), so calling it twice is harmless.
+    """
+    ids = list(node_ids) if node_ids is not None else [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    actor_cls = ray.remote(num_cpus=0, max_restarts=0)(PoolNode)
+    handles: dict[str, Any] = {
+        nid: actor_cls.options(
+            name=actor_name(nid),
+            namespace=config.namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
+        ).remote(config, nid)
+        for nid in ids
+    }
+    ray.get([h.info.remote() for h in handles.values()])  # constructed, registered, serving
+    return handles
+
+
+def stop_pool(config: PoolConfig) -> None:
+    """Shut every PoolNode of ``config.namespace`` down and remove the actors."""
+    for n in ray.nodes():
+        try:
+            handle = ray.get_actor(actor_name(n["NodeID"]), namespace=config.namespace)
+        except ValueError:
+            continue
+        try:
+            ray.get(handle.shutdown.remote(), timeout=30)
+        except Exception as exc:  # a dead actor: its lease expires on its own
+            log.warning("pool node %s did not shut down cleanly: %s", n["NodeID"], exc)
+        ray.kill(handle)

@@ -1,0 +1,283 @@
+"""Storage segments: the byte ranges a pool node lends out.  Pure I/O, no allocation logic.
+
+A :class:`DramSegment` is a file on tmpfs (``/dev/shm``) mapped ``MAP_SHARED``, so a client process on the
+same node can :meth:`DramSegment.attach` the same file and read or write chunks without a copy.  A
+:class:`NvmeSegment` is a preallocated file on a local disk, read and written with ``O_DIRECT`` where the
+filesystem allows it.  Both reserve their whole capacity when created, so a segment that does not fit
+fails at once with :class:`~kvpool.errors.PoolFull` instead of a ``SIGBUS`` or ``ENOSPC`` mid-transfer.
+Neither knows who owns which range: the allocator hands out disjoint ranges.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import threading
+import uuid
+from typing import TYPE_CHECKING, Self
+
+from kvpool.errors import ConfigError, PoolFull
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import TracebackType
+
+    from typing_extensions import Buffer
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 4096  #: NVMe offsets and O_DIRECT transfers are multiples of this many bytes.
+CHUNK = 8 << 20  #: Largest single O_DIRECT transfer; the bounce buffer's size.
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _create_file(directory: str, name: str | None, suffix: str, capacity: int, reserve: int) -> tuple[str, int]:
+    """Create ``kvpool-<name>.<suffix>`` (never an existing one) with ``reserve`` bytes allocated on disk.
+
+    Returns ``(path, fd)`` with ``fd`` open read/write.  On any failure the file is removed again.
+    """
+    if capacity <= 0:
+        raise ValueError(f"segment capacity must be > 0 bytes, got {capacity}")
+    path = os.path.join(directory, f"kvpool-{name or uuid.uuid4().hex}.{suffix}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, reserve)
+    except OSError as e:
+        os.close(fd)
+        os.unlink(path)
+        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            st = os.statvfs(directory)
+            raise PoolFull(
+                f"cannot reserve {capacity} bytes for segment {path}: {directory} has only "
+                f"{st.f_bavail * st.f_frsize} bytes free ({os.strerror(e.errno)}); lower the segment capacity"
+            ) from e
+        raise
+    return path, fd
+
+
+def _buffer(data: Buffer, writable: bool = False) -> memoryview:
+    """A flat byte view of any C-contiguous buffer (bytes, bytearray, memoryview, numpy array)."""
+    with memoryview(data) as view:
+        if not view.c_contiguous:
+            raise ValueError("buffer must be C-contiguous")
+        if writable and view.readonly:
+            raise ValueError("destination buffer is read-only")
+        return view.cast("B")
+
+
+class _Segment:
+    """What both tiers share: a file of ``capacity`` usable bytes, unlinked on close only by its ``owner``."""
+
+    def __init__(self, path: str, capacity: int, owner: bool) -> None:
+        self.path = path
+        self.capacity = capacity
+        self.owner = owner
+
+    def _check(self, offset: int, length: int) -> None:
+        if offset < 0 or length < 0 or offset + length > self.capacity:
+            raise ValueError(f"range [{offset}, {offset + length}) is outside segment [0, {self.capacity})")
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+class DramSegment(_Segment):
+    """A shared-memory file mapped read/write.
+
+    Invariants: the mapping covers exactly ``[0, capacity)``; ``base_address`` stays valid until
+    :meth:`close`; only the creator (``owner``) ever unlinks the file.  Views from :meth:`view` alias the
+    mapping and must be released (``view.release()`` or dropped) before :meth:`close`, which otherwise raises
+    ``BufferError`` and leaves the segment open and the file in place, so it can be retried.
+    """
+
+    def __init__(self, path: str, capacity: int, fd: int, owner: bool) -> None:
+        super().__init__(path, capacity, owner)
+        try:
+            self._mm: mmap.mmap | None = mmap.mmap(fd, capacity, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)  # the mapping keeps its own reference to the file
+        anchor = ctypes.c_char.from_buffer(self._mm)
+        self.base_address: int = ctypes.addressof(anchor)
+        del anchor  # drop the export, or mmap.close() would refuse
+
+    @classmethod
+    def create(cls, capacity: int, directory: str = "/dev/shm", name: str | None = None) -> Self:
+        """Create and map a new segment file of ``capacity`` bytes, all reserved now (``PoolFull`` if not)."""
+        path, fd = _create_file(directory, name, "seg", capacity, capacity)
+        try:
+            return cls(path, capacity, fd, owner=True)
+        except BaseException:
+            os.unlink(path)
+            raise
+
+    @classmethod
+    def attach(cls, path: str, capacity: int) -> Self:
+        """Map an existing segment file (a same-node client's view); never unlinks it."""
+        fd = os.open(path, os.O_RDWR)
+        size = os.fstat(fd).st_size
+        if not 0 < capacity <= size:
+            os.close(fd)
+            raise ValueError(f"cannot attach {capacity} bytes of {path}: the file holds {size} bytes")
+        return cls(path, capacity, fd, owner=False)
+
+    def _map(self, offset: int, length: int) -> mmap.mmap:
+        if self._mm is None:
+            raise ValueError(f"segment {self.path} is closed")
+        self._check(offset, length)
+        return self._mm
+
+    def view(self, offset: int, length: int) -> memoryview:
+        """A zero-copy, writable view of ``[offset, offset+length)``; release it before :meth:`close`."""
+        mm = self._map(offset, length)
+        with memoryview(mm) as whole:
+            return whole[offset : offset + length]
+
+    def write(self, offset: int, data: Buffer) -> None:
+        """Copy ``data`` (any C-contiguous buffer) to ``offset``."""
+        with _buffer(data) as src:
+            self._map(offset, src.nbytes)[offset : offset + src.nbytes] = src
+
+    def read_into(self, offset: int, dest: Buffer) -> int:
+        """Fill the writable buffer ``dest`` from ``offset``; returns the number of bytes copied."""
+        with _buffer(dest, writable=True) as dst:
+            with memoryview(self._map(offset, dst.nbytes)) as whole:
+                dst[:] = whole[offset : offset + dst.nbytes]
+            return dst.nbytes
+
+    def close(self) -> None:
+        """Unmap, and unlink the file if this segment created it.  Idempotent.
+
+        Raises ``BufferError`` (and changes nothing) while a view from :meth:`view` is still alive.
+        """
+        if self._mm is None:
+            return
+        try:
+            self._mm.close()
+        except BufferError as e:
+            raise BufferError(f"segment {self.path} still has live views; release them before close()") from e
+        self._mm = None
+        if self.owner:
+            os.unlink(self.path)
+
+
+class NvmeSegment(_Segment):
+    """A preallocated file on a local disk, accessed with ``O_DIRECT`` when :attr:`direct` is true.
+
+    Invariants: offsets are multiples of :data:`ALIGN`; the file holds ``capacity`` rounded up to ``ALIGN``.
+    In direct mode a write of ``n`` bytes at ``offset`` rewrites ``[offset, offset + round_up(n))``, the tail
+    padded with zeros, so the allocator must give every chunk whole ``ALIGN`` blocks.  Direct I/O goes
+    through one page-aligned bounce buffer of :data:`CHUNK` bytes, guarded by a lock, so memory stays
+    bounded and concurrent calls serialise; buffered I/O reads and writes the caller's buffer directly.
+    """
+
+    def __init__(self, path: str, capacity: int, fd: int, direct: bool, owner: bool) -> None:
+        super().__init__(path, capacity, owner)
+        self.direct = direct
+        self._fd: int | None = fd
+        self._bounce = mmap.mmap(-1, CHUNK) if direct else None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def create(cls, capacity: int, directory: str, name: str | None = None, direct: bool | None = None) -> Self:
+        """Create ``kvpool-<name>.nvme`` in ``directory``, reserve its space, and open it.
+
+        ``direct=None`` uses ``O_DIRECT`` if the filesystem allows it, else buffered I/O with one warning;
+        ``direct=True`` raises ``ConfigError`` where it is refused; ``direct=False`` never tries it.
+        """
+        path, fd = _create_file(directory, name, "nvme", capacity, _round_up(capacity))
+        try:
+            use_direct = False
+            if direct is not False:
+                try:
+                    direct_fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    if direct:
+                        raise ConfigError(f"direct=True but {directory} does not support O_DIRECT") from e
+                    logger.warning("%s does not support O_DIRECT; segment %s uses buffered I/O", directory, path)
+                else:
+                    os.close(fd)
+                    fd, use_direct = direct_fd, True
+            return cls(path, capacity, fd, use_direct, owner=True)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+
+    def _fd_for(self, offset: int, length: int) -> int:
+        if self._fd is None:
+            raise ValueError(f"segment {self.path} is closed")
+        if offset % ALIGN:
+            raise ValueError(f"offset {offset} is not a multiple of {ALIGN}")
+        self._check(offset, length)
+        return self._fd
+
+    def write(self, offset: int, data: Buffer) -> None:
+        """Write ``data`` (any C-contiguous buffer) at ``offset``."""
+        with _buffer(data) as src:
+            fd = self._fd_for(offset, src.nbytes)
+            if self._bounce is None:
+                _transfer(os.pwritev, fd, src, offset)
+                return
+            with self._lock, memoryview(self._bounce) as bounce:
+                for pos in range(0, src.nbytes, CHUNK):
+                    n = min(CHUNK, src.nbytes - pos)
+                    padded = _round_up(n)
+                    bounce[:n] = src[pos : pos + n]
+                    bounce[n:padded] = bytes(padded - n)
+                    _transfer(os.pwritev, fd, bounce[:padded], offset + pos)
+
+    def read_into(self, offset: int, dest: Buffer) -> int:
+        """Fill the writable buffer ``dest`` from ``offset``; returns the number of bytes read."""
+        with _buffer(dest, writable=True) as dst:
+            fd = self._fd_for(offset, dst.nbytes)
+            if self._bounce is None:
+                _transfer(os.preadv, fd, dst, offset)
+                return dst.nbytes
+            with self._lock, memoryview(self._bounce) as bounce:
+                for pos in range(0, dst.nbytes, CHUNK):
+                    n = min(CHUNK, dst.nbytes - pos)
+                    _transfer(os.preadv, fd, bounce[: _round_up(n)], offset + pos)
+                    dst[pos : pos + n] = bounce[:n]
+            return dst.nbytes
+
+    def read(self, offset: int, length: int) -> bytearray:
+        """Read ``length`` bytes at ``offset`` into a new ``bytearray``."""
+        out = bytearray(length)
+        self.read_into(offset, out)
+        return out
+
+    def close(self, remove: bool | None = None) -> None:
+        """Close the file; delete it if ``remove`` (default: if this segment created it).  Idempotent."""
+        if self._fd is None:
+            return
+        os.close(self._fd)
+        self._fd = None
+        if self._bounce is not None:
+            self._bounce.close()
+        if self.owner if remove is None else remove:
+            os.unlink(self.path)
+
+
+def _transfer(op: Callable[[int, list[memoryview], int], int], fd: int, buf: memoryview, offset: int) -> None:
+    """Run ``os.preadv``/``os.pwritev`` until all of ``buf`` is moved (they may stop short)."""
+    done = 0
+    while done < buf.nbytes:
+        with buf[done:] as rest:
+            moved = op(fd, [rest], offset + done)
+        if moved == 0:
+            raise OSError(errno.EIO, f"unexpected end of file at byte {offset + done} of fd {fd}")
+        done += moved

@@ -1,0 +1,285 @@
+"""One node's chunks: its DRAM and NVMe segments, their allocators and the eviction policy.
+
+Plain logic and local I/O only: no etcd, no Ray.  Every operation records :class:`Change` entries that
+the caller (the ``PoolNode`` actor) drains with :meth:`ChunkStore.take_changes` and publishes to etcd, so
+the placement records follow the bytes.
+
+Life of a chunk: ``reserve`` (DRAM space, not yet visible) → bytes written (by the store in ``put``, or
+by a same-node client straight into the mapped segment) → ``commit`` (visible) → maybe migrated to NVMe
+when DRAM passes its high watermark, promoted back on a hit → dropped when a full tier needs room or on
+``remove``.  A chunk pinned by a reader is never moved or dropped.
+"""
+
+import enum
+import logging
+from dataclasses import dataclass, replace
+
+from kvpool.clock import SYSTEM_CLOCK, Clock
+from kvpool.errors import ChunkNotFound, PoolFull
+from kvpool.metadata.records import Tier
+from kvpool.pool.allocator import OffsetAllocator
+from kvpool.pool.config import Watermarks
+from kvpool.pool.eviction import EvictionPolicy
+from kvpool.pool.segment import DramSegment, NvmeSegment
+
+log = logging.getLogger(__name__)
+
+SEGMENT_NAMES = {Tier.DRAM: "dram0", Tier.NVME: "nvme0"}
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    key: bytes
+    tier: Tier
+    offset: int
+    length: int
+    checksum: int
+
+    @property
+    def segment(self) -> str:
+        return SEGMENT_NAMES[self.tier]
+
+
+class ChangeKind(enum.Enum):
+    ADDED = "added"
+    MOVED = "moved"
+    DROPPED = "dropped"
+
+
+@dataclass(frozen=True)
+class Change:
+    kind: ChangeKind
+    chunk: StoredChunk
+
+
+@dataclass(frozen=True)
+class Reservation:
+    key: bytes
+    offset: int  #: where to write in the DRAM segment
+    length: int
+    already_stored: bool = False  #: the key is held already (keys name content): nothing to write
+
+
+def short(key: bytes) -> str:
+    return key.hex()[:16]
+
+
+class ChunkStore:
+    def __init__(
+        self,
+        dram: DramSegment,
+        nvme: NvmeSegment | None = None,
+        *,
+        watermarks: Watermarks | None = None,
+        promote_on_hit: bool = True,
+        alignment: int = 4096,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.segments: dict[Tier, DramSegment | NvmeSegment] = {Tier.DRAM: dram}
+        self.allocators = {Tier.DRAM: OffsetAllocator(dram.capacity, alignment)}
+        if nvme is not None and nvme.capacity >= alignment:
+            self.segments[Tier.NVME] = nvme
+            self.allocators[Tier.NVME] = OffsetAllocator(nvme.capacity, alignment)
+        self.watermarks = watermarks or Watermarks()
+        self.promote_on_hit = promote_on_hit
+        self.policy = EvictionPolicy(clock)
+        self._chunks: dict[bytes, StoredChunk] = {}
+        self._reserved: dict[bytes, Reservation] = {}
+        self._changes: list[Change] = []  #: since the last take_changes()
+        self.counters = {"puts": 0, "gets": 0, "migrations": 0, "promotions": 0, "drops": 0, "corrupt": 0}
+
+    # -- writing ---------------------------------------------------------------------------------------
+
+    def reserve(self, key: bytes, length: int) -> Reservation:
+        """Room for ``length`` bytes in DRAM, making room by migration or drops if needed."""
+        if key in self._chunks:
+            return Reservation(key, self._chunks[key].offset, length, already_stored=True)
+        if key in self._reserved:
+            raise ValueError(f"chunk {short(key)} is being written already")
+        if length <= 0:
+            raise ValueError(f"length must be > 0, got {length}")
+        offset = self._allocate(Tier.DRAM, length)
+        r = Reservation(key, offset, length)
+        self._reserved[key] = r
+        return r
+
+    def commit(self, key: bytes, checksum: int, *, replicated: bool = False) -> StoredChunk:
+        """Make a reserved chunk visible (then migrate by watermark)."""
+        r = self._reserved.pop(key, None)
+        if r is None:
+            raise ValueError(f"chunk {short(key)} was not reserved")
+        chunk = StoredChunk(key, Tier.DRAM, r.offset, r.length, checksum)
+        self._chunks[key] = chunk
+        self.policy.add(key, Tier.DRAM, self.allocators[Tier.DRAM].size_of(r.offset), replicated=replicated)
+        self.counters["puts"] += 1
+        self._changes.append(Change(ChangeKind.ADDED, chunk))
+        self.maintain()
+        return self._chunks[key]
+
+    def abort(self, key: bytes) -> None:
+        r = self._reserved.pop(key, None)
+        if r is not None:
+            self.allocators[Tier.DRAM].free(r.offset)
+
+    def put(self, key: bytes, data: memoryview, checksum: int, *, replicated: bool = False) -> StoredChunk:
+        r = self.reserve(key, data.nbytes)
+        if r.already_stored:
+            return self._chunks[key]
+        try:
+            self.dram.write(r.offset, data)
+        except BaseException:
+            self.abort(key)
+            raise
+        return self.commit(key, checksum, replicated=replicated)
+
+    def take_changes(self) -> list[Change]:
+        """Every change since the last call, in order."""
+        out, self._changes = self._changes, []
+        return out
+
+    # -- reading ---------------------------------------------------------------------------------------
+
+    def locate(self, key: bytes) -> StoredChunk:
+        """Pin a chunk for a reader (release it with :meth:`release`); a hit on NVMe is promoted to
+        DRAM first when ``promote_on_hit``."""
+        chunk = self._require(key)
+        if chunk.tier is Tier.NVME and self.promote_on_hit:
+            try:
+                chunk = self._move(chunk, Tier.DRAM)
+                self.counters["promotions"] += 1
+            except PoolFull as exc:
+                log.info("not promoting %s to DRAM: %s", short(key), exc)
+        self.policy.pin(key)
+        self.policy.touch(key)
+        self.counters["gets"] += 1
+        return chunk
+
+    def release(self, key: bytes) -> None:
+        if key in self.policy:
+            self.policy.unpin(key)
+
+    def read(self, key: bytes) -> bytes:
+        """A copy of the chunk's stored bytes (the cross-node fallback path and the tests)."""
+        chunk = self._require(key)
+        seg = self.segments[chunk.tier]
+        if isinstance(seg, DramSegment):
+            return bytes(seg.view(chunk.offset, chunk.length))
+        return bytes(seg.read(chunk.offset, chunk.length))
+
+    def _require(self, key: bytes) -> StoredChunk:
+        try:
+            return self._chunks[key]
+        except KeyError:
+            raise ChunkNotFound(f"chunk {short(key)} is not held by this node") from None
+
+    # -- removing --------------------------------------------------------------------------------------
+
+    def remove(self, key: bytes, *, corrupt: bool = False) -> None:
+        chunk = self._require(key)
+        if self.policy.state(key).pins and not corrupt:
+            raise ValueError(f"chunk {short(key)} is being read; remove it after the read")
+        self._drop(chunk)
+        if corrupt:
+            self.counters["corrupt"] += 1
+
+    def _drop(self, chunk: StoredChunk) -> None:
+        self.allocators[chunk.tier].free(chunk.offset)
+        self.policy.remove(chunk.key)
+        del self._chunks[chunk.key]
+        self._changes.append(Change(ChangeKind.DROPPED, chunk))
+
+    # -- room: allocation with eviction, migration by watermark ---------------------------------------
+
+    @property
+    def dram(self) -> DramSegment:
+        seg = self.segments[Tier.DRAM]
+        assert isinstance(seg, DramSegment)
+        return seg
+
+    def _allocate(self, tier: Tier, length: int) -> int:
+        alloc = self.allocators[tier]
+        if length > alloc.capacity:
+            raise PoolFull(
+                f"a chunk of {length / 2**20:.1f} MiB is larger than this node's {tier.value} segment "
+                f"({alloc.capacity / 2**20:.1f} MiB); use smaller chunks or a larger segment"
+            )
+        while not alloc.can_allocate(length):
+            victim = self._next_victim(tier)
+            if victim is None:
+                pinned = sum(1 for k in self._chunks if self.policy.state(k).pins)
+                raise PoolFull(
+                    f"{tier.value} segment full: {alloc.used / 2**20:.1f} of {alloc.capacity / 2**20:.1f} MiB used, "
+                    f"no room for {length / 2**20:.1f} MiB and nothing left to evict ({pinned} chunks pinned by readers)"
+                )
+            self._evict(victim, tier)
+        return alloc.allocate(length)
+
+    def _next_victim(self, tier: Tier) -> StoredChunk | None:
+        order = (
+            self.policy.lru(tier) if tier is Tier.DRAM and Tier.NVME in self.segments else self.policy.drop_order(tier)
+        )
+        key = next(order, None)
+        return self._chunks[key] if key is not None else None
+
+    def _evict(self, chunk: StoredChunk, tier: Tier) -> None:
+        """Make room in ``tier``: DRAM chunks go down to NVMe when there is one; otherwise they are dropped."""
+        if tier is Tier.DRAM and Tier.NVME in self.segments:
+            try:
+                self._move(chunk, Tier.NVME)
+                self.counters["migrations"] += 1
+                return
+            except PoolFull as exc:
+                log.info("NVMe cannot take %s (%s); dropping it from DRAM", short(chunk.key), exc)
+        self._drop(chunk)
+        self.counters["drops"] += 1
+
+    def _move(self, chunk: StoredChunk, tier: Tier) -> StoredChunk:
+        self.policy.pin(chunk.key)  # not a victim of the room we make for it
+        try:
+            offset = self._allocate(tier, chunk.length)
+        finally:
+            self.policy.unpin(chunk.key)
+        src, dst = self.segments[chunk.tier], self.segments[tier]
+        data = (
+            src.view(chunk.offset, chunk.length)
+            if isinstance(src, DramSegment)
+            else src.read(chunk.offset, chunk.length)
+        )
+        try:
+            dst.write(offset, data)
+        finally:
+            if isinstance(data, memoryview):
+                data.release()
+        self.allocators[chunk.tier].free(chunk.offset)
+        moved = replace(chunk, tier=tier, offset=offset)
+        self._chunks[chunk.key] = moved
+        self.policy.move(chunk.key, tier)
+        self._changes.append(Change(ChangeKind.MOVED, moved))
+        return moved
+
+    def maintain(self) -> None:
+        """DRAM above its high watermark: migrate LRU chunks to NVMe until the low watermark."""
+        alloc = self.allocators[Tier.DRAM]
+        if Tier.NVME not in self.segments or alloc.used <= self.watermarks.high * alloc.capacity:
+            return
+        for key in list(self.policy.lru(Tier.DRAM)):
+            if alloc.used <= self.watermarks.low * alloc.capacity:
+                break
+            try:
+                self._move(self._chunks[key], Tier.NVME)
+            except PoolFull as exc:
+                log.warning("DRAM above its high watermark but NVMe cannot take more: %s", exc)
+                break
+            self.counters["migrations"] += 1
+
+    # -- state -----------------------------------------------------------------------------------------
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._chunks
+
+    def chunks(self) -> list[StoredChunk]:
+        return list(self._chunks.values())
+
+    def usage(self) -> dict[Tier, tuple[int, int]]:
+        """``tier → (used, capacity)`` in bytes."""
+        return {t: (a.used, a.capacity) for t, a in self.allocators.items()}

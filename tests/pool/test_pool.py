@@ -1,0 +1,158 @@
+"""The pool on a real multi-node Ray cluster and a real etcd: PoolNode actors, PoolClient, faults."""
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from kvpool.errors import ChunkNotFound, CorruptChunk, PoolFull
+from kvpool.metadata.config import MetadataConfig
+from kvpool.metadata.records import Tier
+from kvpool.pool.client import PoolClient
+from kvpool.pool.config import MiB, PoolConfig, Watermarks
+from kvpool.pool.keys import CacheIdentity, chunk_keys
+from kvpool.pool.node import actor_name, start_pool, stop_pool
+
+IDENT = CacheIdentity(model="test", kv_dtype="uint8", layout="bytes", chunk_size=4)
+
+
+def blob(i: int, n: int = 256 * 1024) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture
+def pool(ray_cluster: list[str], metadata_config: MetadataConfig) -> Iterator[PoolConfig]:
+    config = PoolConfig(
+        metadata=metadata_config, dram_bytes=4 * MiB, nvme_bytes=8 * MiB,
+        watermarks=Watermarks(high=0.8, low=0.5), namespace=f"kvpool-{uuid.uuid4().hex[:8]}",
+    )  # fmt: skip
+    start_pool(config)
+    yield config
+    stop_pool(config)
+
+
+@pytest.fixture
+def client(pool: PoolConfig) -> Iterator[PoolClient]:
+    with PoolClient(pool) as c:
+        yield c
+
+
+@ray.remote(num_cpus=0)
+class RemoteClient:
+    """A PoolClient living on another Ray node: the cross-node side of the tests."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        self.client = PoolClient(config)
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.client, method)(*args)
+
+    def node_id(self) -> str:
+        return self.client.node_id
+
+
+def remote_client(config: PoolConfig, node_id: str) -> Any:
+    strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    return RemoteClient.options(scheduling_strategy=strategy).remote(config)
+
+
+def test_one_pool_node_per_ray_node(client: PoolClient, ray_cluster: list[str]) -> None:
+    nodes = client.cache.nodes()
+    assert sorted(n.node_id for n in nodes) == sorted(ray_cluster)
+    for n in nodes:
+        assert n.capacity(Tier.DRAM) == 4 * MiB and n.capacity(Tier.NVME) == 8 * MiB
+
+
+def test_put_and_get_on_the_same_node(client: PoolClient) -> None:
+    keys = chunk_keys(IDENT, range(40))
+    client.put(keys[0], blob(0))
+    assert client.get(keys[0]) == blob(0)
+    [p] = client.cache.replicas(keys[0])
+    assert p.node == client.node_id and p.tier is Tier.DRAM
+    # numpy arrays and CPU tensors go in without a copy; get_into fills a caller's buffer
+    arr = np.frombuffer(blob(1), dtype=np.float16).copy()
+    client.put(keys[1], arr)
+    out = np.empty_like(arr)
+    assert client.get_into(keys[1], out) == arr.nbytes and out.tobytes() == arr.tobytes()  # NaNs compare unequal
+    t = torch.arange(1024, dtype=torch.bfloat16)
+    client.put(keys[2], t)
+    back = torch.empty_like(t)
+    client.get_into(keys[2], back)
+    assert torch.equal(back, t)
+    assert client.exists_batch(keys[:4]) == [True, True, True, False]
+    assert client.lookup_prefix(keys) == 3
+
+
+def test_put_on_one_node_get_on_another(pool: PoolConfig, client: PoolClient, ray_cluster: list[str]) -> None:
+    keys = chunk_keys(IDENT, range(20))
+    other = remote_client(pool, ray_cluster[1])
+    ray.get(other.call.remote("put_batch", [(k, blob(i)) for i, k in enumerate(keys[:3])]))
+    assert {p.node for k in keys[:3] for p in client.cache.replicas(k)} == {ray_cluster[1]}
+    assert client.get_batch(keys[:3]) == [blob(i) for i in range(3)]
+    client.put(keys[3], blob(3))
+    assert ray.get(other.call.remote("get", keys[3])) == blob(3)
+
+
+def test_replicas_live_on_distinct_nodes_and_survive_a_node(
+    pool: PoolConfig, client: PoolClient, ray_cluster: list[str]
+) -> None:
+    keys = chunk_keys(IDENT, range(12))
+    client.put_batch([(k, blob(i)) for i, k in enumerate(keys)], replicas=2)
+    holders = {p.node for p in client.cache.replicas(keys[0])}
+    assert len(holders) == 2 and client.node_id in holders
+    victim = next(iter(holders - {client.node_id}))
+    ray.kill(ray.get_actor(actor_name(victim), namespace=pool.namespace))  # no cleanup hook runs
+    ttl = pool.metadata.lease_ttl_s
+    assert client.cache.wait_until(lambda c: victim not in {n.node_id for n in c.nodes()}, timeout_s=ttl + 2)
+    assert all(victim not in {p.node for p in client.cache.replicas(k)} for k in keys)
+    assert client.get_batch(keys) == [blob(i) for i in range(3)]  # from the surviving replica
+    assert len(client.cache.nodes()) == 2
+    with pytest.raises(PoolFull, match="replicas=3"):
+        client.put(chunk_keys(IDENT, range(16))[3], blob(9), replicas=3)
+
+
+def test_eviction_to_nvme_keeps_data_intact(client: PoolClient) -> None:
+    keys = chunk_keys(IDENT, range(4 * 30))
+    client.put_batch([(k, blob(i)) for i, k in enumerate(keys[:24])])  # 6 MiB into 4 MiB of DRAM + 8 of NVMe
+    tiers = [p.tier for k in keys[:24] for p in client.cache.replicas(k)]
+    assert Tier.NVME in tiers and Tier.DRAM in tiers
+    stats = client.stats()["nodes"][client.node_id]
+    assert stats["migrations"] > 0
+    assert client.get_batch(keys[:24]) == [blob(i) for i in range(24)]
+    assert stats["tiers"]["dram"]["used"] <= 0.8 * 4 * MiB
+
+
+def test_corrupt_bytes_are_a_miss_never_wrong_data(client: PoolClient) -> None:
+    key = chunk_keys(IDENT, range(4))[0]
+    client.put(key, blob(5))
+    [p] = client.cache.replicas(key)
+    assert client._segment is not None
+    client._segment.write(p.offset, b"\xff" * 16)  # flip bytes behind the pool's back
+    with pytest.raises(CorruptChunk):
+        client.get(key)
+    assert not client.exists(key)  # the corrupt replica was dropped
+    with pytest.raises(ChunkNotFound):
+        client.get(key)
+
+
+def test_bad_input(client: PoolClient) -> None:
+    key = chunk_keys(IDENT, range(4))[0]
+    with pytest.raises(ChunkNotFound):
+        client.get(key)
+    with pytest.raises(ValueError, match="32 bytes"):
+        client.put(b"short", b"x")
+    with pytest.raises(PoolFull, match="larger than"):
+        client.put(key, bytes(5 * MiB))
+    assert not client.exists(key)  # nothing half-written
+    client.put(key, blob(1))
+    with pytest.raises(ValueError, match="buffer holds"):
+        client.get_into(key, bytearray(10))
+    with pytest.raises(ValueError, match="non-contiguous"):
+        client.put(key, np.zeros((4, 4))[:, 1])
+    assert client.remove(key) and not client.exists(key)
+    assert not client.remove(key)

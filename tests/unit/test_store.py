@@ -1,0 +1,160 @@
+"""ChunkStore: allocation with eviction, watermark migration, pins, promotion — real segments, no Ray/etcd."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpool.clock import ManualClock
+from kvpool.errors import ChunkNotFound, PoolFull
+from kvpool.metadata.records import Tier
+from kvpool.pool.config import Watermarks
+from kvpool.pool.segment import DramSegment, NvmeSegment
+from kvpool.pool.store import ChangeKind, ChunkStore
+
+BLOCK = 64 * 1024
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def data(i: int, n: int = BLOCK) -> memoryview:
+    return memoryview(np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes())
+
+
+@pytest.fixture
+def segments(tmp_path: Path) -> Iterator[tuple[DramSegment, NvmeSegment]]:
+    dram = DramSegment.create(10 * BLOCK, "/dev/shm")
+    nvme = NvmeSegment.create(20 * BLOCK, str(tmp_path))
+    yield dram, nvme
+    dram.close()
+    nvme.close()
+
+
+def make(segments: tuple[DramSegment, NvmeSegment], clock: ManualClock, **kw: object) -> ChunkStore:
+    dram, nvme = segments
+    return ChunkStore(dram, nvme, watermarks=Watermarks(high=0.8, low=0.5), clock=clock, **kw)  # type: ignore[arg-type]
+
+
+def put_n(store: ChunkStore, clock: ManualClock, ids: range) -> None:
+    for i in ids:
+        store.put(key(i), data(i), checksum=i)
+        clock.advance(1)
+
+
+def test_put_read_and_changes(segments: tuple[DramSegment, NvmeSegment]) -> None:
+    clock = ManualClock()
+    store = make(segments, clock)
+    chunk = store.put(key(1), data(1), checksum=11)
+    assert chunk.tier is Tier.DRAM and chunk.checksum == 11
+    assert store.read(key(1)) == data(1).tobytes()
+    assert [c.kind for c in store.take_changes()] == [ChangeKind.ADDED]
+    assert store.take_changes() == []
+    assert store.put(key(1), data(1), checksum=11) == chunk  # keys name content: no second copy
+    assert store.usage()[Tier.DRAM][0] == BLOCK
+
+
+def test_dram_above_high_watermark_migrates_lru_to_nvme(segments: tuple[DramSegment, NvmeSegment]) -> None:
+    clock = ManualClock()
+    store = make(segments, clock)
+    put_n(store, clock, range(8))  # 8 of 10 blocks: at the high watermark, not above
+    assert store.counters["migrations"] == 0
+    store.locate(key(0))  # chunk 0 becomes the most recently used
+    store.release(key(0))
+    store.take_changes()
+    put_n(store, clock, range(8, 9))  # 9/10 > 0.8: migrate LRU until <= 0.5
+    moved = [c.chunk.key for c in store.take_changes() if c.kind is ChangeKind.MOVED]
+    assert moved == [key(1), key(2), key(3), key(4)]
+    assert store.usage()[Tier.DRAM][0] == 5 * BLOCK
+    for i in range(9):  # every byte intact, wherever it lives
+        assert store.read(key(i)) == data(i).tobytes()
+    assert {c.key for c in store.chunks() if c.tier is Tier.NVME} == set(moved)
+
+
+def test_pinned_chunks_are_never_moved(segments: tuple[DramSegment, NvmeSegment]) -> None:
+    clock = ManualClock()
+    store = make(segments, clock)
+    put_n(store, clock, range(8))
+    for i in range(4):
+        store.locate(key(i))  # readers in flight on the four LRU chunks
+    put_n(store, clock, range(8, 9))
+    assert all(store.locate(key(i)).tier is Tier.DRAM for i in range(4))
+    assert {c.key for c in store.chunks() if c.tier is Tier.NVME} == {key(4), key(5), key(6), key(7)}
+
+
+def test_hit_on_nvme_is_promoted(segments: tuple[DramSegment, NvmeSegment]) -> None:
+    clock = ManualClock()
+    store = make(segments, clock)
+    put_n(store, clock, range(9))
+    assert store.locate(key(1)).tier is Tier.DRAM  # was on NVMe
+    store.release(key(1))
+    assert store.counters["promotions"] == 1
+    assert store.read(key(1)) == data(1).tobytes()
+
+
+def test_no_promotion_when_disabled(segments: tuple[DramSegment, NvmeSegment]) -> None:
+    clock = ManualClock()
+    store = make(segments, clock, promote_on_hit=False)
+    put_n(store, clock, range(9))
+    assert store.locate(key(1)).tier is Tier.NVME
+
+
+def test_full_pool_with_everything_pinned_is_pool_full(segments: tuple[DramSegment, NvmeSegment]) -> None:
+    dram, _ = segments
+    clock = ManualClock()
+    store = ChunkStore(dram, None, clock=clock)  # no NVMe: a full DRAM drops LRU chunks
+    put_n(store, clock, range(10))
+    put_n(store, clock, range(10, 11))
+    assert key(0) not in store and key(10) in store
+    assert store.counters["drops"] == 1
+    for i in range(1, 11):
+        store.locate(key(i))
+    with pytest.raises(PoolFull, match="pinned"):
+        store.put(key(99), data(99), checksum=0)
+    assert key(99) not in store  # nothing half-written
+
+
+def test_too_large_for_any_segment(segments: tuple[DramSegment, NvmeSegment]) -> None:
+    store = make(segments, ManualClock())
+    with pytest.raises(PoolFull, match=r"larger than this node's dram segment"):
+        store.put(key(1), data(1, 11 * BLOCK), checksum=0)
+
+
+def test_nvme_full_drops_replicated_chunks_first(tmp_path: Path) -> None:
+    clock = ManualClock()
+    with DramSegment.create(4 * BLOCK) as dram, NvmeSegment.create(4 * BLOCK, str(tmp_path)) as nvme:
+        store = ChunkStore(dram, nvme, watermarks=Watermarks(high=0.5, low=0.25), clock=clock)
+        for i in range(8):
+            store.put(key(i), data(i), checksum=i, replicated=i in (1, 3))
+            clock.advance(1)
+        dropped = [c.chunk.key for c in store.take_changes() if c.kind is ChangeKind.DROPPED]
+        assert dropped[:2] == [key(1), key(3)]  # copies elsewhere go first, then LRU
+        assert key(7) in store
+
+
+def test_unknown_key_and_remove(segments: tuple[DramSegment, NvmeSegment]) -> None:
+    store = make(segments, ManualClock())
+    with pytest.raises(ChunkNotFound):
+        store.locate(key(5))
+    store.put(key(5), data(5), checksum=5)
+    store.locate(key(5))
+    with pytest.raises(ValueError, match="being read"):
+        store.remove(key(5))
+    store.release(key(5))
+    store.remove(key(5))
+    assert key(5) not in store and store.usage()[Tier.DRAM][0] == 0
+
+
+def test_reserve_then_commit_and_abort(segments: tuple[DramSegment, NvmeSegment]) -> None:
+    dram, _ = segments
+    store = make(segments, ManualClock())
+    r = store.reserve(key(3), BLOCK)
+    dram.write(r.offset, data(3))  # as a same-node client writes into the mapped segment
+    assert key(3) not in store  # not visible before commit
+    store.commit(key(3), checksum=3)
+    assert store.read(key(3)) == data(3).tobytes()
+    r2 = store.reserve(key(4), BLOCK)
+    store.abort(key(4))
+    assert store.usage()[Tier.DRAM][0] == BLOCK and r2.offset >= 0
