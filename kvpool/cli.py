@@ -6,12 +6,11 @@ shows the traceback.
 """
 
 import logging
-import os
 import signal
-import socket
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -23,8 +22,10 @@ from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig
 from kvpool.metadata.etcd_server import EmbeddedEtcd
 from kvpool.metadata.namespace import Namespace
-from kvpool.metadata.records import NodeRecord, Tier
-from kvpool.metadata.registry import NodeRegistry
+from kvpool.metadata.records import Tier
+
+if TYPE_CHECKING:
+    from kvpool.pool.config import PoolConfig
 
 app = typer.Typer(
     help="kvpool: a distributed memory pool that keeps LLM KV caches alive outside GPU memory.",
@@ -69,23 +70,24 @@ def _config(etcd: str | None, cluster: str) -> MetadataConfig:
     return MetadataConfig(endpoints=endpoints, cluster=cluster)
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def render_status(cache: MetadataCache, etcd: EtcdClient, cluster: str) -> None:
+    """Nodes with each tier's bytes held (from the placements) against its capacity (from the node record)."""
     nodes = cache.nodes()
     table = Table(title=f"kvpool cluster '{cluster}' — etcd {etcd.endpoints}, revision {cache.revision}")
-    for col in ("node", "host", "pid", "DRAM used / capacity", "NVMe used / capacity", "replicas", "up for"):
+    for col in ("node", "host", "pid", "DRAM held / capacity", "NVMe held / capacity", "replicas", "up for"):
         table.add_column(col, justify="right" if col not in ("node", "host") else "left")
     now = time.time()
     for n in nodes:
         tiers = [
-            f"{_gib(n.used(t))} / {_gib(n.capacity(t))}" if n.capacity(t) else "no segment"
+            f"{_size(cache.bytes_held(n.node_id, t))} / {_size(n.capacity(t))}" if n.capacity(t) else "no segment"
             for t in (Tier.DRAM, Tier.NVME)
         ]
         up = f"{now - n.started:.0f} s" if n.started else "?"
-        table.add_row(n.node_id, n.host, str(n.pid), *tiers, str(cache.replica_count(n.node_id)), up)
+        table.add_row(n.node_id[:12], n.host, str(n.pid), *tiers, str(cache.replica_count(n.node_id)), up)
     if not nodes:
         table.add_row("(no live nodes)", "", "", "", "", "", "")
     console.print(table)
@@ -114,45 +116,92 @@ def status(etcd: str | None = EtcdOption, cluster: str = ClusterOption) -> None:
 def up(
     etcd: str | None = EtcdOption,
     cluster: str = ClusterOption,
-    node_id: str = typer.Option(socket.gethostname().split(".")[0], "--node-id", help="This node's id in the pool."),
-    hold: bool = typer.Option(False, "--hold", help="Keep the pool up until Ctrl-C (default: print status, leave)."),
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", help="Attach to this Ray cluster. Default: start a local one on loopback."
+    ),
+    nodes: int = typer.Option(2, "--nodes", min=1, max=8, help="Ray nodes of the local cluster (127.0.0.2 and up)."),
+    dram_mib: int = typer.Option(256, "--dram-mib", min=1, help="DRAM segment per node, MiB."),
+    nvme_mib: int = typer.Option(1024, "--nvme-mib", min=0, help="NVMe segment per node, MiB (0: no NVMe tier)."),
+    nvme_dir: str = typer.Option("", "--nvme-dir", help="Where NVMe segment files go. Default: a temp dir per node."),
+    hold: bool = typer.Option(
+        False, "--hold", help="Keep the pool up until Ctrl-C (default: check it, print status, leave)."
+    ),
 ) -> None:
-    """Bring a local pool up and print its status.
+    """Bring a pool up, check it with a put and a get, and print its status.
 
-    Without --etcd this starts an embedded etcd on a free loopback port in a temporary directory (the
-    local default) and stops it on exit.  This node joins the registry on a lease kept alive in the
-    background: if the process dies, the node and everything it published vanish within the lease TTL.
+    The embedded default needs nothing running: an etcd on a free loopback port, a local Ray cluster of
+    --nodes nodes on 127.0.0.2 and up, and one PoolNode actor per node with a DRAM segment (shared
+    memory) and an NVMe segment (a file in a temp dir).  All of it stops on exit unless --hold.
     """
-    with _errors():
+    from kvpool.pool.config import MiB, PoolConfig
+    from kvpool.pool.local_cluster import LocalRayCluster
+    from kvpool.pool.node import start_pool, stop_pool
+
+    with _errors(), ExitStack() as stack:
         cfg = _config(etcd, cluster)
-        server = None
         if not cfg.endpoints:
-            console.print("starting embedded etcd ...")
-            server = EmbeddedEtcd().start()
+            with console.status("starting embedded etcd"):
+                server = stack.enter_context(EmbeddedEtcd())
             cfg = cfg.with_endpoints(server.endpoint)
-            console.print(f"embedded etcd up on {server.endpoint} (data in {server.data_dir})")
+            console.print(f"etcd      embedded, {server.endpoint} (data in {server.data_dir})")
+        if ray_address:
+            import ray
+
+            ray.init(address=ray_address, logging_level=logging.WARNING)
+            stack.callback(ray.shutdown)
+            console.print(f"ray       attached to {ray_address}")
+        else:
+            with console.status(f"starting a local Ray cluster of {nodes} node(s)"):
+                ray_cluster = stack.enter_context(LocalRayCluster(nodes=nodes))
+            console.print(
+                f"ray       local, {nodes} node(s) on {', '.join(ray_cluster.ips)} (head {ray_cluster.address})"
+            )
+        pool = PoolConfig(metadata=cfg, dram_bytes=dram_mib * MiB, nvme_bytes=nvme_mib * MiB or -1, nvme_dir=nvme_dir)
+        with console.status("starting PoolNode actors"):
+            start_pool(pool)
+        stack.callback(stop_pool, pool)
+        check_pool(pool)
         client = EtcdClient(cfg)
-        ns = Namespace(cfg.cluster)
-        registration = NodeRegistry(client, ns, cfg.lease_ttl_s).register(
-            NodeRecord(node_id=node_id, host=socket.gethostname(), pid=os.getpid())
-        )
-        try:
-            with MetadataCache(client, ns) as cache:
-                cache.sync()
-                render_status(cache, client, cfg.cluster)
-                if hold:
-                    console.print(
-                        f"pool up; in another shell: kvpool status --etcd {cfg.endpoints[0]}. Ctrl-C stops it."
-                    )
-                    while True:
-                        time.sleep(3600)
-        except KeyboardInterrupt:
-            console.print("stopping")
-        finally:
-            registration.close()
-            client.close()
-            if server is not None:
-                server.stop()
+        stack.callback(client.close)
+        with MetadataCache(client, Namespace(cfg.cluster)) as cache:
+            cache.sync()
+            render_status(cache, client, cfg.cluster)
+        if hold:
+            console.print(f"pool up. In another shell: kvpool status --etcd {cfg.endpoints[0]} --cluster {cfg.cluster}")
+            console.print("Ctrl-C stops it.")
+            try:
+                while True:
+                    time.sleep(3600)
+            except KeyboardInterrupt:
+                console.print("stopping")
+
+
+def check_pool(pool: "PoolConfig") -> None:
+    """Put 16 chunks of 1 MiB, look the chain up, read them back verified: the pool works end to end."""
+    import numpy as np
+
+    from kvpool.pool.client import PoolClient
+    from kvpool.pool.keys import CacheIdentity, chunk_keys
+
+    ident = CacheIdentity(model="kvpool-check", kv_dtype="uint8", layout="bytes", chunk_size=256)
+    keys = chunk_keys(ident, np.arange(256 * 16) % 50_000)
+    data = [np.random.default_rng(i).integers(0, 256, 2**20, dtype=np.uint8) for i in range(len(keys))]
+    with PoolClient(pool) as client:
+        t0 = time.perf_counter()
+        client.put_batch(list(zip(keys, data, strict=True)))
+        put_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        back = client.get_batch(keys)
+        get_s = time.perf_counter() - t0
+        ok = all(b == d.tobytes() for b, d in zip(back, data, strict=True))
+        held = client.lookup_prefix(keys)
+    verdict = "[green]verified[/]" if ok else "[red]MISMATCH[/]"
+    console.print(
+        f"check     put 16 MiB in {put_s * 1e3:.0f} ms, prefix lookup {held}/16 chunks, "
+        f"got 16 MiB back in {get_s * 1e3:.0f} ms: {verdict}"
+    )
+    if not ok:
+        raise KvPoolError("the pool returned bytes that differ from what was put; run with --debug and report it")
 
 
 @app.command("etcd")

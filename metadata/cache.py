@@ -16,7 +16,7 @@ from typing import Any
 from kvpool.errors import MalformedRecord, MetadataUnavailable
 from kvpool.metadata.client import EtcdClient, KeyValue, WatchStream
 from kvpool.metadata.namespace import Namespace
-from kvpool.metadata.records import NodeRecord, Placement
+from kvpool.metadata.records import NodeRecord, Placement, Tier
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +196,11 @@ class MetadataCache:
     def chunk_count(self) -> int:
         with self._cond:
             return len(self._chunks)
+
+    def bytes_held(self, node_id: str, tier: Tier) -> int:
+        """Bytes of the replicas ``node_id`` holds in ``tier``, from the placements (always current)."""
+        with self._cond:
+            return sum(p.length for r in self._chunks.values() if (p := r.get(node_id)) and p.tier is tier)
 
     def replica_count(self, node_id: str | None = None) -> int:
         with self._cond:

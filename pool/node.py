@@ -13,6 +13,7 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvpool.errors import ChunkNotFound
+from kvpool.errors import ChunkNotFound, MetadataUnavailable
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
@@ -97,10 +98,11 @@ class PoolNode:
         self.etcd = EtcdClient(config.metadata)
         ns = Namespace(config.metadata.cluster)
         self.placements = PlacementStore(self.etcd, ns)
-        self._record_at = 0.0
+        self._record_dirty, self._closing = threading.Event(), threading.Event()
         self.registration = NodeRegistry(self.etcd, ns, config.metadata.lease_ttl_s).register(
             self._record(), on_new_lease=self._republish
         )
+        threading.Thread(target=self._refresh_record, name="kvpool-node-record", daemon=True).start()
         log.info("pool node %s up: DRAM %d B at %s, NVMe %d B", node_id, self.dram.capacity, self.dram.path, nvme_bytes)
 
     # -- etcd ------------------------------------------------------------------------------------------
@@ -128,10 +130,20 @@ class PoolNode:
             self.placements.publish(puts, lease, if_absent=False)
         if drops:
             self.placements.delete(drops)
-        if final and time.monotonic() - self._record_at > RECORD_REFRESH_S:
-            self.registration.update(self._record())
-            self._record_at = time.monotonic()
+        if final:
+            self._record_dirty.set()
         return self.etcd.revision() if final else 0
+
+    def _refresh_record(self) -> None:
+        """Thread: publish the node record's usage figures at most every RECORD_REFRESH_S, when changed."""
+        while not self._closing.wait(RECORD_REFRESH_S):
+            if self._record_dirty.is_set():
+                self._record_dirty.clear()
+                try:
+                    self.registration.update(self._record())
+                except MetadataUnavailable as exc:
+                    log.warning("node record not refreshed: %s", exc)
+                    self._record_dirty.set()
 
     def _republish(self, lease_id: int) -> None:
         """The lease was lost and replaced: every placement on the old one is gone; publish them again."""
@@ -226,6 +238,7 @@ class PoolNode:
 
     def shutdown(self) -> None:
         """Leave the pool now: revoke the lease (its placements go with it) and free the segments."""
+        self._closing.set()
         self.registration.close(revoke=True)
         self.etcd.close()
         self.dram.close()

@@ -48,27 +48,8 @@ def ray_cluster() -> Iterator[list[str]]:
     """One real multi-node Ray cluster for the whole session: a head and two nodes on 127.0.0.2-4.
 
     Returns the Ray node ids, head first; the test process is a driver attached to the head.
-    Shut down by killing what it started (never ``ray stop``, which would kill every Ray on the box).
     """
-    import os
+    from kvpool.pool.local_cluster import LocalRayCluster
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
-    from ray.cluster_utils import Cluster
-
-    light = {"num_cpus": 1, "object_store_memory": 96 * 2**20}
-    cluster = Cluster(
-        initialize_head=True,
-        connect=False,
-        head_node_args={**light, "node_ip_address": "127.0.0.2", "include_dashboard": False,
-                        "dashboard_agent_listen_port": 52365 + 2},
-    )  # fmt: skip
-    nodes = [cluster.head_node]
-    for i in (3, 4):
-        nodes.append(cluster.add_node(**light, node_ip_address=f"127.0.0.{i}", dashboard_agent_listen_port=52365 + i))
-    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
-    try:
-        yield [n.node_id for n in nodes]
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    with LocalRayCluster(nodes=3) as cluster:
+        yield cluster.node_ids()

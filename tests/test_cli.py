@@ -16,15 +16,17 @@ KVPOOL = str(Path(sys.executable).with_name("kvpool"))
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     full = {k: v for k, v in os.environ.items() if k != ENDPOINTS_ENV} | {"COLUMNS": "160"} | (env or {})
-    return subprocess.run([KVPOOL, *args], capture_output=True, text=True, timeout=120, env=full)
+    return subprocess.run([KVPOOL, *args], capture_output=True, text=True, timeout=300, env=full)
 
 
 def test_up_on_the_embedded_default() -> None:
-    """The README's main command: embedded etcd, this node registered, status printed, all torn down."""
-    out = run("up", "--node-id", "readme-node")
+    """The README's main command: embedded etcd, a local Ray node, a PoolNode, a verified put/get, status."""
+    out = run("up", "--nodes", "1", "--dram-mib", "64", "--nvme-mib", "64")
     assert out.returncode == 0, out.stderr
-    assert "embedded etcd up on 127.0.0.1:" in out.stdout
-    assert "readme-node" in out.stdout and "chunks: 0" in out.stdout
+    assert "etcd      embedded, 127.0.0.1:" in out.stdout
+    assert "ray       local, 1 node(s) on 127.0.0.2" in out.stdout
+    assert "prefix lookup 16/16 chunks" in out.stdout and "verified" in out.stdout
+    assert "16.0 MiB / 64.0 MiB" in out.stdout and "chunks: 16" in out.stdout
 
 
 def test_status_of_a_running_pool(metadata_config: MetadataConfig, etcd: EtcdClient, namespace: Namespace) -> None:
@@ -33,7 +35,7 @@ def test_status_of_a_running_pool(metadata_config: MetadataConfig, etcd: EtcdCli
     try:
         out = run("status", "--cluster", metadata_config.cluster, env={ENDPOINTS_ENV: metadata_config.endpoints[0]})
         assert out.returncode == 0, out.stderr
-        assert "n7" in out.stdout and "1.00 GiB / 2.00 GiB" in out.stdout
+        assert "n7" in out.stdout and "0.0 MiB / 2.00 GiB" in out.stdout and "no segment" in out.stdout
     finally:
         reg.close()
 
