@@ -15,6 +15,7 @@ Every read is checked against the checksum stored in its placement: a mismatch d
 :class:`ChunkNotFound` — a miss, never wrong bytes.
 """
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -26,7 +27,7 @@ from kvpool.errors import ChunkNotFound, ConfigError, CorruptChunk, KvPoolError,
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import KEY_BYTES, Namespace
-from kvpool.metadata.records import Placement
+from kvpool.metadata.records import Placement, Tier
 from kvpool.pool.buffers import byte_view
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.node import NodeInfo, actor_name
@@ -34,6 +35,7 @@ from kvpool.pool.segment import DramSegment
 from kvpool.pool.store import Reservation, StoredChunk, short
 
 log = logging.getLogger(__name__)
+REMOTE_ROUND_BYTES = 16 << 20  #: bytes per Ray call on the cross-node fallback path
 
 
 def checksum(view: memoryview) -> int:
@@ -102,13 +104,17 @@ class PoolClient:
     def put(self, key: bytes, data: Any, replicas: int = 1) -> None:
         self.put_batch([(key, data)], replicas=replicas)
 
-    def put_batch(self, items: Sequence[tuple[bytes, Any]], replicas: int = 1) -> None:
-        """Store each ``(key, data)`` on ``replicas`` distinct nodes (this node first when it has a pool
-        node).  Keys name content: a key already held is not written again."""
+    def put_batch(self, items: Sequence[tuple[bytes, Any]], replicas: int = 1, nodes: Sequence[str] = ()) -> None:
+        """Store each ``(key, data)`` on ``replicas`` distinct nodes: this node first when it has a pool
+        node, then those with the most free space; or exactly on ``nodes`` when given.  Keys name
+        content: a key already held by a target is not written again."""
         views = [(_check_key(k), byte_view(d)) for k, d in items]
         if not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
-        targets = self._targets(replicas)
+        live = {n.node_id for n in self.cache.nodes()}
+        if unknown := [n for n in nodes if n not in live]:
+            raise ChunkNotFound(f"no live pool node {', '.join(u[:12] for u in unknown)}: pick from kvpool status")
+        targets = list(dict.fromkeys(nodes)) or self._targets(replicas)
         sums = [checksum(v) for _, v in views]
         revision = 0
         for node_id in targets:
@@ -156,8 +162,16 @@ class PoolClient:
         self, node_id: str, views: list[tuple[bytes, memoryview]], sums: list[int], replicated: bool
     ) -> int:
         """Fallback until the transfer engine: the bytes go as a Ray call argument."""
-        items = [(k, bytes(v), s) for (k, v), s in zip(views, sums, strict=True)]
-        return int(_get(self._actor(node_id).put_batch.remote(items, replicated)))
+        actor, revision, batch, batch_bytes = self._actor(node_id), 0, [], 0
+        for (k, v), s in zip(views, sums, strict=True):  # rounds of ~16 MiB: Ray's object store is small
+            batch.append((k, bytes(v), s))
+            batch_bytes += v.nbytes
+            if batch_bytes >= REMOTE_ROUND_BYTES:
+                revision = max(revision, int(_get(actor.put_batch.remote(batch, replicated))))
+                batch, batch_bytes = [], 0
+        if batch:
+            revision = max(revision, int(_get(actor.put_batch.remote(batch, replicated))))
+        return revision
 
     # -- get -------------------------------------------------------------------------------------------
 
@@ -165,13 +179,9 @@ class PoolClient:
         return self.get_batch([key])[0]
 
     def get_batch(self, keys: Sequence[bytes]) -> list[bytes]:
-        out: list[bytes] = []
-        for key in keys:
-            replica = self._replicas(key)[0]
-            buf = bytearray(replica.length)
-            self.get_into(key, buf)
-            out.append(bytes(buf))
-        return out
+        buffers = [bytearray(self._replicas(k)[0].length) for k in keys]
+        self.get_into_batch(keys, buffers)
+        return [bytes(b) for b in buffers]
 
     def get_into(self, key: bytes, buffer: Any) -> int:
         """Copy the chunk into ``buffer`` (exactly its size); returns the number of bytes."""
@@ -196,9 +206,29 @@ class PoolClient:
         raise ChunkNotFound(f"chunk {short(key)}: no replica could be read; recompute it")
 
     def get_into_batch(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[int]:
+        """``get_into`` for many chunks; those held on this node are pinned, copied and released in one
+        actor call each way, the rest go one by one through :meth:`get_into`."""
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        return [self.get_into(k, b) for k, b in zip(keys, buffers, strict=True)]
+        dests = [byte_view(b, writable=True, field="buffer") for b in buffers]
+        done = [False] * len(keys)
+        if self._segment is not None:
+            local = [
+                i for i, k in enumerate(keys) if self.node_id in {p.node for p in self.cache.replicas(_check_key(k))}
+            ]
+            chunks = _get(self._local.locate_batch.remote([keys[i] for i in local])) if local else []
+            try:
+                for i, chunk in zip(local, chunks, strict=True):
+                    if chunk is not None and chunk.length == dests[i].nbytes:
+                        with contextlib.suppress(ChunkNotFound):
+                            done[i] = self._copy_local(chunk, dests[i]) == chunk.checksum
+            finally:
+                if local:
+                    self._local.release_batch.remote([keys[i] for i in local])
+        for i, key in enumerate(keys):
+            if not done[i]:
+                self.get_into(key, dests[i])  # the careful path: next replica, corrupt replicas dropped
+        return [d.nbytes for d in dests]
 
     def _replicas(self, key: bytes) -> list[Placement]:
         """Nearest first: this node, then DRAM before NVMe before remote."""
@@ -225,7 +255,7 @@ class PoolClient:
 
     def _copy_local(self, chunk: StoredChunk, dest: memoryview) -> int:
         assert self._segment is not None
-        if chunk.tier.value != "dram":  # not promoted (promote_on_hit off, or DRAM full): read via the node
+        if chunk.tier is not Tier.DRAM:  # not promoted (promote_on_hit off, or DRAM full): read via the node
             [data] = _get(self._local.read_batch.remote([chunk.key]))
             if data is None:
                 raise ChunkNotFound(f"chunk {short(chunk.key)} left this node")

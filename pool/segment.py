@@ -105,7 +105,9 @@ class DramSegment(_Segment):
     def __init__(self, path: str, capacity: int, fd: int, owner: bool) -> None:
         super().__init__(path, capacity, owner)
         try:
-            self._mm: mmap.mmap | None = mmap.mmap(fd, capacity, mmap.MAP_SHARED)
+            # MAP_POPULATE faults every page in now, not on each chunk's first touch (a 3x slower first read)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._mm: mmap.mmap | None = mmap.mmap(fd, capacity, flags)
         finally:
             os.close(fd)  # the mapping keeps its own reference to the file
         anchor = ctypes.c_char.from_buffer(self._mm)

@@ -115,6 +115,7 @@ def test_unreachable_etcd_makes_the_lease_uncertain_then_lost(metadata_config: M
         assert reg.keeper.tick() is LeaseState.LOST  # the TTL has passed without a refresh
         assert reg.keeper.tick() is LeaseState.LOST  # still no etcd: cannot replace it yet
         server.start()
+        etcd.revision()  # wait until the client has reconnected (its retries span seconds, a tick's do not)
         old_lease = reg.lease_id
         assert reg.keeper.tick() is LeaseState.ALIVE
         assert len(republished) == 1 and republished[0] == reg.lease_id != old_lease
