@@ -224,12 +224,17 @@ class PoolNode:
         return self._publish()
 
     def stats(self) -> dict[str, Any]:
-        usage = self.store.usage()
         return {
             "node_id": self.node_id,
             "tiers": {
-                t.value: {"used": used, "capacity": cap, "chunks": self.store.policy.count(t)}
-                for t, (used, cap) in usage.items()
+                t.value: {
+                    "used": a.used,
+                    "capacity": a.capacity,
+                    "chunks": self.store.policy.count(t),
+                    "largest_free": a.largest_free,
+                    "fragmentation": a.stats().fragmentation,
+                }
+                for t, a in self.store.allocators.items()
             },
             "watermarks": {"high": self.config.watermarks.high, "low": self.config.watermarks.low},
             "nvme_direct": bool(self.nvme and self.nvme.direct),

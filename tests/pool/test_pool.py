@@ -125,6 +125,7 @@ def test_eviction_to_nvme_keeps_data_intact(client: PoolClient) -> None:
     assert stats["migrations"] > 0
     assert client.get_batch(keys[:24]) == [blob(i) for i in range(24)]
     assert stats["tiers"]["dram"]["used"] <= 0.8 * 4 * MiB
+    assert 0 <= stats["tiers"]["nvme"]["fragmentation"] < 1 and stats["tiers"]["nvme"]["chunks"] > 0
 
 
 def test_corrupt_bytes_are_a_miss_never_wrong_data(client: PoolClient) -> None:
