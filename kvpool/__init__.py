@@ -14,6 +14,7 @@ from kvpool.errors import (
     MalformedRecord,
     MetadataUnavailable,
     PoolFull,
+    TransferError,
 )
 
 __version__ = "0.1.0"
@@ -26,5 +27,6 @@ __all__ = [
     "MalformedRecord",
     "MetadataUnavailable",
     "PoolFull",
+    "TransferError",
     "__version__",
 ]

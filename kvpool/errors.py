@@ -36,3 +36,8 @@ class PoolFull(KvPoolError):
 class CorruptChunk(ChunkNotFound):
     """Stored bytes did not match their checksum and no intact replica was left; the corrupt replicas have
     been dropped.  A ``ChunkNotFound``: callers treat it as a miss and recompute."""
+
+
+class TransferError(KvPoolError):
+    """A transfer between two nodes failed or timed out (peer dead, unreachable, or refused); for a read
+    the pool treats the chunk as a miss on that replica."""

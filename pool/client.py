@@ -6,9 +6,11 @@ replicas of a chunk) are answered by a local watch-synced copy of etcd, without 
 - **same node**: the client maps its node's DRAM segment; a put reserves room (one actor call), writes
   straight into the shared memory and commits (one call); a get pins the chunk (one call), copies it
   out of the mapping into the caller's buffer, verifies the checksum and unpins.
-- **another node**: *fallback until the transfer engine (NIXL) lands*: the bytes travel as Ray call
-  arguments/results (``put_batch`` / ``read_batch`` on the holder).  Everything that path touches is in
-  :meth:`PoolClient._remote_put` and :meth:`PoolClient._remote_read`.
+- **another node**: one-sided NIXL/UCX transfers (:mod:`kvpool.transport.nixl`) between a staging
+  buffer registered by this client and the holder's registered DRAM segment.  A put reserves room on
+  the holder (one actor call), WRITEs the bytes and commits (one call); a get pins the chunk (one call,
+  promoting it from NVMe), READs it and unpins.  No KV byte passes through Ray or etcd, except a chunk
+  left on a remote NVMe tier (``promote_on_hit`` off, or DRAM full), which comes back as a call result.
 
 Every read is checked against the checksum stored in its placement: a mismatch drops that replica
 (everywhere) and tries the next; if none is intact the caller gets :class:`CorruptChunk`, a kind of
@@ -21,9 +23,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import crc32c
+import numpy as np
 import ray
 
-from kvpool.errors import ChunkNotFound, ConfigError, CorruptChunk, KvPoolError, PoolFull
+from kvpool.errors import ChunkNotFound, ConfigError, CorruptChunk, KvPoolError, PoolFull, TransferError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import KEY_BYTES, Namespace
@@ -32,10 +35,12 @@ from kvpool.pool.buffers import byte_view
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.node import NodeInfo, actor_name
 from kvpool.pool.segment import DramSegment
-from kvpool.pool.store import Reservation, StoredChunk, short
+from kvpool.pool.store import SEGMENT_NAMES, Reservation, StoredChunk, short
+from kvpool.transport.base import Op
+from kvpool.transport.nixl import NixlTransport
 
 log = logging.getLogger(__name__)
-REMOTE_ROUND_BYTES = 16 << 20  #: bytes per Ray call on the cross-node fallback path
+STAGING_BYTES = 64 << 20  #: cross-node puts move at most this much per round
 
 
 def checksum(view: memoryview) -> int:
@@ -72,6 +77,10 @@ class PoolClient:
         self._actors: dict[str, Any] = {}
         self._segment: DramSegment | None = None
         self._local: Any = None
+        self._transport: NixlTransport | None = None  #: started on the first cross-node transfer
+        self._stage: np.ndarray | None = None
+        self._peers: dict[str, str] = {}
+        self.transfer_timeout_s = 30.0
         try:
             self._local = self._actor(self.node_id)
             info: NodeInfo = _get(self._local.info.remote())
@@ -80,6 +89,8 @@ class PoolClient:
             log.info("no pool node on this Ray node (%s): every transfer goes remote", self.node_id[:12])
 
     def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
         self.cache.close()
         self.etcd.close()
         if self._segment is not None:
@@ -161,17 +172,64 @@ class PoolClient:
     def _remote_put(
         self, node_id: str, views: list[tuple[bytes, memoryview]], sums: list[int], replicated: bool
     ) -> int:
-        """Fallback until the transfer engine: the bytes go as a Ray call argument."""
-        actor, revision, batch, batch_bytes = self._actor(node_id), 0, [], 0
-        for (k, v), s in zip(views, sums, strict=True):  # rounds of ~16 MiB: Ray's object store is small
-            batch.append((k, bytes(v), s))
-            batch_bytes += v.nbytes
-            if batch_bytes >= REMOTE_ROUND_BYTES:
-                revision = max(revision, int(_get(actor.put_batch.remote(batch, replicated))))
-                batch, batch_bytes = [], 0
-        if batch:
-            revision = max(revision, int(_get(actor.put_batch.remote(batch, replicated))))
+        """Reserve on the holder, WRITE from the staging buffer, commit; in rounds that fit the staging
+        buffer and a quarter of the holder's DRAM (reserved space cannot be evicted)."""
+        actor, peer = self._actor(node_id), self._peer(node_id)
+        record = next(n for n in self.cache.nodes() if n.node_id == node_id)
+        budget = max(record.capacity(Tier.DRAM) // 4, 1)
+        revision, start = 0, 0
+        while start < len(views):
+            end, total = start, 0
+            while end < len(views) and (end == start or total + views[end][1].nbytes <= min(budget, STAGING_BYTES)):
+                total += views[end][1].nbytes
+                end += 1
+            staging = self._staging(total)
+            reservations: list[Reservation] = _get(
+                actor.reserve_batch.remote([(k, v.nbytes) for k, v in views[start:end]])
+            )
+            ops, fresh, at = [], [], 0
+            for r, (key, view), s in zip(reservations, views[start:end], sums[start:end], strict=True):
+                if r.already_stored:
+                    continue
+                staging[at : at + view.nbytes] = view
+                ops.append(Op(SEGMENT_NAMES[Tier.DRAM], r.offset, staging.ctypes.data + at, view.nbytes))
+                fresh.append((key, s))
+                at += view.nbytes
+            try:
+                self._transport_().write(peer, ops, timeout_s=self.transfer_timeout_s)
+            except BaseException:
+                _get(actor.abort_batch.remote([k for k, _ in fresh]))
+                raise
+            revision = max(revision, int(_get(actor.commit_batch.remote(fresh, replicated))))
+            start = end
         return revision
+
+    def _transport_(self) -> NixlTransport:
+        if self._transport is None:
+            self._transport = NixlTransport()
+        return self._transport
+
+    def _staging(self, nbytes: int) -> np.ndarray:
+        """A buffer registered with the transport, at least ``nbytes`` long (grown on demand)."""
+        transport = self._transport_()
+        if self._stage is None or self._stage.nbytes < nbytes:
+            if self._stage is not None:
+                transport.deregister("staging")
+            self._stage = np.empty(max(nbytes, 16 << 20), dtype=np.uint8)
+            transport.register("staging", self._stage.ctypes.data, self._stage.nbytes)
+        return self._stage
+
+    def _peer(self, node_id: str) -> str:
+        """The transport peer of a pool node, connected from its descriptor in the node record."""
+        if node_id not in self._peers:
+            record = next((n for n in self.cache.nodes() if n.node_id == node_id), None)
+            if record is None or not record.address:
+                raise ChunkNotFound(f"pool node {node_id[:12]} is gone or publishes no transfer address")
+            try:
+                self._peers[node_id] = self._transport_().connect(record.address)
+            except TransferError as exc:
+                raise ChunkNotFound(f"pool node {node_id[:12]} cannot be reached: {exc}") from exc
+        return self._peers[node_id]
 
     # -- get -------------------------------------------------------------------------------------------
 
@@ -247,10 +305,31 @@ class PoolClient:
                 return self._copy_local(chunk, dest)
             finally:
                 self._local.release_batch.remote([replica.key])
-        [data] = self._remote_read(replica.node, [replica.key])
-        if data is None or len(data) != dest.nbytes:
+        return self._remote_read_into(replica, dest)
+
+    def _remote_read_into(self, replica: Placement, dest: memoryview) -> int:
+        """Pin on the holder (promoting from NVMe), READ one-sided into staging, unpin, copy out."""
+        actor = self._actor(replica.node)
+        [chunk] = _get(actor.locate_batch.remote([replica.key]))
+        if chunk is None:
             raise ChunkNotFound(f"chunk {short(replica.key)} left node {replica.node[:12]}")
-        dest[:] = data
+        try:
+            if chunk.tier is Tier.DRAM:
+                staging = self._staging(chunk.length)
+                op = Op(SEGMENT_NAMES[Tier.DRAM], chunk.offset, staging.ctypes.data, chunk.length)
+                try:
+                    self._transport_().read(self._peer(replica.node), [op], timeout_s=self.transfer_timeout_s)
+                except TransferError as exc:
+                    self._peers.pop(replica.node, None)
+                    raise ChunkNotFound(f"chunk {short(replica.key)}: {exc}") from exc
+                dest[:] = staging[: chunk.length].data
+            else:  # left on the holder's NVMe: the transport reaches DRAM segments only
+                [data] = _get(actor.read_batch.remote([replica.key]))
+                if data is None:
+                    raise ChunkNotFound(f"chunk {short(replica.key)} left node {replica.node[:12]}")
+                dest[:] = data
+        finally:
+            actor.release_batch.remote([replica.key])
         return checksum(dest)
 
     def _copy_local(self, chunk: StoredChunk, dest: memoryview) -> int:
@@ -263,10 +342,6 @@ class PoolClient:
         else:
             self._segment.read_into(chunk.offset, dest)
         return checksum(dest)
-
-    def _remote_read(self, node_id: str, keys: Sequence[bytes]) -> list[bytes | None]:
-        """Fallback until the transfer engine: the bytes come back as a Ray call result."""
-        return list(_get(self._actor(node_id).read_batch.remote(list(keys))))
 
     def _drop_corrupt(self, replica: Placement) -> None:
         try:

@@ -26,11 +26,12 @@ from kvpool.errors import ChunkNotFound, MetadataUnavailable
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
-from kvpool.metadata.records import NodeRecord, Placement, SegmentInfo
+from kvpool.metadata.records import NodeRecord, Placement, SegmentInfo, Tier
 from kvpool.metadata.registry import NodeRegistry
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import SEGMENT_NAMES, ChangeKind, ChunkStore, Reservation, StoredChunk
+from kvpool.transport.nixl import NixlTransport
 
 log = logging.getLogger(__name__)
 RECORD_REFRESH_S = 1.0  #: the node record's usage figures lag by at most this
@@ -91,6 +92,8 @@ class PoolNode:
         self._own_nvme_dir = not config.nvme_dir
         nvme_bytes = config.resolved_nvme_bytes(self._nvme_dir)
         self.nvme = NvmeSegment.create(nvme_bytes, self._nvme_dir, name=tag) if nvme_bytes > 0 else None
+        self.transport = NixlTransport(f"kvpool-node-{tag}", serve=True)
+        self.transport.register(SEGMENT_NAMES[Tier.DRAM], self.dram.base_address, self.dram.capacity)
         self.store = ChunkStore(
             self.dram, self.nvme, watermarks=config.watermarks,
             promote_on_hit=config.promote_on_hit, alignment=config.alignment,
@@ -109,7 +112,10 @@ class PoolNode:
 
     def _record(self) -> NodeRecord:
         segments = tuple(SegmentInfo(SEGMENT_NAMES[t], t, cap, used) for t, (used, cap) in self.store.usage().items())
-        return NodeRecord(node_id=self.node_id, host=socket.gethostname(), pid=os.getpid(), segments=segments)
+        return NodeRecord(
+            node_id=self.node_id, host=socket.gethostname(), pid=os.getpid(),
+            address=self.transport.descriptor(), segments=segments,
+        )  # fmt: skip
 
     def _placement(self, chunk: StoredChunk) -> Placement:
         now = time.time()
@@ -183,7 +189,7 @@ class PoolNode:
             self.store.abort(key)
 
     def put_batch(self, items: Sequence[tuple[bytes, bytes, int]], replicated: bool = False) -> int:
-        """Store bytes sent through Ray: the cross-node path until the transfer engine replaces it."""
+        """Store bytes sent as call arguments (small values, tests; clients write through the transport)."""
         try:
             for key, data, checksum in items:
                 self.store.put(key, memoryview(data), checksum, replicated=replicated)
@@ -207,7 +213,8 @@ class PoolNode:
             self.store.release(key)
 
     def read_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """Copies of the stored bytes, sent through Ray: the cross-node path until the transfer engine."""
+        """Copies of the stored bytes as call results: only for chunks left on NVMe (promote_on_hit off
+        or DRAM full), which the transport cannot reach; DRAM chunks are read one-sided."""
         out: list[bytes | None] = []
         for key in keys:
             try:
@@ -246,6 +253,7 @@ class PoolNode:
         self._closing.set()
         self.registration.close(revoke=True)
         self.etcd.close()
+        self.transport.close()
         self.dram.close()
         if self.nvme is not None:
             self.nvme.close()

@@ -1,0 +1,31 @@
+"""A transfer target in its own process: a DRAM segment with known bytes, registered with NIXL.
+
+Prints ``DESCRIPTOR <hex>`` when ready; then each stdin line is a command: ``crc OFFSET LENGTH`` prints
+the crc32c of that range; ``quit`` exits.
+"""
+
+import sys
+
+import crc32c
+import numpy as np
+
+from kvpool.pool.segment import DramSegment
+from kvpool.transport.nixl import NixlTransport
+
+SIZE = 64 << 20
+
+seg = DramSegment.create(SIZE)
+seg.write(0, np.arange(SIZE, dtype=np.uint8) * 7)
+transport = NixlTransport(serve=True)
+transport.register("dram0", seg.base_address, seg.capacity)
+print("DESCRIPTOR", transport.descriptor().hex(), flush=True)
+for line in sys.stdin:
+    cmd, *args = line.split()
+    if cmd == "crc":
+        off, length = map(int, args)
+        with seg.view(off, length) as v:
+            print("CRC", crc32c.crc32c(v), flush=True)
+    elif cmd == "quit":
+        break
+transport.close()
+seg.close()

@@ -1,0 +1,114 @@
+"""NixlTransport between two real processes: byte-exact reads and writes, and every failure bounded."""
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import crc32c
+import numpy as np
+import pytest
+
+from kvpool.errors import TransferError
+from kvpool.transport.base import Op
+from kvpool.transport.nixl import NixlTransport
+
+TARGET = str(Path(__file__).with_name("target.py"))
+SIZE = 64 << 20
+
+
+class Target:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, TARGET], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.descriptor = bytes.fromhex(self._answer("DESCRIPTOR"))
+
+    def _answer(self, tag: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:  # NIXL logs to stdout too: skip to our line
+            if line.startswith(tag + " "):
+                return line.split()[1]
+        raise AssertionError(f"target exited without {tag}")
+
+    def crc(self, offset: int, length: int) -> int:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"crc {offset} {length}\n")
+        self.proc.stdin.flush()
+        return int(self._answer("CRC"))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def target() -> Iterator[Target]:
+    t = Target()
+    yield t
+    t.stop()
+
+
+@pytest.fixture(scope="module")
+def initiator() -> Iterator[tuple[NixlTransport, np.ndarray]]:
+    transport = NixlTransport()
+    buf = np.zeros(SIZE, dtype=np.uint8)
+    transport.register("local", buf.ctypes.data, buf.nbytes)
+    yield transport, buf
+    transport.close()
+
+
+def expected(offset: int, length: int) -> np.ndarray:
+    return (np.arange(offset, offset + length, dtype=np.uint64) * 7 % 256).astype(np.uint8)
+
+
+def test_read_is_byte_exact(target: Target, initiator: tuple[NixlTransport, np.ndarray]) -> None:
+    transport, buf = initiator
+    peer = transport.connect(target.descriptor)
+    addr = buf.ctypes.data
+    ops = [
+        Op("dram0", 0, addr, 16 << 20),
+        Op("dram0", 40 << 20, addr + (16 << 20), 3 << 20),
+        Op("dram0", 4097, addr + (20 << 20), 1),
+    ]
+    transport.read(peer, ops, timeout_s=30)
+    assert np.array_equal(buf[: 16 << 20], expected(0, 16 << 20))
+    assert np.array_equal(buf[16 << 20 : 19 << 20], expected(40 << 20, 3 << 20))
+    assert buf[20 << 20] == expected(4097, 1)[0]
+
+
+def test_write_is_byte_exact(target: Target, initiator: tuple[NixlTransport, np.ndarray]) -> None:
+    transport, buf = initiator
+    peer = transport.connect(target.descriptor)
+    data = np.random.default_rng(3).integers(0, 256, 8 << 20, dtype=np.uint8)
+    buf[: data.nbytes] = data
+    transport.write(peer, [Op("dram0", 32 << 20, buf.ctypes.data, data.nbytes)], timeout_s=30)
+    assert target.crc(32 << 20, data.nbytes) == crc32c.crc32c(data)
+
+
+def test_bad_requests_are_transfer_errors(target: Target, initiator: tuple[NixlTransport, np.ndarray]) -> None:
+    transport, buf = initiator
+    peer = transport.connect(target.descriptor)
+    with pytest.raises(TransferError, match="no region"):
+        transport.read(peer, [Op("nope", 0, buf.ctypes.data, 1)], timeout_s=5)
+    with pytest.raises(TransferError, match="outside"):
+        transport.read(peer, [Op("dram0", SIZE - 1, buf.ctypes.data, 2)], timeout_s=5)
+    with pytest.raises(TransferError, match="unknown peer"):
+        transport.read("stranger", [Op("dram0", 0, buf.ctypes.data, 1)], timeout_s=5)
+    with pytest.raises(TransferError, match="malformed"):
+        transport.connect(b"\x00garbage")
+    with pytest.raises(TransferError, match="malformed"):
+        transport.connect(b"\x81\xa1v\x07")  # a descriptor of another version
+
+
+def test_dead_peer_is_a_bounded_transfer_error(initiator: tuple[NixlTransport, np.ndarray]) -> None:
+    transport, buf = initiator
+    victim = Target()
+    peer = transport.connect(victim.descriptor)
+    transport.read(peer, [Op("dram0", 0, buf.ctypes.data, 4096)], timeout_s=30)  # connected and working
+    victim.stop()
+    t0 = time.monotonic()
+    with pytest.raises(TransferError):
+        transport.read(peer, [Op("dram0", 0, buf.ctypes.data, 8 << 20)], timeout_s=5)
+    assert time.monotonic() - t0 < 5 + 2
+    transport.disconnect(peer)

@@ -1,0 +1,141 @@
+"""``NixlTransport``: one-sided UCX READ/WRITE through NIXL.
+
+NIXL's bundled UCX drives RDMA NICs in production and shared memory (posix, cma) or TCP on one host.
+kvpool sets UCX defaults that work on a CPU-only host and keep TCP on loopback unless the user has set
+them (``UCX_TLS``, ``UCX_NET_DEVICES``, ``UCX_WARN_UNUSED_ENV_VARS``); they must be in the environment
+before the first agent starts.
+
+An initiator drives progress itself (no progress thread: on two cores a spinning thread halves the
+throughput); a target that only serves one-sided operations keeps NIXL's progress thread so that
+connections it never initiates still get wired up.
+"""
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+
+from kvpool.errors import TransferError
+from kvpool.transport.base import Op, Transport
+
+log = logging.getLogger(__name__)
+
+UCX_DEFAULTS = {"UCX_TLS": "posix,cma,tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+_DESCRIPTOR_VERSION = 1
+
+
+def apply_ucx_defaults() -> None:
+    for key, value in UCX_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+class NixlTransport(Transport):
+    def __init__(self, name: str | None = None, *, serve: bool = False) -> None:
+        """``serve``: this process is a target others read from and write to (a pool node)."""
+        apply_ucx_defaults()
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+        logging.getLogger("nixl_cu12").setLevel(logging.WARNING)
+        self.name = name or f"kvpool-{uuid.uuid4().hex[:12]}"
+        try:
+            self._agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=serve, backends=["UCX"]))
+        except Exception as exc:
+            raise TransferError(f"NIXL agent {self.name} could not start: {exc}") from exc
+        if "UCX" not in self._agent.backends:
+            raise TransferError("NIXL has no UCX backend here; reinstall nixl-cu12")
+        self._regions: dict[str, tuple[int, int]] = {}
+        self._reg_descs: dict[str, Any] = {}
+        self._peers: dict[str, dict[str, tuple[int, int]]] = {}
+
+    def register(self, name: str, address: int, length: int) -> None:
+        if name in self._regions:
+            raise ValueError(f"region {name!r} is registered already")
+        self._reg_descs[name] = self._agent.register_memory([(address, length, 0, name)], "DRAM")
+        self._regions[name] = (address, length)
+
+    def deregister(self, name: str) -> None:
+        self._agent.deregister_memory(self._reg_descs.pop(name))
+        del self._regions[name]
+
+    def descriptor(self) -> bytes:
+        return msgpack.packb(
+            {
+                "v": _DESCRIPTOR_VERSION,
+                "name": self.name,
+                "agent": self._agent.get_agent_metadata(),
+                "regions": self._regions,
+            },
+            use_bin_type=True,
+        )
+
+    def connect(self, descriptor: bytes) -> str:
+        try:
+            d = msgpack.unpackb(descriptor, raw=False)
+            if not isinstance(d, dict) or d.get("v") != _DESCRIPTOR_VERSION:
+                raise ValueError(f"not a kvpool NIXL descriptor (version {d.get('v') if isinstance(d, dict) else d!r})")
+            name, regions = str(d["name"]), {str(k): (int(v[0]), int(v[1])) for k, v in d["regions"].items()}
+            if name not in self._peers:  # NIXL refuses to load the same agent twice
+                self._agent.add_remote_agent(d["agent"])
+        except Exception as exc:
+            raise TransferError(f"malformed transfer descriptor: {exc}") from exc
+        self._peers[name] = regions
+        return name
+
+    def disconnect(self, peer: str) -> None:
+        if self._peers.pop(peer, None) is not None:
+            self._agent.remove_remote_agent(peer)
+
+    def read(self, peer: str, ops: Sequence[Op], timeout_s: float) -> None:
+        self._transfer("READ", peer, ops, timeout_s)
+
+    def write(self, peer: str, ops: Sequence[Op], timeout_s: float) -> None:
+        self._transfer("WRITE", peer, ops, timeout_s)
+
+    def _transfer(self, op: str, peer: str, ops: Sequence[Op], timeout_s: float) -> None:
+        if not ops:
+            return
+        regions = self._peers.get(peer)
+        if regions is None:
+            raise TransferError(f"unknown peer {peer!r}: connect() its descriptor first")
+        remote = []
+        for o in ops:
+            base, length = regions.get(o.region, (0, -1))
+            if length < 0:
+                raise TransferError(f"peer {peer} has no region {o.region!r}")
+            if o.remote_offset < 0 or o.remote_offset + o.length > length:
+                raise TransferError(f"range [{o.remote_offset}, +{o.length}) is outside {o.region!r} ({length} bytes)")
+            remote.append((base + o.remote_offset, o.length, 0))
+        local = self._agent.get_xfer_descs([(o.local_address, o.length, 0) for o in ops], "DRAM")
+        handle = None
+        try:
+            handle = self._agent.initialize_xfer(op, local, self._agent.get_xfer_descs(remote, "DRAM"), peer)
+            state = self._agent.transfer(handle)
+            deadline = time.monotonic() + timeout_s
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise TransferError(
+                        f"{op} of {sum(o.length for o in ops)} bytes from {peer} timed out after {timeout_s} s"
+                    )
+                state = self._agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferError(f"{op} with {peer} failed (NIXL state {state}); the peer may be dead")
+        except TransferError:
+            raise
+        except Exception as exc:  # nixl raises its own types (nixlBackendError, ...)
+            raise TransferError(f"{op} with {peer} failed: {exc}") from exc
+        finally:
+            if handle is not None:
+                try:
+                    self._agent.release_xfer_handle(handle)
+                except Exception as exc:  # a transfer still in flight on a dead peer cannot be released
+                    log.warning("NIXL transfer handle not released: %s", exc)
+
+    def close(self) -> None:
+        for peer in list(self._peers):
+            self.disconnect(peer)
+        for name in list(self._reg_descs):
+            self.deregister(name)
