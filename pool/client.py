@@ -251,10 +251,12 @@ class PoolClient:
                     f"buffer holds {dest.nbytes} bytes, chunk {short(key)} is {replica.length}: pass a buffer of its size"
                 )
             try:
-                got = self._read_into(replica, dest)
+                [intact] = self._read_group(replica.node, [key], [dest])
             except ChunkNotFound:
-                continue  # the placement was stale: that node no longer holds it
-            if got == replica.checksum:
+                continue  # that node is gone
+            if intact is None:
+                continue  # the placement was stale, or the holder could not be reached
+            if intact:
                 return dest.nbytes
             log.warning("chunk %s on %s fails its checksum; dropping that replica", short(key), replica.node[:12])
             corrupt.append(replica)
@@ -264,29 +266,78 @@ class PoolClient:
         raise ChunkNotFound(f"chunk {short(key)}: no replica could be read; recompute it")
 
     def get_into_batch(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[int]:
-        """``get_into`` for many chunks; those held on this node are pinned, copied and released in one
-        actor call each way, the rest go one by one through :meth:`get_into`."""
+        """``get_into`` for many chunks, grouped by the node of their nearest replica: per node one
+        actor call pins them all, one copy (same node) or one batched READ (another node) moves them,
+        one call releases them.  Anything that does not come back intact goes through :meth:`get_into`
+        (next replica, corrupt replicas dropped)."""
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         dests = [byte_view(b, writable=True, field="buffer") for b in buffers]
         done = [False] * len(keys)
-        if self._segment is not None:
-            local = [
-                i for i, k in enumerate(keys) if self.node_id in {p.node for p in self.cache.replicas(_check_key(k))}
-            ]
-            chunks = _get(self._local.locate_batch.remote([keys[i] for i in local])) if local else []
-            try:
-                for i, chunk in zip(local, chunks, strict=True):
-                    if chunk is not None and chunk.length == dests[i].nbytes:
-                        with contextlib.suppress(ChunkNotFound):
-                            done[i] = self._copy_local(chunk, dests[i]) == chunk.checksum
-            finally:
-                if local:
-                    self._local.release_batch.remote([keys[i] for i in local])
+        by_node: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            replicas = self._replicas(key)
+            by_node.setdefault(replicas[0].node, []).append(i)
+        for node_id, idx in by_node.items():
+            with contextlib.suppress(ChunkNotFound):  # the holder is gone: get_into tries the next replica
+                got = self._read_group(node_id, [keys[i] for i in idx], [dests[i] for i in idx])
+                for i, intact in zip(idx, got, strict=True):
+                    done[i] = intact is True
         for i, key in enumerate(keys):
             if not done[i]:
-                self.get_into(key, dests[i])  # the careful path: next replica, corrupt replicas dropped
+                self.get_into(key, dests[i])
         return [d.nbytes for d in dests]
+
+    def _read_group(self, node_id: str, keys: list[bytes], dests: list[memoryview]) -> list[bool | None]:
+        """Pin ``keys`` on ``node_id`` (promoting NVMe hits), move their bytes into ``dests``, release them.
+
+        Per key: True (intact), False (checksum mismatch) or None (not read: the node no longer holds
+        it, could not be reached, or the size differs).  ``ChunkNotFound`` if the node is gone.
+        """
+        local = node_id == self.node_id and self._segment is not None
+        actor = self._local if local else self._actor(node_id)
+        chunks: list[StoredChunk | None] = _get(actor.locate_batch.remote(keys))
+        result: list[bool | None] = [None] * len(keys)
+        try:
+            usable = [(j, c) for j, c in enumerate(chunks) if c is not None and c.length == dests[j].nbytes]
+            if local:
+                for j, c in usable:
+                    with contextlib.suppress(ChunkNotFound):
+                        result[j] = self._copy_local(c, dests[j]) == c.checksum
+                return result
+            on_nvme = [(j, c) for j, c in usable if c.tier is not Tier.DRAM]  # the transport reaches DRAM only
+            if on_nvme:
+                copies = _get(actor.read_batch.remote([c.key for _, c in on_nvme]))
+                for (j, c), data in zip(on_nvme, copies, strict=True):
+                    if data is not None:
+                        dests[j][:] = data
+                        result[j] = checksum(dests[j]) == c.checksum
+            in_dram = [(j, c) for j, c in usable if c.tier is Tier.DRAM]
+            while in_dram:  # rounds of at most STAGING_BYTES (or one chunk), one batched READ each
+                rnd: list[tuple[int, StoredChunk]] = []
+                total = 0
+                while in_dram and (not rnd or total + in_dram[0][1].length <= STAGING_BYTES):
+                    rnd.append(in_dram.pop(0))
+                    total += rnd[-1][1].length
+                staging = self._staging(total)
+                ops, at = [], 0
+                for _, c in rnd:
+                    ops.append(Op(SEGMENT_NAMES[Tier.DRAM], c.offset, staging.ctypes.data + at, c.length))
+                    at += c.length
+                try:
+                    self._transport_().read(self._peer(node_id), ops, timeout_s=self.transfer_timeout_s)
+                except TransferError as exc:
+                    log.warning("reading from %s failed: %s", node_id[:12], exc)
+                    self._peers.pop(node_id, None)
+                    return result
+                at = 0
+                for j, c in rnd:
+                    dests[j][:] = staging[at : at + c.length].data
+                    result[j] = checksum(dests[j]) == c.checksum
+                    at += c.length
+            return result
+        finally:
+            actor.release_batch.remote(keys)
 
     def _replicas(self, key: bytes) -> list[Placement]:
         """Nearest first: this node, then DRAM before NVMe before remote."""
@@ -294,43 +345,6 @@ class PoolClient:
         if not replicas:
             raise ChunkNotFound(f"chunk {short(key)} is not in the pool; recompute it")
         return sorted(replicas, key=lambda p: (p.node != self.node_id, p.tier.rank))
-
-    def _read_into(self, replica: Placement, dest: memoryview) -> int:
-        """Copy one replica into ``dest``; returns the checksum of what arrived."""
-        if replica.node == self.node_id and self._segment is not None:
-            [chunk] = _get(self._local.locate_batch.remote([replica.key]))
-            if chunk is None:
-                raise ChunkNotFound(f"chunk {short(replica.key)} left this node")
-            try:
-                return self._copy_local(chunk, dest)
-            finally:
-                self._local.release_batch.remote([replica.key])
-        return self._remote_read_into(replica, dest)
-
-    def _remote_read_into(self, replica: Placement, dest: memoryview) -> int:
-        """Pin on the holder (promoting from NVMe), READ one-sided into staging, unpin, copy out."""
-        actor = self._actor(replica.node)
-        [chunk] = _get(actor.locate_batch.remote([replica.key]))
-        if chunk is None:
-            raise ChunkNotFound(f"chunk {short(replica.key)} left node {replica.node[:12]}")
-        try:
-            if chunk.tier is Tier.DRAM:
-                staging = self._staging(chunk.length)
-                op = Op(SEGMENT_NAMES[Tier.DRAM], chunk.offset, staging.ctypes.data, chunk.length)
-                try:
-                    self._transport_().read(self._peer(replica.node), [op], timeout_s=self.transfer_timeout_s)
-                except TransferError as exc:
-                    self._peers.pop(replica.node, None)
-                    raise ChunkNotFound(f"chunk {short(replica.key)}: {exc}") from exc
-                dest[:] = staging[: chunk.length].data
-            else:  # left on the holder's NVMe: the transport reaches DRAM segments only
-                [data] = _get(actor.read_batch.remote([replica.key]))
-                if data is None:
-                    raise ChunkNotFound(f"chunk {short(replica.key)} left node {replica.node[:12]}")
-                dest[:] = data
-        finally:
-            actor.release_batch.remote([replica.key])
-        return checksum(dest)
 
     def _copy_local(self, chunk: StoredChunk, dest: memoryview) -> int:
         assert self._segment is not None

@@ -157,3 +157,22 @@ def test_bad_input(client: PoolClient) -> None:
         client.put(key, np.zeros((4, 4))[:, 1])
     assert client.remove(key) and not client.exists(key)
     assert not client.remove(key)
+
+
+def test_corrupt_bytes_on_another_node_are_caught_after_the_transfer(
+    pool: PoolConfig, client: PoolClient, ray_cluster: list[str]
+) -> None:
+    """A chunk read one-sided from another node is checked like any other: corrupt → a miss, dropped."""
+    from kvpool.pool.segment import DramSegment
+
+    keys = chunk_keys(IDENT, range(8))
+    holder = ray_cluster[2]
+    client.put_batch([(keys[0], blob(7)), (keys[1], blob(8))], nodes=[holder])
+    assert client.get_batch(keys[:2]) == [blob(7), blob(8)]  # read over NIXL, intact
+    info = ray.get(ray.get_actor(actor_name(holder), namespace=pool.namespace).info.remote())
+    [p] = client.cache.replicas(keys[0])
+    with DramSegment.attach(info.dram_path, info.dram_capacity) as seg:  # same machine: reach its memory
+        seg.write(p.offset + 1000, b"\x00\x01\x02")
+    with pytest.raises(CorruptChunk):
+        client.get(keys[0])
+    assert not client.exists(keys[0]) and client.get(keys[1]) == blob(8)
