@@ -206,7 +206,7 @@ class PoolClient:
 
     def _transport_(self) -> NixlTransport:
         if self._transport is None:
-            self._transport = NixlTransport()
+            self._transport = NixlTransport(scope=self.config.metadata.cluster)
         return self._transport
 
     def _staging(self, nbytes: int) -> np.ndarray:

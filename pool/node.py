@@ -92,7 +92,7 @@ class PoolNode:
         self._own_nvme_dir = not config.nvme_dir
         nvme_bytes = config.resolved_nvme_bytes(self._nvme_dir)
         self.nvme = NvmeSegment.create(nvme_bytes, self._nvme_dir, name=tag) if nvme_bytes > 0 else None
-        self.transport = NixlTransport(f"kvpool-node-{tag}", serve=True)
+        self.transport = NixlTransport(f"kvpool-node-{tag}", serve=True, scope=config.metadata.cluster)
         self.transport.register(SEGMENT_NAMES[Tier.DRAM], self.dram.base_address, self.dram.capacity)
         self.store = ChunkStore(
             self.dram, self.nvme, watermarks=config.watermarks,

@@ -40,12 +40,18 @@ class Transport(ABC):
         """Import a peer's descriptor; returns the peer's id for :meth:`read` / :meth:`write`."""
 
     @abstractmethod
-    def read(self, peer: str, ops: Sequence[Op], timeout_s: float) -> None:
-        """Copy each op's remote range into its local range; all done, or ``TransferError``."""
+    def read(self, peer: str, ops: Sequence[Op], timeout_s: float, notify: bytes = b"") -> None:
+        """Copy each op's remote range into its local range; all done, or ``TransferError``.  A non-empty
+        ``notify`` is delivered to the peer once the transfer is complete (see :meth:`wait_notification`)."""
 
     @abstractmethod
-    def write(self, peer: str, ops: Sequence[Op], timeout_s: float) -> None:
+    def write(self, peer: str, ops: Sequence[Op], timeout_s: float, notify: bytes = b"") -> None:
         """Copy each op's local range into its remote range; all done, or ``TransferError``."""
+
+    @abstractmethod
+    def wait_notification(self, message: bytes, timeout_s: float) -> str:
+        """Block until a peer's transfer carrying ``notify=message`` has completed; returns the peer's id,
+        or ``TransferError`` after ``timeout_s``."""
 
     @abstractmethod
     def close(self) -> None:

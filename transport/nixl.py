@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 UCX_DEFAULTS = {"UCX_TLS": "posix,cma,tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 _DESCRIPTOR_VERSION = 1
 PROGRESS_INTERVAL_S = 0.001
+MAX_PENDING_NOTIFS = 10_000
 
 
 def apply_ucx_defaults() -> None:
@@ -38,8 +39,9 @@ def apply_ucx_defaults() -> None:
 
 
 class NixlTransport(Transport):
-    def __init__(self, name: str | None = None, *, serve: bool = False) -> None:
-        """``serve``: this process is a target others read from and write to (a pool node)."""
+    def __init__(self, name: str | None = None, *, serve: bool = False, scope: str = "") -> None:
+        """``serve``: this process is a target others read from and write to (a pool node).
+        ``scope`` (the cluster name): descriptors of another scope are refused by :meth:`connect`."""
         apply_ucx_defaults()
         from nixl_cu12._api import nixl_agent, nixl_agent_config
 
@@ -51,7 +53,10 @@ class NixlTransport(Transport):
             raise TransferError(f"NIXL agent {self.name} could not start: {exc}") from exc
         if "UCX" not in self._agent.backends:
             raise TransferError("NIXL has no UCX backend here; reinstall nixl-cu12")
+        self.scope = scope
         self._lock = threading.Lock()
+        self._notified = threading.Condition(self._lock)
+        self._notifs: list[tuple[str, bytes]] = []  #: (peer, message), oldest first
         self._regions: dict[str, tuple[int, int]] = {}
         self._reg_descs: dict[str, Any] = {}
         self._peers: dict[str, dict[str, tuple[int, int]]] = {}
@@ -64,7 +69,33 @@ class NixlTransport(Transport):
     def _progress(self) -> None:
         while not self._stop.wait(PROGRESS_INTERVAL_S):
             with self._lock:
-                self._agent.get_new_notifs()  # progresses UCX; kvpool sends no notifications yet
+                self._poll_notifs()
+
+    def _poll_notifs(self) -> None:
+        """Progress UCX and collect notifications (the lock is held)."""
+        new = [(peer, msg) for peer, msgs in self._agent.get_new_notifs().items() for msg in msgs]
+        if new:
+            self._notifs.extend(new)
+            del self._notifs[:-MAX_PENDING_NOTIFS]  # nobody waits for the oldest ones
+            self._notified.notify_all()
+
+    def wait_notification(self, message: bytes, timeout_s: float) -> str:
+        """Wait for a peer's transfer that carried ``notify=message``; returns that peer's id."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                for i, (peer, msg) in enumerate(self._notifs):
+                    if msg == message:
+                        del self._notifs[i]
+                        return peer
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransferError(f"no notification {message!r} within {timeout_s} s")
+                if self._progress_thread is None:
+                    self._poll_notifs()  # nobody else progresses this agent
+                    self._notified.wait(min(remaining, PROGRESS_INTERVAL_S))
+                else:
+                    self._notified.wait(remaining)
 
     def register(self, name: str, address: int, length: int) -> None:
         if name in self._regions:
@@ -85,6 +116,7 @@ class NixlTransport(Transport):
             {
                 "v": _DESCRIPTOR_VERSION,
                 "name": self.name,
+                "scope": self.scope,
                 "agent": metadata,
                 "regions": self._regions,
             },
@@ -97,9 +129,15 @@ class NixlTransport(Transport):
             if not isinstance(d, dict) or d.get("v") != _DESCRIPTOR_VERSION:
                 raise ValueError(f"not a kvpool NIXL descriptor (version {d.get('v') if isinstance(d, dict) else d!r})")
             name, regions = str(d["name"]), {str(k): (int(v[0]), int(v[1])) for k, v in d["regions"].items()}
+            if d.get("scope", "") != self.scope:
+                raise TransferError(
+                    f"descriptor of {name} belongs to cluster {d.get('scope')!r}, this transport to {self.scope!r}"
+                )
             if name not in self._peers:  # NIXL refuses to load the same agent twice
                 with self._lock:
                     self._agent.add_remote_agent(d["agent"])
+        except TransferError:
+            raise
         except Exception as exc:
             raise TransferError(f"malformed transfer descriptor: {exc}") from exc
         self._peers[name] = regions
@@ -110,13 +148,13 @@ class NixlTransport(Transport):
             with self._lock:
                 self._agent.remove_remote_agent(peer)
 
-    def read(self, peer: str, ops: Sequence[Op], timeout_s: float) -> None:
-        self._transfer("READ", peer, ops, timeout_s)
+    def read(self, peer: str, ops: Sequence[Op], timeout_s: float, notify: bytes = b"") -> None:
+        self._transfer("READ", peer, ops, timeout_s, notify)
 
-    def write(self, peer: str, ops: Sequence[Op], timeout_s: float) -> None:
-        self._transfer("WRITE", peer, ops, timeout_s)
+    def write(self, peer: str, ops: Sequence[Op], timeout_s: float, notify: bytes = b"") -> None:
+        self._transfer("WRITE", peer, ops, timeout_s, notify)
 
-    def _transfer(self, op: str, peer: str, ops: Sequence[Op], timeout_s: float) -> None:
+    def _transfer(self, op: str, peer: str, ops: Sequence[Op], timeout_s: float, notify: bytes) -> None:
         if not ops:
             return
         regions = self._peers.get(peer)
@@ -131,13 +169,15 @@ class NixlTransport(Transport):
                 raise TransferError(f"range [{o.remote_offset}, +{o.length}) is outside {o.region!r} ({length} bytes)")
             remote.append((base + o.remote_offset, o.length, 0))
         with self._lock:
-            self._run(op, peer, remote, ops, timeout_s)
+            self._run(op, peer, remote, ops, timeout_s, notify)
 
-    def _run(self, op: str, peer: str, remote: list[tuple[int, int, int]], ops: Sequence[Op], timeout_s: float) -> None:
+    def _run(
+        self, op: str, peer: str, remote: list[tuple[int, int, int]], ops: Sequence[Op], timeout_s: float, notify: bytes
+    ) -> None:
         local = self._agent.get_xfer_descs([(o.local_address, o.length, 0) for o in ops], "DRAM")
         handle = None
         try:
-            handle = self._agent.initialize_xfer(op, local, self._agent.get_xfer_descs(remote, "DRAM"), peer)
+            handle = self._agent.initialize_xfer(op, local, self._agent.get_xfer_descs(remote, "DRAM"), peer, notify)
             state = self._agent.transfer(handle)
             deadline = time.monotonic() + timeout_s
             while state == "PROC":
