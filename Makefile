@@ -40,6 +40,7 @@ pytest: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/metadata.py
 	$(PY) bench/pool.py
+	$(PY) bench/transfer.py
 
 clean:
 	rm -rf build $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

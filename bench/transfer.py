@@ -102,7 +102,7 @@ def socket_pair(family: socket.AddressFamily) -> Iterator[tuple[socket.socket, s
     tmp = tempfile.mkdtemp(prefix="kvpool-bench-sock-")
     listener = socket.socket(family, socket.SOCK_STREAM)
     client = socket.socket(family, socket.SOCK_STREAM)
-    server = None
+    server: socket.socket | None = None
     try:
         for s in (listener, client):  # before connect, so TCP scales its window to them
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
@@ -114,9 +114,9 @@ def socket_pair(family: socket.AddressFamily) -> Iterator[tuple[socket.socket, s
         server, _ = listener.accept()
         yield client, server
     finally:
-        for s in (client, server, listener):
-            if s is not None:
-                s.close()
+        for sock in (client, server, listener):
+            if sock is not None:
+                sock.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(tmp, "s"))
         os.rmdir(tmp)
@@ -128,7 +128,7 @@ def socket_row(family: socket.AddressFamily, size: int, n: int) -> dict[str, flo
     with socket_pair(family) as (receiver, sender):
 
         def send() -> None:
-            data = memoryview(np.ones(size, dtype=np.uint8))
+            data = np.ones(size, dtype=np.uint8).data
             while sender.recv(1):
                 for _ in range(n):
                     sender.sendall(data)
@@ -136,7 +136,7 @@ def socket_row(family: socket.AddressFamily, size: int, n: int) -> dict[str, flo
         thread = threading.Thread(target=send, daemon=True)
         thread.start()
         buf = np.empty(size, dtype=np.uint8)
-        view = memoryview(buf)
+        view = buf.data
 
         def one_pass() -> None:
             receiver.sendall(b"g")
@@ -358,7 +358,7 @@ def run_worker(setting: str, sizes: list[int], total: int) -> None:
     """``--_worker``: the NIXL and pool rows under the UCX environment the parent set; one RESULT line."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout in the parent: run the finally blocks
     t0 = time.perf_counter()
-    result = {"setting": setting, "ucx_tls": os.environ.get("UCX_TLS", "")}
+    result: dict[str, Any] = {"setting": setting, "ucx_tls": os.environ.get("UCX_TLS", "")}
     result["nixl"] = nixl_rows(sizes, total)
     result["pool"] = pool_rows(sizes, total)
     result["seconds"] = time.perf_counter() - t0

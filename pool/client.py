@@ -127,12 +127,12 @@ class PoolClient:
             raise ChunkNotFound(f"no live pool node {', '.join(u[:12] for u in unknown)}: pick from kvpool status")
         targets = list(dict.fromkeys(nodes)) or self._targets(replicas)
         sums = [checksum(v) for _, v in views]
-        revision = 0
+        revision, replicated = 0, len(targets) > 1
         for node_id in targets:
             if node_id == self.node_id and self._segment is not None:
-                revision = max(revision, self._local_put(views, sums, replicated=replicas > 1))
+                revision = max(revision, self._local_put(views, sums, replicated))
             else:
-                revision = max(revision, self._remote_put(node_id, views, sums, replicated=replicas > 1))
+                revision = max(revision, self._remote_put(node_id, views, sums, replicated))
         self.cache.wait_until(lambda c: c.revision >= revision, timeout_s=self.config.metadata.retry_deadline_s)
 
     def _targets(self, replicas: int) -> list[str]:

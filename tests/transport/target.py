@@ -1,5 +1,8 @@
 """A transfer target in its own process: a DRAM segment with known bytes, registered with NIXL.
 
+``python target.py DIRECTORY``: the segment file goes in DIRECTORY, which the test removes (a killed
+target cannot remove its own file).
+
 Prints ``DESCRIPTOR <hex>`` when ready; then each stdin line is a command: ``crc OFFSET LENGTH`` prints
 the crc32c of that range; ``quit`` exits.
 """
@@ -14,7 +17,7 @@ from kvpool.transport.nixl import NixlTransport
 
 SIZE = 64 << 20
 
-seg = DramSegment.create(SIZE)
+seg = DramSegment.create(SIZE, sys.argv[1])
 seg.write(0, np.arange(SIZE, dtype=np.uint8) * 7)
 transport = NixlTransport(serve=True)
 transport.register("dram0", seg.base_address, seg.capacity)

@@ -1,7 +1,9 @@
 """NixlTransport between two real processes: byte-exact reads and writes, and every failure bounded."""
 
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +22,10 @@ SIZE = 64 << 20
 
 class Target:
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, TARGET], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.dir = tempfile.mkdtemp(prefix="kvpool-test-target-", dir="/dev/shm")
+        self.proc = subprocess.Popen(
+            [sys.executable, TARGET, self.dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         self.descriptor = bytes.fromhex(self._answer("DESCRIPTOR"))
 
     def _answer(self, tag: str) -> str:
@@ -40,6 +45,7 @@ class Target:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
