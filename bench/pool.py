@@ -109,7 +109,14 @@ class RemoteSide:
         return time.perf_counter() - t0
 
     def get(self, keys: list[bytes], size: int) -> float:
-        return get_all(self.client, keys, [np.empty(size, dtype=np.uint8) for _ in range(min(len(keys), 8))])
+        bufs = [np.empty(size, dtype=np.uint8) for _ in range(min(len(keys), 8))]
+        for b in bufs:  # registered once, as a serving engine registers its KV buffers
+            self.client.register_buffer(b)
+        try:
+            return get_all(self.client, keys, bufs)
+        finally:
+            for b in bufs:
+                self.client.unregister_buffer(b)
 
     def remove(self, keys: list[bytes]) -> None:
         for k in keys:

@@ -80,6 +80,7 @@ class PoolClient:
         self._transport: NixlTransport | None = None  #: started on the first cross-node transfer
         self._stage: np.ndarray | None = None
         self._peers: dict[str, str] = {}
+        self._registered: dict[str, tuple[int, int]] = {}  #: caller buffers registered with the transport
         self.transfer_timeout_s = 30.0
         try:
             self._local = self._actor(self.node_id)
@@ -204,6 +205,43 @@ class PoolClient:
             start = end
         return revision
 
+    def _remote_read(self, node_id: str, ops: list[Op]) -> bool:
+        """One batched one-sided READ from ``node_id``; False (logged) if the transfer failed."""
+        try:
+            self._transport_().read(self._peer(node_id), ops, timeout_s=self.transfer_timeout_s)
+        except TransferError as exc:
+            log.warning("reading from %s failed: %s", node_id[:12], exc)
+            self._peers.pop(node_id, None)
+            return False
+        return True
+
+    def register_buffer(self, buffer: Any) -> None:
+        """Register a buffer the caller will ``get_into`` again and again (a KV cache, a pinned pool):
+        reads from other nodes into it then land there directly, without a staging copy.  The buffer must
+        stay alive until :meth:`unregister_buffer` or :meth:`close`."""
+        view = byte_view(buffer, writable=True, field="buffer")
+        address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        name = f"user-{address:x}-{view.nbytes}"
+        if name not in self._registered:
+            self._transport_().register(name, address, view.nbytes)
+            self._registered[name] = (address, view.nbytes)
+
+    def unregister_buffer(self, buffer: Any) -> None:
+        view = byte_view(buffer, writable=True, field="buffer")
+        name = f"user-{np.frombuffer(view, dtype=np.uint8).ctypes.data:x}-{view.nbytes}"
+        if self._registered.pop(name, None) is not None:
+            self._transport_().deregister(name)
+
+    def _registered_address(self, dest: memoryview) -> int | None:
+        """The address of ``dest`` if it lies inside a registered buffer."""
+        if not self._registered:
+            return None
+        address = np.frombuffer(dest, dtype=np.uint8).ctypes.data
+        for start, length in self._registered.values():
+            if start <= address and address + dest.nbytes <= start + length:
+                return int(address)
+        return None
+
     def _transport_(self) -> NixlTransport:
         if self._transport is None:
             self._transport = NixlTransport(scope=self.config.metadata.cluster)
@@ -313,22 +351,26 @@ class PoolClient:
                         dests[j][:] = data
                         result[j] = checksum(dests[j]) == c.checksum
             in_dram = [(j, c) for j, c in usable if c.tier is Tier.DRAM]
-            while in_dram:  # rounds of at most STAGING_BYTES (or one chunk), one batched READ each
+            direct = [(j, c, a) for j, c in in_dram if (a := self._registered_address(dests[j])) is not None]
+            staged = [(j, c) for j, c in in_dram if self._registered_address(dests[j]) is None]
+            if direct:  # straight into the caller's registered buffers: no staging, no copy
+                ops = [Op(SEGMENT_NAMES[Tier.DRAM], c.offset, a, c.length) for _, c, a in direct]
+                if not self._remote_read(node_id, ops):
+                    return result
+                for j, c, _ in direct:
+                    result[j] = checksum(dests[j]) == c.checksum
+            while staged:  # rounds of at most STAGING_BYTES (or one chunk), one batched READ each
                 rnd: list[tuple[int, StoredChunk]] = []
                 total = 0
-                while in_dram and (not rnd or total + in_dram[0][1].length <= STAGING_BYTES):
-                    rnd.append(in_dram.pop(0))
+                while staged and (not rnd or total + staged[0][1].length <= STAGING_BYTES):
+                    rnd.append(staged.pop(0))
                     total += rnd[-1][1].length
                 staging = self._staging(total)
                 ops, at = [], 0
                 for _, c in rnd:
                     ops.append(Op(SEGMENT_NAMES[Tier.DRAM], c.offset, staging.ctypes.data + at, c.length))
                     at += c.length
-                try:
-                    self._transport_().read(self._peer(node_id), ops, timeout_s=self.transfer_timeout_s)
-                except TransferError as exc:
-                    log.warning("reading from %s failed: %s", node_id[:12], exc)
-                    self._peers.pop(node_id, None)
+                if not self._remote_read(node_id, ops):
                     return result
                 at = 0
                 for j, c in rnd:

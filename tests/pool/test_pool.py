@@ -94,6 +94,12 @@ def test_put_on_one_node_get_on_another(pool: PoolConfig, client: PoolClient, ra
     ray.get(other.call.remote("put_batch", [(k, blob(i)) for i, k in enumerate(keys[:3])]))
     assert {p.node for k in keys[:3] for p in client.cache.replicas(k)} == {ray_cluster[1]}
     assert client.get_batch(keys[:3]) == [blob(i) for i in range(3)]
+    kv = np.zeros(3 * len(blob(0)), dtype=np.uint8)  # a caller's long-lived buffer: READs land in it directly
+    client.register_buffer(kv)
+    parts = [kv[i * len(blob(0)) : (i + 1) * len(blob(0))] for i in range(3)]
+    client.get_into_batch(keys[:3], parts)
+    assert [p.tobytes() for p in parts] == [blob(i) for i in range(3)]
+    client.unregister_buffer(kv)
     client.put(keys[3], blob(3))
     assert ray.get(other.call.remote("get", keys[3])) == blob(3)
 

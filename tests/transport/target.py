@@ -1,7 +1,7 @@
 """A transfer target in its own process: a DRAM segment with known bytes, registered with NIXL.
 
-``python target.py DIRECTORY``: the segment file goes in DIRECTORY, which the test removes (a killed
-target cannot remove its own file).
+``python target.py DIRECTORY KIND``: the segment file goes in DIRECTORY, which the test removes (a killed
+target cannot remove its own file); KIND is ``nixl`` or ``shm``.
 
 Prints ``DESCRIPTOR <hex>`` when ready; then each stdin line is a command: ``crc OFFSET LENGTH`` prints
 the crc32c of that range; ``quit`` exits.
@@ -14,12 +14,13 @@ import numpy as np
 
 from kvpool.pool.segment import DramSegment
 from kvpool.transport.nixl import NixlTransport
+from kvpool.transport.shm import ShmTransport
 
 SIZE = 64 << 20
 
 seg = DramSegment.create(SIZE, sys.argv[1])
 seg.write(0, np.arange(SIZE, dtype=np.uint8) * 7)
-transport = NixlTransport(serve=True)
+transport = NixlTransport(serve=True) if sys.argv[2] == "nixl" else ShmTransport()
 transport.register("dram0", seg.base_address, seg.capacity)
 print("DESCRIPTOR", transport.descriptor().hex(), flush=True)
 for line in sys.stdin:
@@ -28,6 +29,8 @@ for line in sys.stdin:
         off, length = map(int, args)
         with seg.view(off, length) as v:
             print("CRC", crc32c.crc32c(v), flush=True)
+    elif cmd == "wait":  # a notification, then its sender
+        print("FROM", transport.wait_notification(args[0].encode(), timeout_s=30), flush=True)
     elif cmd == "quit":
         break
 transport.close()

@@ -1,4 +1,5 @@
-"""NixlTransport between two real processes: byte-exact reads and writes, and every failure bounded."""
+"""Conformance: every Transport between two real processes — byte-exact reads and writes, notifications,
+and every failure a bounded TransferError.  The same tests run on NIXL/UCX and on shared memory."""
 
 import shutil
 import subprocess
@@ -13,18 +14,26 @@ import numpy as np
 import pytest
 
 from kvpool.errors import TransferError
-from kvpool.transport.base import Op
+from kvpool.transport.base import Op, Transport
 from kvpool.transport.nixl import NixlTransport
+from kvpool.transport.shm import ShmTransport
 
 TARGET = str(Path(__file__).with_name("target.py"))
 SIZE = 64 << 20
 
 
+KINDS = ["nixl", "shm"]
+
+
+def make(kind: str, **kw: object) -> Transport:
+    return NixlTransport(**kw) if kind == "nixl" else ShmTransport(**kw)  # type: ignore[arg-type]
+
+
 class Target:
-    def __init__(self) -> None:
+    def __init__(self, kind: str) -> None:
         self.dir = tempfile.mkdtemp(prefix="kvpool-test-target-", dir="/dev/shm")
         self.proc = subprocess.Popen(
-            [sys.executable, TARGET, self.dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            [sys.executable, TARGET, self.dir, kind], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         self.descriptor = bytes.fromhex(self._answer("DESCRIPTOR"))
 
@@ -41,6 +50,12 @@ class Target:
         self.proc.stdin.flush()
         return int(self._answer("CRC"))
 
+    def wait(self, message: str) -> str:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"wait {message}\n")
+        self.proc.stdin.flush()
+        return self._answer("FROM")
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -48,16 +63,21 @@ class Target:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+@pytest.fixture(scope="module", params=KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def target() -> Iterator[Target]:
-    t = Target()
+def target(kind: str) -> Iterator[Target]:
+    t = Target(kind)
     yield t
     t.stop()
 
 
 @pytest.fixture(scope="module")
-def initiator() -> Iterator[tuple[NixlTransport, np.ndarray]]:
-    transport = NixlTransport()
+def initiator(kind: str) -> Iterator[tuple[Transport, np.ndarray]]:
+    transport = make(kind)
     buf = np.zeros(SIZE, dtype=np.uint8)
     transport.register("local", buf.ctypes.data, buf.nbytes)
     yield transport, buf
@@ -68,7 +88,7 @@ def expected(offset: int, length: int) -> np.ndarray:
     return (np.arange(offset, offset + length, dtype=np.uint64) * 7 % 256).astype(np.uint8)
 
 
-def test_read_is_byte_exact(target: Target, initiator: tuple[NixlTransport, np.ndarray]) -> None:
+def test_read_is_byte_exact(target: Target, initiator: tuple[Transport, np.ndarray]) -> None:
     transport, buf = initiator
     peer = transport.connect(target.descriptor)
     addr = buf.ctypes.data
@@ -83,7 +103,7 @@ def test_read_is_byte_exact(target: Target, initiator: tuple[NixlTransport, np.n
     assert buf[20 << 20] == expected(4097, 1)[0]
 
 
-def test_write_is_byte_exact(target: Target, initiator: tuple[NixlTransport, np.ndarray]) -> None:
+def test_write_is_byte_exact(target: Target, initiator: tuple[Transport, np.ndarray]) -> None:
     transport, buf = initiator
     peer = transport.connect(target.descriptor)
     data = np.random.default_rng(3).integers(0, 256, 8 << 20, dtype=np.uint8)
@@ -92,7 +112,7 @@ def test_write_is_byte_exact(target: Target, initiator: tuple[NixlTransport, np.
     assert target.crc(32 << 20, data.nbytes) == crc32c.crc32c(data)
 
 
-def test_bad_requests_are_transfer_errors(target: Target, initiator: tuple[NixlTransport, np.ndarray]) -> None:
+def test_bad_requests_are_transfer_errors(target: Target, initiator: tuple[Transport, np.ndarray]) -> None:
     transport, buf = initiator
     peer = transport.connect(target.descriptor)
     with pytest.raises(TransferError, match="no region"):
@@ -107,9 +127,23 @@ def test_bad_requests_are_transfer_errors(target: Target, initiator: tuple[NixlT
         transport.connect(b"\x81\xa1v\x07")  # a descriptor of another version
 
 
-def test_dead_peer_is_a_bounded_transfer_error(initiator: tuple[NixlTransport, np.ndarray]) -> None:
+def test_notification_follows_the_transfer(target: Target, initiator: tuple[Transport, np.ndarray]) -> None:
     transport, buf = initiator
-    victim = Target()
+    peer = transport.connect(target.descriptor)
+    transport.read(peer, [Op("dram0", 0, buf.ctypes.data, 1 << 20)], timeout_s=30, notify=b"taken-7")
+    assert target.wait("taken-7")  # the target learns who took it
+
+
+def test_another_clusters_descriptor_is_refused(kind: str, target: Target) -> None:
+    other = make(kind, scope="elsewhere")
+    with pytest.raises(TransferError, match="belongs to cluster"):
+        other.connect(target.descriptor)
+    other.close()
+
+
+def test_dead_peer_is_a_bounded_transfer_error(kind: str, initiator: tuple[Transport, np.ndarray]) -> None:
+    transport, buf = initiator
+    victim = Target(kind)
     peer = transport.connect(victim.descriptor)
     transport.read(peer, [Op("dram0", 0, buf.ctypes.data, 4096)], timeout_s=30)  # connected and working
     victim.stop()
