@@ -12,19 +12,32 @@ per GB under each figure:
 
 The NIXL and pool rows run twice, each in a fresh process of this script (UCX reads its environment when
 an agent starts): with kvpool's default ``UCX_TLS=posix,cma,tcp`` and with ``UCX_TLS=tcp``, both with
-``UCX_NET_DEVICES=lo``.  A Mooncake Store comparison is skipped (reported) unless ``mooncake`` imports.
+``UCX_NET_DEVICES=lo``.
+
+Beside them, a benchmark peer: Mooncake Store over TCP, when ``mooncake`` (``mooncake-transfer-engine-non-cuda``,
+not a kvpool dependency; this script installs nothing) is installed, else reported as skipped.  A
+``mooncake_master`` and two store clients run as separate processes (P2P handshake, no metadata server): client A
+(127.0.0.2) mounts the segment that holds the values; client B (127.0.0.3, a small segment of its own)
+``batch_put_from``s them onto A's segment (``preferred_segment``, checked) and ``batch_get_into``s them back, from
+and into registered buffers, 8 values per call like the pool's get.  Mooncake's transfer engine listens on all
+addresses whatever it is told, so these processes run in a private network namespace (``unshare --net``) that has
+only a loopback interface.
 
     python bench/transfer.py [--sizes 1,4,16,64] [--mib-per-size 128] [--json bench/results/transfer.json]
 """
 
 import argparse
 import contextlib
+import ctypes
+import fcntl
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -291,11 +304,17 @@ def pool_rows(sizes: list[int], total: int) -> list[dict[str, Any]]:
 
         def get(self, keys: list[bytes], size: int, batch: int) -> tuple[float, float]:
             bufs = [np.empty(size, dtype=np.uint8) for _ in range(min(batch, len(keys)))]
-            t0, c0 = time.perf_counter(), time.process_time()
-            for i in range(0, len(keys), len(bufs)):
-                chunk = keys[i : i + len(bufs)]
-                self.client.get_into_batch(chunk, bufs[: len(chunk)])
-            return time.perf_counter() - t0, time.process_time() - c0
+            for b in bufs:  # registered, as Mooncake's batch_get_into buffers are: READs land in them directly
+                self.client.register_buffer(b)
+            try:
+                t0, c0 = time.perf_counter(), time.process_time()
+                for i in range(0, len(keys), len(bufs)):
+                    chunk = keys[i : i + len(bufs)]
+                    self.client.get_into_batch(chunk, bufs[: len(chunk)])
+                return time.perf_counter() - t0, time.process_time() - c0
+            finally:
+                for b in bufs:
+                    self.client.unregister_buffer(b)
 
         def remove(self, keys: list[bytes]) -> None:
             for k in keys:
@@ -365,6 +384,32 @@ def run_worker(setting: str, sizes: list[int], total: int) -> None:
     print("RESULT", json.dumps(result), flush=True)
 
 
+def run_child(cmd: list[str], env: dict[str, str], label: str, console: Console) -> dict[str, Any]:
+    """Run a worker of this script, echo its ``PROGRESS`` lines and return its ``RESULT``; stop it after
+    ``WORKER_TIMEOUT_S`` (SIGTERM, so it stops what it started; SIGKILL 90 s later)."""
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        timer = threading.Timer(WORKER_TIMEOUT_S, proc.terminate)
+        timer.start()
+        result = None
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.startswith("PROGRESS "):
+                    console.print(f"  {label}: {line[9:].strip()}", markup=False)
+                elif line.startswith("RESULT "):
+                    result = json.loads(line[7:])
+            proc.wait()
+        finally:
+            timer.cancel()
+            stop_process(proc, grace_s=90)
+        if result is None:
+            err.seek(0)
+            tail = err.read().decode(errors="replace")[-3000:]
+            raise RuntimeError(f"the {label} worker exited with {proc.returncode} and no result:\n{tail}")
+    return result
+
+
 def spawn_worker(setting: str, args: argparse.Namespace, console: Console) -> dict[str, Any]:
     env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", **SETTINGS[setting][1]}
     cmd = [
@@ -377,42 +422,260 @@ def spawn_worker(setting: str, args: argparse.Namespace, console: Console) -> di
         "--mib-per-size",
         str(args.mib_per_size),
     ]
-    with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-        timer = threading.Timer(WORKER_TIMEOUT_S, proc.terminate)  # SIGTERM: the worker stops what it started
-        timer.start()
-        result = None
+    return run_child(cmd, env, f"UCX_TLS={SETTINGS[setting][0]}", console)
+
+
+def stop_process(proc: subprocess.Popen[Any], grace_s: float = 15, quit_stdin: bool = False) -> None:
+    """Stop a child: ``quit`` on its stdin (if asked) or SIGTERM, then SIGKILL after ``grace_s``."""
+    if proc.poll() is None:
+        if quit_stdin and proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.write("quit\n")
+                proc.stdin.close()
+        else:
+            proc.terminate()
         try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if line.startswith("PROGRESS "):
-                    console.print(f"  UCX_TLS={SETTINGS[setting][0]}: {line[9:].strip()}", markup=False)
-                elif line.startswith("RESULT "):
-                    result = json.loads(line[7:])
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
             proc.wait()
+
+
+# -- Mooncake Store (a benchmark peer, not a kvpool dependency) ---------------------------------------------
+
+MOONCAKE_MASTER = "127.0.0.1"
+MOONCAKE_HOLDER = "127.0.0.2"  #: client A: mounts the segment that holds the values
+MOONCAKE_READER = "127.0.0.3"  #: client B: puts the values onto A's segment and gets them back
+MOONCAKE_READER_SEGMENT = 64 * MiB  #: B's own segment (the values must not land there; checked)
+MOONCAKE_BATCH = 8  #: values per batch_put_from / batch_get_into call, as in the pool's get
+MOONCAKE_INSTALL = (
+    "to include it, install Mooncake beside kvpool (a benchmark peer, not a kvpool dependency): Debian's "
+    "`apt-get install libibverbs1 librdmacm1` (needed even for TCP), then `pip install "
+    "mooncake-transfer-engine-non-cuda` into this environment"
+)
+
+
+def die_with_parent() -> None:
+    """``preexec_fn``: the child gets SIGKILL when its parent dies (PR_SET_PDEATHSIG; kept across exec)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+def loopback_namespace() -> None:
+    """Check that this process is in a network namespace with no interface but ``lo`` (``unshare --net``),
+    and bring ``lo`` up (SIOCGIFFLAGS / SIOCSIFFLAGS with IFF_UP)."""
+    names = sorted(name for _, name in socket.if_nameindex())
+    if names != ["lo"]:
+        raise RuntimeError(f"not in a private network namespace: interfaces {names}")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        flags = struct.unpack("16sH22x", fcntl.ioctl(s, 0x8913, struct.pack("16sH22x", b"lo", 0)))[1]
+        fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", flags | 0x1))
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(host: str, port: int, proc: subprocess.Popen[Any], timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None:
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f} s")
+        time.sleep(0.1)
+    raise RuntimeError(f"mooncake_master exited with {proc.returncode}")
+
+
+def run_mooncake_holder(master: str, capacity: int) -> None:
+    """``--_mooncake_holder``: client A mounts a ``capacity``-byte segment, prints ``SEGMENT <name>`` and
+    serves it until EOF or ``quit`` on stdin."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    rc = store.setup(MOONCAKE_HOLDER, "P2PHANDSHAKE", capacity, 16 * MiB, "tcp", "", master)
+    try:
+        if rc:
+            raise RuntimeError(f"the holder's MooncakeDistributedStore.setup returned {rc}")
+        print("SEGMENT", store.get_hostname(), flush=True)
+        for line in sys.stdin:
+            if line.strip() == "quit":
+                break
+    finally:
+        store.close()
+
+
+def run_mooncake(sizes: list[int], total: int) -> None:
+    """``--_mooncake`` (in a private network namespace): start ``mooncake_master`` and client A, be client B
+    and measure; one RESULT line (``skipped`` if ``mooncake.store`` does not import)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout in the parent: run the finally blocks
+    try:
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+    except ImportError as e:
+        skipped = f"Mooncake Store comparison skipped: mooncake.store does not import ({e}); {MOONCAKE_INSTALL}"
+        print("RESULT", json.dumps({"skipped": skipped}), flush=True)
+        return
+    loopback_namespace()
+    t0 = time.perf_counter()
+    env = {**os.environ, "GLOG_minloglevel": "1"}  # Mooncake logs every connection at INFO
+    capacity = 2 * total + 2 * max(sizes)  # the values of one size stay well under its eviction watermark
+    batch_bytes = max(min(MOONCAKE_BATCH, max(1, total // size)) * size for size in sizes)
+    rows: list[dict[str, Any]] = []
+    master = holder = store = None
+    registered: list[np.ndarray] = []
+    with tempfile.TemporaryFile() as log:
+        try:
+            port = free_port(MOONCAKE_MASTER)
+            master = subprocess.Popen(
+                [sys.executable, "-m", "mooncake.cli",  # execs the wheel's mooncake_master binary
+                 f"--rpc_address={MOONCAKE_MASTER}", f"--rpc_port={port}",
+                 f"--metrics_host={MOONCAKE_MASTER}", f"--metrics_port={free_port(MOONCAKE_MASTER)}"],
+                stdout=log, stderr=log, env=env, preexec_fn=die_with_parent,
+            )  # fmt: skip
+            wait_listening(MOONCAKE_MASTER, port, master)
+            address = f"{MOONCAKE_MASTER}:{port}"
+            holder = subprocess.Popen(
+                [sys.executable, SCRIPT, "--_mooncake_holder", address, str(capacity)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                env={**env, "MC_TCP_BIND_ADDRESS": MOONCAKE_HOLDER}, preexec_fn=die_with_parent,
+            )  # fmt: skip
+            assert holder.stdout is not None
+            segment = next((line.split()[1] for line in holder.stdout if line.startswith("SEGMENT ")), "")
+            if not segment:
+                raise RuntimeError(f"the Mooncake holder exited ({holder.wait()}) without a segment")
+
+            os.environ["MC_TCP_BIND_ADDRESS"] = MOONCAKE_READER  # read by setup
+            store = MooncakeDistributedStore()
+            rc = store.setup(MOONCAKE_READER, "P2PHANDSHAKE", MOONCAKE_READER_SEGMENT, 16 * MiB, "tcp", "", address)
+            if rc:
+                raise RuntimeError(f"the reader's MooncakeDistributedStore.setup returned {rc}")
+            src = np.random.default_rng(0).integers(0, 256, batch_bytes, dtype=np.uint8)
+            dst = np.ones(batch_bytes, dtype=np.uint8)  # pages faulted in now, not in the first get
+            for buf in (src, dst):
+                if store.register_buffer(buf.ctypes.data, buf.nbytes):
+                    raise RuntimeError("MooncakeDistributedStore.register_buffer failed")
+                registered.append(buf)
+            config = ReplicateConfig()
+            config.replica_num = 1
+            config.preferred_segment = segment
+            for size in sizes:
+                rows += mooncake_cells(store, config, holder.pid, src, dst, size, total)
+                progress(f"{size // MiB} MiB done")
+        except BaseException:
+            log.seek(0)
+            sys.stderr.write(log.read().decode(errors="replace")[-3000:])
+            raise
         finally:
-            timer.cancel()
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=90)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-        if result is None:
-            err.seek(0)
-            tail = err.read().decode(errors="replace")[-3000:]
-            raise RuntimeError(f"the {setting} worker exited with {proc.returncode} and no result:\n{tail}")
-    return result
+            if store is not None:
+                for buf in registered:
+                    store.unregister_buffer(buf.ctypes.data)
+                store.close()
+            if holder is not None:
+                stop_process(holder, quit_stdin=True)
+            if master is not None:
+                stop_process(master)
+    print("RESULT", json.dumps({"rows": rows, "seconds": time.perf_counter() - t0}), flush=True)
 
 
-def mooncake_status() -> str:
+def mooncake_cells(
+    store: Any, config: Any, holder_pid: int, src: np.ndarray, dst: np.ndarray, size: int, total: int
+) -> list[dict[str, Any]]:
+    """Client B's put and get rows for one value size: ``REPEAT`` timed put passes (the keys removed between
+    them: a key is not put twice), then ``REPEAT`` timed get passes; the last get's bytes checked."""
+    n = max(1, total // size)
+    batch = min(MOONCAKE_BATCH, n)
+    keys = [f"bench-{size}-{i}" for i in range(n)]
+
+    def each_batch(call: Callable[..., list[int]], buf: np.ndarray, ks: list[str], *extra: Any) -> list[int]:
+        codes: list[int] = []
+        for i in range(0, len(ks), batch):
+            chunk = ks[i : i + batch]
+            ptrs = [buf.ctypes.data + j * size for j in range(len(chunk))]
+            codes += call(chunk, ptrs, [size] * len(chunk), *extra)
+        return codes
+
+    def put(ks: list[str]) -> None:
+        codes = each_batch(store.batch_put_from, src, ks, config)
+        if any(codes):
+            raise RuntimeError(f"batch_put_from returned {sorted(set(codes))}")
+
+    def get(ks: list[str]) -> None:
+        codes = each_batch(store.batch_get_into, dst, ks)
+        if any(c != size for c in codes):
+            raise RuntimeError(f"batch_get_into returned {sorted(set(codes))}, not {size}")
+
+    def remove(ks: list[str]) -> None:
+        codes = store.batch_remove(ks, True)  # force: a get leaves a lease on the value
+        if any(codes):
+            raise RuntimeError(f"batch_remove returned {sorted(set(codes))}")
+
+    def timed(step: Callable[[list[str]], None]) -> tuple[float, float, float]:
+        t0, c0, h0 = time.perf_counter(), time.process_time(), proc_cpu_s(holder_pid)
+        step(keys)
+        return time.perf_counter() - t0, time.process_time() - c0, proc_cpu_s(holder_pid) - h0
+
+    def cell(samples: list[tuple[float, float, float]]) -> dict[str, float]:
+        median = statistics.median(s for s, _, _ in samples)
+        moved_gb = len(samples) * n * size / 1e9
+        return {
+            "gbps": gbps(n * size, median),
+            "ops_s": n / median,
+            "cpu_s_per_gb": sum(c for _, c, _ in samples) / moved_gb,
+            "target_cpu_s_per_gb": sum(h for _, _, h in samples) / moved_gb,
+        }
+
+    warm = [f"warm-{size}"]  # connects (first size) and touches the segment's allocator
+    put(warm)
+    get(warm)
+    remove(warm)
+    puts = []
+    for rep in range(REPEAT):
+        puts.append(timed(put))
+        if rep == 0:
+            descs = store.batch_get_replica_desc(keys)  # endpoints: host:port of the holding client's transport
+            hosts = {
+                r.get_memory_descriptor().buffer_descriptor.transport_endpoint.rsplit(":", 1)[0]
+                if r.is_memory_replica()
+                else "disk"
+                for k in keys
+                for r in descs[k]
+            }
+            if hosts != {MOONCAKE_HOLDER}:
+                raise RuntimeError(f"the values landed on {sorted(hosts)}, not only on the holder ({MOONCAKE_HOLDER})")
+        if rep < REPEAT - 1:
+            remove(keys)
+    gets = [timed(get) for _ in range(REPEAT)]
+    last = n - (n - 1) // batch * batch  # values in the last batch, read into dst[: last * size]
+    if not np.array_equal(dst[: last * size], src[: last * size]):
+        raise RuntimeError(f"batch_get_into returned other bytes than were put ({size // MiB} MiB values)")
+    remove(keys)
+    return [
+        {"size_mib": size // MiB, "op": "put", **cell(puts)},
+        {"size_mib": size // MiB, "op": "get", **cell(gets)},
+    ]
+
+
+def mooncake_figures(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    """The Mooncake rows, or why there are none (``status``)."""
     if importlib.util.find_spec("mooncake") is None:
-        return (
-            "Mooncake comparison skipped: the 'mooncake' module is not installed (it needs Debian's libibverbs1 "
-            "and librdmacm1, then `pip install mooncake-transfer-engine-non-cuda`)"
-        )
-    return "Mooncake comparison skipped: 'mooncake' is installed, but this benchmark has no Mooncake Store path yet"
+        return {
+            "status": f"Mooncake Store comparison skipped: the 'mooncake' module is not installed; {MOONCAKE_INSTALL}"
+        }
+    if shutil.which("unshare") is None:
+        return {"status": "Mooncake Store comparison skipped: it runs in a private network namespace and needs "
+                "`unshare` (util-linux)"}  # fmt: skip
+    cmd = [
+        "unshare", "--net", *([] if os.geteuid() == 0 else ["--map-root-user"]),
+        sys.executable, SCRIPT, "--_mooncake", "--sizes", args.sizes, "--mib-per-size", str(args.mib_per_size),
+    ]  # fmt: skip
+    try:
+        result = run_child(cmd, dict(os.environ), "Mooncake Store", console)
+    except RuntimeError as e:
+        return {"status": f"Mooncake Store comparison failed: {e}"}
+    if "skipped" in result:
+        return {"status": result["skipped"]}
+    return {"status": f"Mooncake Store measured ({result['seconds']:.0f} s)", **result}
 
 
 # -- the table ------------------------------------------------------------------------------------------------
@@ -436,14 +699,22 @@ def main() -> None:
     ap.add_argument("--json", default="bench/results/transfer.json", help="where to write the figures")
     ap.add_argument("--_worker", choices=sorted(SETTINGS), help=argparse.SUPPRESS)
     ap.add_argument("--_target", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--_mooncake", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--_mooncake_holder", nargs=2, metavar=("MASTER", "BYTES"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._target:
         run_target(args._target)
+        return
+    if args._mooncake_holder:
+        run_mooncake_holder(args._mooncake_holder[0], int(args._mooncake_holder[1]))
         return
     sizes = [int(s) * MiB for s in args.sizes.split(",")]
     total = args.mib_per_size * MiB
     if args._worker:
         run_worker(args._worker, sizes, total)
+        return
+    if args._mooncake:
+        run_mooncake(sizes, total)
         return
 
     console = Console()
@@ -452,13 +723,15 @@ def main() -> None:
     floor = limits(sizes, total)
     console.print("machine limits measured")
     workers = {setting: spawn_worker(setting, args, console) for setting in SETTINGS}
-    mooncake = mooncake_status()
+    mooncake = mooncake_figures(args, console)
 
     table = Table(
         title=f"kvpool transfers, GB/s ({args.mib_per_size} MiB moved per cell, median of {REPEAT} passes)",
         caption="under each figure: operations/s · CPU-seconds per GB (sockets: both ends, one process; NIXL: "
         "initiator + target; pool: the client only)\npool: a client on node 2 puts to / gets from the pool node "
-        "on node 1 (NIXL WRITE / READ plus crc32c, Ray and etcd calls)",
+        "on node 1 (NIXL WRITE / READ plus crc32c, Ray and etcd calls)\nMooncake Store (TCP): client B "
+        "batch_put_from's onto / batch_get_into's from client A's segment, 8 values per call, registered buffers "
+        "(CPU: B + A)",
     )
     table.add_column("path")
     table.add_column("UCX_TLS")
@@ -480,8 +753,12 @@ def main() -> None:
             for setting, result in workers.items():
                 table.add_row(name.format(op=op), SETTINGS[setting][0], *(fmt(c) for c in by_size(result[part], op=op)))
         table.rows[-1].end_section = True
+    if mooncake.get("rows"):
+        for op, call in (("get", "batch_get_into"), ("put", "batch_put_from")):
+            cells = by_size(mooncake["rows"], op=op)
+            table.add_row(f"Mooncake Store {op} ({call})", "(own TCP)", *(fmt(c) for c in cells))
     console.print(table)
-    console.print(mooncake)
+    console.print(mooncake["status"], markup=False)
     elapsed = time.perf_counter() - t0
     figures = {
         "sizes_mib": [s // MiB for s in sizes],
