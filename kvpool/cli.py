@@ -78,8 +78,8 @@ def render_status(cache: MetadataCache, etcd: EtcdClient, cluster: str) -> None:
     """Nodes with each tier's bytes held (from the placements) against its capacity (from the node record)."""
     nodes = cache.nodes()
     table = Table(title=f"kvpool cluster '{cluster}' — etcd {etcd.endpoints}, revision {cache.revision}")
-    for col in ("node", "host", "pid", "DRAM held / capacity", "NVMe held / capacity", "replicas", "up for"):
-        table.add_column(col, justify="right" if col not in ("node", "host") else "left")
+    for col in ("node", "host", "pid", "DRAM held / capacity", "NVMe held / capacity", "replicas", "up for", "metrics"):
+        table.add_column(col, justify="right" if col not in ("node", "host", "metrics") else "left")
     now = time.time()
     for n in nodes:
         tiers = [
@@ -87,9 +87,9 @@ def render_status(cache: MetadataCache, etcd: EtcdClient, cluster: str) -> None:
             for t in (Tier.DRAM, Tier.NVME)
         ]
         up = f"{now - n.started:.0f} s" if n.started else "?"
-        table.add_row(n.node_id[:12], n.host, str(n.pid), *tiers, str(cache.replica_count(n.node_id)), up)
+        table.add_row(n.node_id[:12], n.host, str(n.pid), *tiers, str(cache.replica_count(n.node_id)), up, n.metrics)
     if not nodes:
-        table.add_row("(no live nodes)", "", "", "", "", "", "")
+        table.add_row("(no live nodes)", "", "", "", "", "", "", "")
     console.print(table)
     console.print(
         f"chunks: {cache.chunk_count()}   replicas: {cache.replica_count()}   "

@@ -135,6 +135,7 @@ class NodeRecord:
     segments: tuple[SegmentInfo, ...] = field(default_factory=tuple)
     started: float = 0.0
     updated: float = 0.0
+    metrics: str = ""  #: host:port of the node's Prometheus endpoint ("" when it serves none)
 
     _SPEC: ClassVar[dict[str, type | tuple[type, ...]]] = {
         "host": str, "pid": int, "address": bytes, "segments": list, "started": (int, float), "updated": (int, float),
@@ -145,6 +146,7 @@ class NodeRecord:
             {
                 "host": self.host, "pid": self.pid, "address": self.address,
                 "segments": [s.to_wire() for s in self.segments], "started": self.started, "updated": self.updated,
+                "metrics": self.metrics,
             }
         )  # fmt: skip
 
@@ -154,7 +156,7 @@ class NodeRecord:
         return cls(
             node_id=node_id, host=f["host"], pid=f["pid"], address=f["address"],
             segments=tuple(SegmentInfo.from_wire(s) for s in f["segments"]),
-            started=float(f["started"]), updated=float(f["updated"]),
+            started=float(f["started"]), updated=float(f["updated"]), metrics=str(f.get("metrics", "")),
         )  # fmt: skip
 
     def capacity(self, tier: Tier) -> int:

@@ -1,1 +1,1 @@
-"""The pool: chunk keys today; segments, the ``PoolNode`` actor and the client next (issue 3)."""
+"""The pool: chunk keys, DRAM/NVMe segments, allocation and eviction, the ``PoolNode`` actor, the client."""

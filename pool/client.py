@@ -40,7 +40,7 @@ from kvpool.transport.base import Op
 from kvpool.transport.nixl import NixlTransport
 
 log = logging.getLogger(__name__)
-STAGING_BYTES = 64 << 20  #: cross-node puts move at most this much per round
+STAGING_BYTES = 64 << 20  #: cross-node transfers through the staging buffer move at most this much per round
 
 
 def checksum(view: memoryview) -> int:

@@ -44,6 +44,8 @@ class PoolConfig:
     promote_on_hit: bool = True  #: a hit on an NVMe chunk copies it back to DRAM
     alignment: int = 4096
     namespace: str = "kvpool"  #: the Ray namespace of the PoolNode actors
+    metrics_host: str = "127.0.0.1"  #: where each PoolNode serves Prometheus metrics
+    metrics_port: int = 0  #: 0: a free port per node (published in its node record); -1: no metrics
 
     def __post_init__(self) -> None:
         for name in ("dram_bytes", "nvme_bytes", "alignment"):
@@ -52,6 +54,8 @@ class PoolConfig:
                 raise ConfigError(f"{name} must be an int number of bytes, got {value!r}")
         if self.dram_bytes < 0:
             raise ConfigError(f"dram_bytes must be >= 0 (0: default), got {self.dram_bytes}")
+        if not isinstance(self.metrics_port, int) or not -1 <= self.metrics_port < 65536:
+            raise ConfigError(f"metrics_port must be -1 (off), 0 (free port) or a port, got {self.metrics_port!r}")
         if self.alignment < 1 or self.alignment & (self.alignment - 1):
             raise ConfigError(f"alignment must be a power of two, got {self.alignment}")
         if not os.path.isdir(self.shm_dir):

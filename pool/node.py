@@ -29,6 +29,7 @@ from kvpool.metadata.placement import PlacementStore
 from kvpool.metadata.records import NodeRecord, Placement, SegmentInfo, Tier
 from kvpool.metadata.registry import NodeRegistry
 from kvpool.pool.config import PoolConfig
+from kvpool.pool.metrics import StoreCollector, serve_metrics
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import SEGMENT_NAMES, ChangeKind, ChunkStore, Reservation, StoredChunk
 from kvpool.transport.nixl import NixlTransport
@@ -77,6 +78,7 @@ class NodeInfo:
     dram_capacity: int
     nvme_capacity: int
     nvme_direct: bool  #: O_DIRECT in use on the NVMe segment
+    metrics_address: str  #: host:port of its Prometheus endpoint ("" if off)
 
 
 class PoolNode:
@@ -98,6 +100,13 @@ class PoolNode:
             self.dram, self.nvme, watermarks=config.watermarks,
             promote_on_hit=config.promote_on_hit, alignment=config.alignment,
         )  # fmt: skip
+        self.etcd_errors = 0
+        self._metrics_server, self.metrics_address = None, ""
+        if config.metrics_port >= 0:
+            collector = StoreCollector(node_id, self.store, lambda: self.etcd_errors)
+            self._metrics_server, self.metrics_address = serve_metrics(
+                collector, config.metrics_host, config.metrics_port
+            )
         self.etcd = EtcdClient(config.metadata)
         ns = Namespace(config.metadata.cluster)
         self.placements = PlacementStore(self.etcd, ns)
@@ -114,7 +123,7 @@ class PoolNode:
         segments = tuple(SegmentInfo(SEGMENT_NAMES[t], t, cap, used) for t, (used, cap) in self.store.usage().items())
         return NodeRecord(
             node_id=self.node_id, host=socket.gethostname(), pid=os.getpid(),
-            address=self.transport.descriptor(), segments=segments,
+            address=self.transport.descriptor(), segments=segments, metrics=self.metrics_address,
         )  # fmt: skip
 
     def _placement(self, chunk: StoredChunk) -> Placement:
@@ -132,10 +141,14 @@ class PoolNode:
         puts = [self._placement(c) for kind, c in final.values() if kind is not ChangeKind.DROPPED]
         drops = [self._placement(c) for kind, c in final.values() if kind is ChangeKind.DROPPED]
         lease = self.registration.lease_id
-        if puts:
-            self.placements.publish(puts, lease, if_absent=False)
-        if drops:
-            self.placements.delete(drops)
+        try:
+            if puts:
+                self.placements.publish(puts, lease, if_absent=False)
+            if drops:
+                self.placements.delete(drops)
+        except MetadataUnavailable:
+            self.etcd_errors += 1
+            raise
         if final:
             self._record_dirty.set()
         return self.etcd.revision() if final else 0
@@ -148,6 +161,7 @@ class PoolNode:
                 try:
                     self.registration.update(self._record())
                 except MetadataUnavailable as exc:
+                    self.etcd_errors += 1
                     log.warning("node record not refreshed: %s", exc)
                     self._record_dirty.set()
 
@@ -161,7 +175,7 @@ class PoolNode:
     def info(self) -> NodeInfo:
         return NodeInfo(
             self.node_id, self.dram.path, self.dram.capacity, self.nvme.capacity if self.nvme else 0,
-            bool(self.nvme and self.nvme.direct),
+            bool(self.nvme and self.nvme.direct), self.metrics_address,
         )  # fmt: skip
 
     def reserve_batch(self, items: Sequence[tuple[bytes, int]]) -> list[Reservation]:
@@ -193,6 +207,7 @@ class PoolNode:
         try:
             for key, data, checksum in items:
                 self.store.put(key, memoryview(data), checksum, replicated=replicated)
+                self.store.counters["bytes_via_ray"] += len(data)
         finally:
             revision = self._publish()
         return revision
@@ -219,6 +234,7 @@ class PoolNode:
         for key in keys:
             try:
                 out.append(self.store.read(key))
+                self.store.counters["bytes_via_ray"] += len(out[-1] or b"")
                 self.store.policy.touch(key)
             except ChunkNotFound:
                 out.append(None)
@@ -254,6 +270,9 @@ class PoolNode:
         self.registration.close(revoke=True)
         self.etcd.close()
         self.transport.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         self.dram.close()
         if self.nvme is not None:
             self.nvme.close()

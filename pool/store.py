@@ -86,7 +86,10 @@ class ChunkStore:
         self._chunks: dict[bytes, StoredChunk] = {}
         self._reserved: dict[bytes, Reservation] = {}
         self._changes: list[Change] = []  #: since the last take_changes()
-        self.counters = {"puts": 0, "gets": 0, "migrations": 0, "promotions": 0, "drops": 0, "corrupt": 0}
+        self.counters = {
+            "puts": 0, "gets": 0, "migrations": 0, "promotions": 0, "drops": 0, "corrupt": 0,
+            "bytes_via_ray": 0,  #: KV bytes that came or went as Ray call arguments/results, not one-sided
+        }  # fmt: skip
 
     # -- writing ---------------------------------------------------------------------------------------
 
@@ -159,7 +162,7 @@ class ChunkStore:
             self.policy.unpin(key)
 
     def read(self, key: bytes) -> bytes:
-        """A copy of the chunk's stored bytes (the cross-node fallback path and the tests)."""
+        """A copy of the chunk's stored bytes (for chunks on NVMe that a reader cannot reach one-sided, and tests)."""
         chunk = self._require(key)
         seg = self.segments[chunk.tier]
         if isinstance(seg, DramSegment):

@@ -1,1 +1,1 @@
-"""The transfer engine: a ``Transport`` interface with a NIXL/UCX implementation (see issue 8)."""
+"""The transfer engine: the ``Transport`` interface, ``NixlTransport`` (UCX via NIXL), ``ShmTransport``, handoff."""

@@ -34,8 +34,13 @@ MAX_PENDING_NOTIFS = 10_000
 
 
 def apply_ucx_defaults() -> None:
+    """kvpool's UCX defaults, for whatever the user has not set.  On a host without RDMA devices UCX's
+    InfiniBand modules are not loaded: they have nothing to drive, and the libnl-route they pull in
+    crashes in its exit-time destructor (a segfault after every process that started an agent)."""
     for key, value in UCX_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    if not (os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband")):
+        os.environ.setdefault("UCX_MODULES", "^ib,rdmacm")
 
 
 class NixlTransport(Transport):

@@ -1,7 +1,5 @@
 """The pool on a real multi-node Ray cluster and a real etcd: PoolNode actors, PoolClient, faults."""
 
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -11,35 +9,17 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvpool.errors import ChunkNotFound, CorruptChunk, PoolFull
-from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.records import Tier
 from kvpool.pool.client import PoolClient
-from kvpool.pool.config import MiB, PoolConfig, Watermarks
+from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.keys import CacheIdentity, chunk_keys
-from kvpool.pool.node import actor_name, start_pool, stop_pool
+from kvpool.pool.node import actor_name
 
 IDENT = CacheIdentity(model="test", kv_dtype="uint8", layout="bytes", chunk_size=4)
 
 
 def blob(i: int, n: int = 256 * 1024) -> bytes:
     return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
-
-
-@pytest.fixture
-def pool(ray_cluster: list[str], metadata_config: MetadataConfig) -> Iterator[PoolConfig]:
-    config = PoolConfig(
-        metadata=metadata_config, dram_bytes=4 * MiB, nvme_bytes=8 * MiB,
-        watermarks=Watermarks(high=0.8, low=0.5), namespace=f"kvpool-{uuid.uuid4().hex[:8]}",
-    )  # fmt: skip
-    start_pool(config)
-    yield config
-    stop_pool(config)
-
-
-@pytest.fixture
-def client(pool: PoolConfig) -> Iterator[PoolClient]:
-    with PoolClient(pool) as c:
-        yield c
 
 
 @ray.remote(num_cpus=0)
@@ -102,6 +82,10 @@ def test_put_on_one_node_get_on_another(pool: PoolConfig, client: PoolClient, ra
     client.unregister_buffer(kv)
     client.put(keys[3], blob(3))
     assert ray.get(other.call.remote("get", keys[3])) == blob(3)
+    client.put_batch([(keys[4], blob(4))], nodes=[ray_cluster[1]])  # a cross-node put: NIXL WRITE
+    assert ray.get(other.call.remote("get", keys[4])) == blob(4)
+    nodes = client.stats()["nodes"]
+    assert nodes[ray_cluster[1]]["bytes_via_ray"] == 0 and nodes[client.node_id]["bytes_via_ray"] == 0
 
 
 def test_replicas_live_on_distinct_nodes_and_survive_a_node(

@@ -152,3 +152,9 @@ def test_dead_peer_is_a_bounded_transfer_error(kind: str, initiator: tuple[Trans
         transport.read(peer, [Op("dram0", 0, buf.ctypes.data, 8 << 20)], timeout_s=5)
     assert time.monotonic() - t0 < 5 + 2
     transport.disconnect(peer)
+
+
+def test_a_process_with_a_nixl_agent_exits_cleanly() -> None:
+    """UCX's InfiniBand modules, loaded on a host without RDMA devices, crashed every such process at exit."""
+    code = "from kvpool.transport.nixl import NixlTransport; NixlTransport().close()"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode == 0

@@ -1,0 +1,40 @@
+"""Each PoolNode serves Prometheus metrics on loopback; a scrape sees the pool's work."""
+
+import urllib.request
+
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpool.pool.client import PoolClient
+from kvpool.pool.keys import CacheIdentity, chunk_keys
+
+
+def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def test_metrics_endpoint_follows_the_pool(client: PoolClient) -> None:
+    [me] = [n for n in client.cache.nodes() if n.node_id == client.node_id]
+    assert me.metrics.startswith("127.0.0.1:")  # published in the node record, on loopback
+    node = (("node", client.node_id),)
+    before = scrape(me.metrics)
+    assert before[("kvpool_puts_total", node)] == 0
+    assert before[("kvpool_tier_capacity_bytes", (*node, ("tier", "dram")))] == 4 * 2**20
+
+    keys = chunk_keys(CacheIdentity(model="m", kv_dtype="u8", layout="b", chunk_size=1), range(24))
+    data = np.ones(256 * 1024, dtype=np.uint8)
+    client.put_batch([(k, data) for k in keys])  # 6 MiB into 4 MiB of DRAM: migrations to NVMe
+    client.get_batch(keys[:2])
+    after = scrape(me.metrics)
+    assert after[("kvpool_puts_total", node)] == 24
+    assert after[("kvpool_gets_total", node)] >= 2
+    moves = tuple(sorted([*node, ("from_tier", "dram"), ("to_tier", "nvme")]))
+    assert after[("kvpool_tier_moves_total", moves)] > 0
+    assert after[("kvpool_tier_used_bytes", (*node, ("tier", "nvme")))] > 0
+    assert after[("kvpool_etcd_errors_total", node)] == 0
