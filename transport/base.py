@@ -56,3 +56,12 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Deregister everything and drop every peer."""
+
+
+def pop_notification(pending: list[tuple[str, bytes]], message: bytes) -> str | None:
+    """Remove the oldest ``(peer, message)`` from ``pending``; its peer, or None when it has not come yet."""
+    for i, (peer, msg) in enumerate(pending):
+        if msg == message:
+            del pending[i]
+            return peer
+    return None

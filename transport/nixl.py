@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 
 from kvpool.errors import TransferError
-from kvpool.transport.base import Op, Transport
+from kvpool.transport.base import Op, Transport, pop_notification
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +89,8 @@ class NixlTransport(Transport):
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while True:
-                for i, (peer, msg) in enumerate(self._notifs):
-                    if msg == message:
-                        del self._notifs[i]
-                        return peer
+                if (peer := pop_notification(self._notifs, message)) is not None:
+                    return peer
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TransferError(f"no notification {message!r} within {timeout_s} s")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import msgpack
 
 from kvpool.errors import TransferError
-from kvpool.transport.base import Op, Transport
+from kvpool.transport.base import Op, Transport, pop_notification
 
 _DESCRIPTOR_VERSION = 1
 _PAGE = mmap.PAGESIZE
@@ -143,10 +143,8 @@ class ShmTransport(Transport):
     def wait_notification(self, message: bytes, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
         while True:
-            for i, (peer, msg) in enumerate(self._pending):
-                if msg == message:
-                    del self._pending[i]
-                    return peer
+            if (peer := pop_notification(self._pending, message)) is not None:
+                return peer
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TransferError(f"no notification {message!r} within {timeout_s} s")
