@@ -112,6 +112,66 @@ def status(etcd: str | None = EtcdOption, cluster: str = ClusterOption) -> None:
             client.close()
 
 
+@app.command("ls")
+def list_chunks(
+    etcd: str | None = EtcdOption,
+    cluster: str = ClusterOption,
+    node: str = typer.Option("", "--node", help="Only chunks with a replica on this node (id or prefix)."),
+    limit: int = typer.Option(50, "--limit", min=1, help="Show at most this many chunks."),
+) -> None:
+    """List chunks of a running pool: key, size, and where each replica lives (node, tier, offset)."""
+    with _errors():
+        cfg = _config(etcd, cluster)
+        if not cfg.endpoints:
+            raise KvPoolError(f"ls needs a running pool: pass --etcd host:port or set {ENDPOINTS_ENV}")
+        client = EtcdClient(cfg)
+        try:
+            with MetadataCache(client, Namespace(cfg.cluster)) as cache:
+                rows = [
+                    (key, replicas)
+                    for key, replicas in cache.chunks()
+                    if not node or any(p.node.startswith(node) for p in replicas)
+                ]
+        finally:
+            client.close()
+        table = Table(title=f"{len(rows)} chunks in cluster '{cfg.cluster}'" + (f" on node {node}" if node else ""))
+        for col in ("key", "bytes", "replicas (node: tier @ offset)", "codec", "crc32c"):
+            table.add_column(col, justify="right" if col == "bytes" else "left")
+        for key, replicas in sorted(rows, key=lambda r: r[0])[:limit]:
+            where = ", ".join(f"{p.node[:12]}: {p.tier.value} @ {p.offset}" for p in replicas)
+            table.add_row(
+                key.hex()[:16], str(replicas[0].length), where, replicas[0].codec, f"{replicas[0].checksum:08x}"
+            )
+        console.print(table)
+        if len(rows) > limit:
+            console.print(f"... and {len(rows) - limit} more (--limit)")
+
+
+@app.command()
+def down(
+    ray_address: str = typer.Option(..., "--ray-address", help="The Ray cluster the pool runs on (head host:port)."),
+    namespace: str = typer.Option("kvpool", "--namespace", help="The Ray namespace of its PoolNode actors."),
+) -> None:
+    """Stop every PoolNode of a pool started with 'kvpool up --hold --ray-address' or start_pool().
+
+    Each node revokes its lease first, so its records and placements leave etcd at once; segments are
+    freed.  Ray and etcd themselves keep running.
+    """
+    import ray
+
+    from kvpool.pool.config import PoolConfig
+    from kvpool.pool.node import stop_pool
+
+    with _errors():
+        ray.init(address=ray_address, logging_level=logging.WARNING)
+        try:
+            with console.status("stopping PoolNode actors"):
+                stopped = stop_pool(PoolConfig(namespace=namespace))
+        finally:
+            ray.shutdown()
+        console.print(f"stopped {stopped} pool node(s) in namespace {namespace!r}")
+
+
 @app.command()
 def up(
     etcd: str | None = EtcdOption,

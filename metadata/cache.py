@@ -185,6 +185,11 @@ class MetadataCache:
                 held += 1
         return held
 
+    def chunks(self) -> list[tuple[bytes, list[Placement]]]:
+        """Every chunk with its replicas."""
+        with self._cond:
+            return [(key, list(replicas.values())) for key, replicas in self._chunks.items()]
+
     def replicas(self, key: bytes) -> list[Placement]:
         with self._cond:
             return list(self._chunks.get(key, {}).values())

@@ -301,8 +301,9 @@ def start_pool(config: PoolConfig, node_ids: Sequence[str] | None = None) -> dic
     return handles
 
 
-def stop_pool(config: PoolConfig) -> None:
-    """Shut every PoolNode of ``config.namespace`` down and remove the actors."""
+def stop_pool(config: PoolConfig) -> int:
+    """Shut every PoolNode of ``config.namespace`` down and remove the actors; returns how many there were."""
+    stopped = 0
     for n in ray.nodes():
         try:
             handle = ray.get_actor(actor_name(n["NodeID"]), namespace=config.namespace)
@@ -313,3 +314,5 @@ def stop_pool(config: PoolConfig) -> None:
         except Exception as exc:  # a dead actor: its lease expires on its own
             log.warning("pool node %s did not shut down cleanly: %s", n["NodeID"], exc)
         ray.kill(handle)
+        stopped += 1
+    return stopped
