@@ -17,6 +17,7 @@ import mmap
 import os
 import threading
 import uuid
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Self
 
 from kvpool.errors import ConfigError, PoolFull
@@ -71,7 +72,7 @@ def _buffer(data: Buffer, writable: bool = False) -> memoryview:
         return view.cast("B")
 
 
-class _Segment:
+class _Segment(ABC):
     """What both tiers share: a file of ``capacity`` usable bytes, unlinked on close only by its ``owner``."""
 
     def __init__(self, path: str, capacity: int, owner: bool) -> None:
@@ -83,8 +84,9 @@ class _Segment:
         if offset < 0 or length < 0 or offset + length > self.capacity:
             raise ValueError(f"range [{offset}, {offset + length}) is outside segment [0, {self.capacity})")
 
+    @abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Release the segment (each tier says what that means)."""
 
     def __enter__(self) -> Self:
         return self
