@@ -97,19 +97,25 @@ def render_status(cache: MetadataCache, etcd: EtcdClient, cluster: str) -> None:
     )
 
 
+@contextmanager
+def _running_pool(etcd: str | None, cluster: str, command: str) -> Iterator[tuple[MetadataCache, EtcdClient]]:
+    """A synced metadata cache of a running pool (the commands that inspect one need its etcd)."""
+    cfg = _config(etcd, cluster)
+    if not cfg.endpoints:
+        raise KvPoolError(f"{command} needs a running pool: pass --etcd host:port or set {ENDPOINTS_ENV}")
+    client = EtcdClient(cfg)
+    try:
+        with MetadataCache(client, Namespace(cfg.cluster)) as cache:
+            yield cache, client
+    finally:
+        client.close()
+
+
 @app.command()
 def status(etcd: str | None = EtcdOption, cluster: str = ClusterOption) -> None:
     """Show a running pool: live nodes, their tiers (used / capacity) and the chunks they hold."""
-    with _errors():
-        cfg = _config(etcd, cluster)
-        if not cfg.endpoints:
-            raise KvPoolError(f"status needs a running pool: pass --etcd host:port or set {ENDPOINTS_ENV}")
-        client = EtcdClient(cfg)
-        try:
-            with MetadataCache(client, Namespace(cfg.cluster)) as cache:
-                render_status(cache, client, cfg.cluster)
-        finally:
-            client.close()
+    with _errors(), _running_pool(etcd, cluster, "status") as (cache, client):
+        render_status(cache, client, cluster)
 
 
 @app.command("ls")
@@ -121,20 +127,13 @@ def list_chunks(
 ) -> None:
     """List chunks of a running pool: key, size, and where each replica lives (node, tier, offset)."""
     with _errors():
-        cfg = _config(etcd, cluster)
-        if not cfg.endpoints:
-            raise KvPoolError(f"ls needs a running pool: pass --etcd host:port or set {ENDPOINTS_ENV}")
-        client = EtcdClient(cfg)
-        try:
-            with MetadataCache(client, Namespace(cfg.cluster)) as cache:
-                rows = [
-                    (key, replicas)
-                    for key, replicas in cache.chunks()
-                    if not node or any(p.node.startswith(node) for p in replicas)
-                ]
-        finally:
-            client.close()
-        table = Table(title=f"{len(rows)} chunks in cluster '{cfg.cluster}'" + (f" on node {node}" if node else ""))
+        with _running_pool(etcd, cluster, "ls") as (cache, _):
+            rows = [
+                (key, replicas)
+                for key, replicas in cache.chunks()
+                if not node or any(p.node.startswith(node) for p in replicas)
+            ]
+        table = Table(title=f"{len(rows)} chunks in cluster '{cluster}'" + (f" on node {node}" if node else ""))
         for col in ("key", "bytes", "replicas (node: tier @ offset)", "codec", "crc32c"):
             table.add_column(col, justify="right" if col == "bytes" else "left")
         for key, replicas in sorted(rows, key=lambda r: r[0])[:limit]:

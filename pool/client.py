@@ -60,6 +60,13 @@ def _get(ref: Any, timeout: float | None = 60) -> Any:
         raise ChunkNotFound(f"pool node unreachable: {type(exc).__name__}") from exc
 
 
+def _buffer_region(buffer: Any) -> tuple[str, int, int]:
+    """``(region name, address, nbytes)`` of a caller's writable buffer."""
+    view = byte_view(buffer, writable=True, field="buffer")
+    address = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    return f"user-{address:x}-{view.nbytes}", address, view.nbytes
+
+
 def _check_key(key: bytes) -> bytes:
     if not isinstance(key, bytes) or len(key) != KEY_BYTES:
         raise ValueError(f"a chunk key is {KEY_BYTES} bytes (kvpool.pool.keys.chunk_keys), got {key!r:.60}")
@@ -219,16 +226,13 @@ class PoolClient:
         """Register a buffer the caller will ``get_into`` again and again (a KV cache, a pinned pool):
         reads from other nodes into it then land there directly, without a staging copy.  The buffer must
         stay alive until :meth:`unregister_buffer` or :meth:`close`."""
-        view = byte_view(buffer, writable=True, field="buffer")
-        address = np.frombuffer(view, dtype=np.uint8).ctypes.data
-        name = f"user-{address:x}-{view.nbytes}"
+        name, address, nbytes = _buffer_region(buffer)
         if name not in self._registered:
-            self._transport_().register(name, address, view.nbytes)
-            self._registered[name] = (address, view.nbytes)
+            self._transport_().register(name, address, nbytes)
+            self._registered[name] = (address, nbytes)
 
     def unregister_buffer(self, buffer: Any) -> None:
-        view = byte_view(buffer, writable=True, field="buffer")
-        name = f"user-{np.frombuffer(view, dtype=np.uint8).ctypes.data:x}-{view.nbytes}"
+        name, _, _ = _buffer_region(buffer)
         if self._registered.pop(name, None) is not None:
             self._transport_().deregister(name)
 
@@ -351,8 +355,9 @@ class PoolClient:
                         dests[j][:] = data
                         result[j] = checksum(dests[j]) == c.checksum
             in_dram = [(j, c) for j, c in usable if c.tier is Tier.DRAM]
-            direct = [(j, c, a) for j, c in in_dram if (a := self._registered_address(dests[j])) is not None]
-            staged = [(j, c) for j, c in in_dram if self._registered_address(dests[j]) is None]
+            addresses = {j: self._registered_address(dests[j]) for j, _ in in_dram}
+            direct = [(j, c, a) for j, c in in_dram if (a := addresses[j]) is not None]
+            staged = [(j, c) for j, c in in_dram if addresses[j] is None]
             if direct:  # straight into the caller's registered buffers: no staging, no copy
                 ops = [Op(SEGMENT_NAMES[Tier.DRAM], c.offset, a, c.length) for _, c, a in direct]
                 if not self._remote_read(node_id, ops):
