@@ -23,9 +23,11 @@ from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig
 from kvpool.metadata.etcd_server import EmbeddedEtcd
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.records import Tier
+from kvpool.prefill_decode.cost import KNOWN_MODELS, REFERENCE_HARDWARE, Action, CostModel, model_spec
 
 if TYPE_CHECKING:
     from kvpool.pool.config import PoolConfig
+    from kvpool.prefill_decode.service import Service
 
 app = typer.Typer(
     help="kvpool: a distributed memory pool that keeps LLM KV caches alive outside GPU memory.",
@@ -171,6 +173,48 @@ def down(
         console.print(f"stopped {stopped} pool node(s) in namespace {namespace!r}")
 
 
+@contextmanager
+def _pool_up(
+    stack: ExitStack,
+    etcd: str | None,
+    cluster: str,
+    ray_address: str | None,
+    nodes: int,
+    dram_mib: int,
+    nvme_mib: int,
+    nvme_dir: str = "",
+) -> Iterator["PoolConfig"]:
+    """A running pool, on the embedded default unless told otherwise; stopped when ``stack`` closes."""
+    from kvpool.pool.config import MiB, PoolConfig
+    from kvpool.pool.local_cluster import LocalRayCluster
+    from kvpool.pool.node import start_pool, stop_pool
+
+    cfg = _config(etcd, cluster)
+    if not cfg.endpoints:
+        with console.status("starting embedded etcd"):
+            server = stack.enter_context(EmbeddedEtcd())
+        cfg = cfg.with_endpoints(server.endpoint)
+        console.print(f"etcd      embedded, {server.endpoint} (data in {server.data_dir})")
+    if ray_address:
+        import ray
+
+        ray.init(address=ray_address, logging_level=logging.WARNING)
+        stack.callback(ray.shutdown)
+        console.print(f"ray       attached to {ray_address}")
+    else:
+        with console.status(f"starting a local Ray cluster of {nodes} node(s)"):
+            ray_cluster = stack.enter_context(LocalRayCluster(nodes=nodes))
+        console.print(f"ray       local, {nodes} node(s) on {', '.join(ray_cluster.ips)} (head {ray_cluster.address})")
+    pool = PoolConfig(metadata=cfg, dram_bytes=dram_mib * MiB, nvme_bytes=nvme_mib * MiB or -1, nvme_dir=nvme_dir)
+    with console.status("starting PoolNode actors"):
+        start_pool(pool)
+    stack.callback(stop_pool, pool)
+    yield pool
+
+
+DEMO_MODELS = ("smollm2-135m", "tiny-llama")
+
+
 @app.command()
 def up(
     etcd: str | None = EtcdOption,
@@ -182,57 +226,130 @@ def up(
     dram_mib: int = typer.Option(256, "--dram-mib", min=1, help="DRAM segment per node, MiB."),
     nvme_mib: int = typer.Option(1024, "--nvme-mib", min=0, help="NVMe segment per node, MiB (0: no NVMe tier)."),
     nvme_dir: str = typer.Option("", "--nvme-dir", help="Where NVMe segment files go. Default: a temp dir per node."),
+    demo: str = typer.Option(
+        "smollm2-135m",
+        "--demo",
+        help=f"Model of the prefill/decode demo: {', '.join(DEMO_MODELS)}, or 'none' to skip it.",
+    ),
+    serve: int = typer.Option(
+        -1,
+        "--serve",
+        min=-1,
+        max=65535,
+        help="Serve OpenAI-style /v1/completions on 127.0.0.1:PORT (0: any port) until Ctrl-C.",
+    ),
     hold: bool = typer.Option(
-        False, "--hold", help="Keep the pool up until Ctrl-C (default: check it, print status, leave)."
+        False, "--hold", help="Keep the pool up until Ctrl-C (default: check it, run the demo, leave)."
     ),
 ) -> None:
-    """Bring a pool up, check it with a put and a get, and print its status.
+    """Bring a pool up, check it with a put and a get, run the prefill/decode demo, print the status.
 
     The embedded default needs nothing running: an etcd on a free loopback port, a local Ray cluster of
     --nodes nodes on 127.0.0.2 and up, and one PoolNode actor per node with a DRAM segment (shared
-    memory) and an NVMe segment (a file in a temp dir).  All of it stops on exit unless --hold.
+    memory) and an NVMe segment (a file in a temp dir).  The demo starts a prefill worker on the first
+    node and a decode worker on the last, asks SmolLM2 about a long document twice, and prints the time
+    to first token cold (computed) and warm (reloaded from the pool), and where the KV came from.
+    All of it stops on exit unless --hold or --serve.
     """
-    from kvpool.pool.config import MiB, PoolConfig
-    from kvpool.pool.local_cluster import LocalRayCluster
-    from kvpool.pool.node import start_pool, stop_pool
-
     with _errors(), ExitStack() as stack:
-        cfg = _config(etcd, cluster)
-        if not cfg.endpoints:
-            with console.status("starting embedded etcd"):
-                server = stack.enter_context(EmbeddedEtcd())
-            cfg = cfg.with_endpoints(server.endpoint)
-            console.print(f"etcd      embedded, {server.endpoint} (data in {server.data_dir})")
-        if ray_address:
-            import ray
-
-            ray.init(address=ray_address, logging_level=logging.WARNING)
-            stack.callback(ray.shutdown)
-            console.print(f"ray       attached to {ray_address}")
-        else:
-            with console.status(f"starting a local Ray cluster of {nodes} node(s)"):
-                ray_cluster = stack.enter_context(LocalRayCluster(nodes=nodes))
-            console.print(
-                f"ray       local, {nodes} node(s) on {', '.join(ray_cluster.ips)} (head {ray_cluster.address})"
-            )
-        pool = PoolConfig(metadata=cfg, dram_bytes=dram_mib * MiB, nvme_bytes=nvme_mib * MiB or -1, nvme_dir=nvme_dir)
-        with console.status("starting PoolNode actors"):
-            start_pool(pool)
-        stack.callback(stop_pool, pool)
+        if demo not in (*DEMO_MODELS, "none"):
+            raise ConfigError(f"--demo must be one of {', '.join(DEMO_MODELS)} or none, got {demo!r}")
+        pool = stack.enter_context(_pool_up(stack, etcd, cluster, ray_address, nodes, dram_mib, nvme_mib, nvme_dir))
         check_pool(pool)
-        client = EtcdClient(cfg)
+        service = None
+        if demo != "none" or serve >= 0:
+            service = start_service(stack, pool, demo if demo != "none" else DEMO_MODELS[0])
+        if demo != "none":
+            assert service is not None
+            run_demo(service)
+        client = EtcdClient(pool.metadata)
         stack.callback(client.close)
-        with MetadataCache(client, Namespace(cfg.cluster)) as cache:
+        with MetadataCache(client, Namespace(pool.metadata.cluster)) as cache:
             cache.sync()
-            render_status(cache, client, cfg.cluster)
-        if hold:
-            console.print(f"pool up. In another shell: kvpool status --etcd {cfg.endpoints[0]} --cluster {cfg.cluster}")
+            render_status(cache, client, pool.metadata.cluster)
+        if serve >= 0:
+            assert service is not None
+            _serve(service, serve)
+        elif hold:
+            console.print(
+                f"pool up. In another shell: kvpool status --etcd {pool.metadata.endpoints[0]} "
+                f"--cluster {pool.metadata.cluster}"
+            )
             console.print("Ctrl-C stops it.")
             try:
                 while True:
                     time.sleep(3600)
             except KeyboardInterrupt:
                 console.print("stopping")
+
+
+def start_service(stack: ExitStack, pool: "PoolConfig", model: str) -> "Service":
+    """A prefill worker on the first Ray node, a decode worker on the last, and the service over them."""
+    import os
+
+    import ray
+
+    from kvpool.prefill_decode.model import load_tokenizer
+    from kvpool.prefill_decode.service import Service
+    from kvpool.prefill_decode.workers import WorkerConfig, start_workers
+
+    ids = sorted((n["NodeManagerAddress"], n["NodeID"]) for n in ray.nodes() if n["Alive"])
+    (p_ip, p_id), (d_ip, d_id) = ids[0], ids[-1]
+    config = WorkerConfig(pool=pool, model=model, torch_threads=os.cpu_count() or 1)
+    with console.status(f"loading {model} on a prefill worker ({p_ip}) and a decode worker ({d_ip}), measuring"):
+        prefill, decode = start_workers(config, p_id, d_id)
+        tokenizer = load_tokenizer(model)
+    stack.callback(lambda: [ray.kill(h) for h in (prefill, decode)])
+    hw = ray.get(prefill.hardware.remote())
+    tiers = ", ".join(f"{t} {bw / 1e9:.2f} GB/s" for t, bw in hw.bandwidth.items())
+    console.print(f"workers   {model}: prefill on {p_ip}, decode on {d_ip}")
+    console.print(f"cost      {hw.source}: {hw.flops / 1e9:.1f} GFLOP/s effective; {tiers}")
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    return Service(prefill, decode, model=model, tokenizer=tokenizer, eos=eos)
+
+
+def run_demo(service: "Service", max_tokens: int = 32) -> None:
+    """The same long prompt twice: cold TTFT (computed), warm TTFT (reloaded), and where the KV came from."""
+    from kvpool.prefill_decode.demo import QUESTION, demo_prompt
+
+    if service.tokenizer is not None:
+        tokens = service.tokenize(demo_prompt(), chat=True)
+    else:  # a random-weight model: any tokens will do
+        tokens = [(i * 7919) % 4096 for i in range(1500)]
+    table = Table(title=f"the same {len(tokens):,}-token prompt, twice")
+    for col in ("request", "TTFT s", "router", "prompt KV", "decode worker's KV", "total s"):
+        table.add_column(col, justify="right" if col.endswith(" s") else "left")
+    answers = []
+    for i in (1, 2):
+        done = service.complete_sync(tokens, max_tokens)
+        p, d = done.prefill.summary, done.decode.summary
+        where = ", ".join(f"{b / 2**20:.1f} MiB {src}" for src, b in p.sources.items()) or "-"
+        dwhere = ", ".join(f"{b / 2**20:.1f} MiB {src}" for src, b in d.sources.items()) or "-"
+        table.add_row(
+            "cold" if i == 1 else "warm", f"{done.ttft_s:.3f}", p.action,
+            f"{p.reused_tokens} reused ({where}), {p.computed_tokens} computed",
+            f"{d.reused_tokens} reused ({dwhere}), {d.computed_tokens} computed", f"{done.total_s:.2f}",
+        )  # fmt: skip
+        answers.append(done)
+    console.print(table)
+    cold, warm = answers
+    console.print(
+        f"TTFT      cold {cold.ttft_s:.3f} s, warm {warm.ttft_s:.3f} s: {cold.ttft_s / warm.ttft_s:.1f}x faster"
+    )
+    if service.tokenizer is not None:
+        console.print(f"question  {QUESTION}")
+        console.print(f"answer    {service.detokenize(warm.tokens).strip()}")
+    if warm.tokens != cold.tokens:
+        console.print("[yellow]the warm answer differs from the cold one[/]")
+
+
+def _serve(service: "Service", port: int) -> None:
+    from aiohttp import web
+
+    from kvpool.prefill_decode.service import make_app
+
+    console.print(f"serving   http://127.0.0.1:{port or '<any>'}/v1/completions (Ctrl-C stops)")
+    web.run_app(make_app(service), host="127.0.0.1", port=port, print=lambda m: console.print(f"          {m}"))
 
 
 def check_pool(pool: "PoolConfig") -> None:
@@ -290,6 +407,117 @@ def etcd_server(
             console.print("stopping etcd")
         finally:
             server.stop()
+
+
+def _fig(x: float) -> str:
+    """Three significant figures, or two decimals from 1 up: 11.47, 5.37, 0.767, 0.0123."""
+    return f"{x:.2f}" if x >= 1 else f"{x:.3g}"
+
+
+def _si(x: float, unit: str) -> str:
+    """Three significant figures with an SI prefix: 4.59 PFLOP, 400 TFLOPS."""
+    prefixes = ("", "k", "M", "G", "T", "P", "E")
+    i = 0
+    while x >= 1000 and i < len(prefixes) - 1:
+        x, i = x / 1000, i + 1
+    return f"{x:.3g} {prefixes[i]}{unit}"
+
+
+_TIMES = "\N{MULTIPLICATION SIGN}"
+
+
+def render_plan(model: CostModel, tokens: int) -> None:
+    """The break-even table: reloading the KV of ``tokens`` tokens from each tier against recomputing it."""
+    spec, hw = model.spec, model.hardware
+    console.print(f"model     {spec.name}, {tokens:,} tokens, KV {spec.kv_bytes_per_token:,} B/token")
+    console.print(f"hardware  {hw.source}: {_si(hw.flops, 'FLOPS')} effective")
+    console.print(
+        f"prefill   {_fig(model.prefill_s(tokens))} s for {_si(model.prefill_flops(tokens), 'FLOP')} "
+        f"({'with' if model.attention else 'without'} attention)"
+    )
+    table = Table(title=f"reload the whole {tokens:,}-token prefix, or recompute it")
+    for col in ("tier", "bandwidth GB/s", "KV size GB", "reload s", "prefill s", f"speedup ({_TIMES})", "verdict"):
+        text = col in ("tier", "verdict")
+        table.add_column(col, justify="left" if text else "right", no_wrap=text)
+    for row in model.break_even(tokens):
+        speedup = f"{row.speedup:.1f}{_TIMES}" if row.speedup >= 1 else f"{row.speedup:.2g}{_TIMES}"
+        verdict = row.action.value
+        table.add_row(
+            row.tier,
+            f"{row.bandwidth / 1e9:.4g}",
+            _fig(row.kv_bytes / 1e9),
+            _fig(row.reload_s),
+            _fig(row.prefill_s),
+            speedup,
+            f"[green]{verdict}[/]" if row.action is Action.RELOAD else f"[yellow]{verdict}[/]",
+        )
+    console.print(table)
+    console.print(
+        f"break-even: reloading wins from any tier faster than {_fig(model.break_even_bandwidth(tokens) / 1e9)} GB/s"
+    )
+
+
+def _reference_gbps(tier: str) -> str:
+    return f"{REFERENCE_HARDWARE.bandwidth[tier] / 1e9:g}"
+
+
+@app.command()
+def plan(
+    model: str = typer.Argument("llama-3-70b", help=f"The model: one of {', '.join(KNOWN_MODELS)}."),
+    tokens: int = typer.Option(
+        32768, "--tokens", min=1, help="Prompt length: the cached prefix reloaded or recomputed."
+    ),
+    tflops: float | None = typer.Option(
+        None,
+        "--tflops",
+        help=f"Effective prefill compute, TFLOP/s. Default: {REFERENCE_HARDWARE.flops / 1e12:g} (reference analysis).",
+    ),
+    dram_gbps: float | None = typer.Option(
+        None,
+        "--dram-gbps",
+        help=f"DRAM tier read bandwidth, GB/s (decimal). Default: {_reference_gbps('dram')} (reference analysis).",
+    ),
+    nvme_gbps: float | None = typer.Option(
+        None,
+        "--nvme-gbps",
+        help=f"NVMe tier read bandwidth, GB/s (decimal). Default: {_reference_gbps('nvme')} (reference analysis).",
+    ),
+    remote_gbps: float | None = typer.Option(
+        None,
+        "--remote-gbps",
+        help=f"Remote tier (S3) read bandwidth, GB/s (decimal). Default: {_reference_gbps('remote')} (reference analysis).",
+    ),
+    attention: bool = typer.Option(
+        False,
+        "--attention/--no-attention",
+        help="Count causal attention FLOPs in prefill (the reference analysis leaves them out; they dominate for small models at long context).",
+    ),
+) -> None:
+    """Print the break-even table of reloading a KV prefix from each tier against recomputing it.
+
+    T_prefill = 2·P·L / FLOPS_eff against T_reload = Size_KV(L) / BW_tier.  By default on the design's
+    reference figures; the options override any of them (the hardware is then marked "overridden").
+    """
+    with _errors():
+        spec = model_spec(model)
+        # --measure (to come) plugs in here: start from measure_hardware(), this cluster's measured figures.
+        hardware = REFERENCE_HARDWARE
+        overrides = {
+            "--tflops": tflops,
+            "--dram-gbps": dram_gbps,
+            "--nvme-gbps": nvme_gbps,
+            "--remote-gbps": remote_gbps,
+        }
+        for flag, value in overrides.items():
+            if value is not None and not value > 0:
+                raise ConfigError(f"{flag} must be > 0, got {value}")
+        hardware = hardware.with_overrides(
+            flops=None if tflops is None else tflops * 1e12,
+            dram=None if dram_gbps is None else dram_gbps * 1e9,
+            nvme=None if nvme_gbps is None else nvme_gbps * 1e9,
+            remote=None if remote_gbps is None else remote_gbps * 1e9,
+        )
+        render_plan(CostModel(spec, hardware, attention=attention), tokens)
 
 
 def _interrupt(signum: int, frame: object) -> None:

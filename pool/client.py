@@ -19,7 +19,8 @@ Every read is checked against the checksum stored in its placement: a mismatch d
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import crc32c
@@ -65,6 +66,10 @@ def _buffer_region(buffer: Any) -> tuple[str, int, int]:
     view = byte_view(buffer, writable=True, field="buffer")
     address = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
     return f"user-{address:x}-{view.nbytes}", address, view.nbytes
+
+
+def _at(fn: Callable[[int], None], index: list[int], j: int) -> None:
+    fn(index[j])
 
 
 def _check_key(key: bytes) -> bytes:
@@ -307,11 +312,14 @@ class PoolClient:
             raise CorruptChunk(f"every replica of chunk {short(key)} was corrupt and has been dropped; recompute it")
         raise ChunkNotFound(f"chunk {short(key)}: no replica could be read; recompute it")
 
-    def get_into_batch(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[int]:
+    def get_into_batch(
+        self, keys: Sequence[bytes], buffers: Sequence[Any], on_done: Callable[[int], None] | None = None
+    ) -> list[int]:
         """``get_into`` for many chunks, grouped by the node of their nearest replica: per node one
         actor call pins them all, one copy (same node) or one batched READ (another node) moves them,
         one call releases them.  Anything that does not come back intact goes through :meth:`get_into`
-        (next replica, corrupt replicas dropped)."""
+        (next replica, corrupt replicas dropped).  ``on_done(i)`` is called as soon as ``keys[i]`` is in
+        its buffer, verified — same-node copies stream, so a caller can start on the first chunks early."""
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         dests = [byte_view(b, writable=True, field="buffer") for b in buffers]
@@ -322,30 +330,42 @@ class PoolClient:
             by_node.setdefault(replicas[0].node, []).append(i)
         for node_id, idx in by_node.items():
             with contextlib.suppress(ChunkNotFound):  # the holder is gone: get_into tries the next replica
-                got = self._read_group(node_id, [keys[i] for i in idx], [dests[i] for i in idx])
+                notify = None if on_done is None else partial(_at, on_done, idx)
+                got = self._read_group(node_id, [keys[i] for i in idx], [dests[i] for i in idx], notify)
                 for i, intact in zip(idx, got, strict=True):
                     done[i] = intact is True
         for i, key in enumerate(keys):
             if not done[i]:
                 self.get_into(key, dests[i])
+                if on_done is not None:
+                    on_done(i)
         return [d.nbytes for d in dests]
 
-    def _read_group(self, node_id: str, keys: list[bytes], dests: list[memoryview]) -> list[bool | None]:
+    def _read_group(
+        self, node_id: str, keys: list[bytes], dests: list[memoryview], on_done: Callable[[int], None] | None = None
+    ) -> list[bool | None]:
         """Pin ``keys`` on ``node_id`` (promoting NVMe hits), move their bytes into ``dests``, release them.
 
         Per key: True (intact), False (checksum mismatch) or None (not read: the node no longer holds
         it, could not be reached, or the size differs).  ``ChunkNotFound`` if the node is gone.
+        ``on_done(j)`` as soon as ``keys[j]`` is in place and intact.
         """
         local = node_id == self.node_id and self._segment is not None
         actor = self._local if local else self._actor(node_id)
         chunks: list[StoredChunk | None] = _get(actor.locate_batch.remote(keys))
         result: list[bool | None] = [None] * len(keys)
+
+        def mark(j: int, intact: bool) -> None:
+            result[j] = intact
+            if intact and on_done is not None:
+                on_done(j)
+
         try:
             usable = [(j, c) for j, c in enumerate(chunks) if c is not None and c.length == dests[j].nbytes]
             if local:
                 for j, c in usable:
                     with contextlib.suppress(ChunkNotFound):
-                        result[j] = self._copy_local(c, dests[j]) == c.checksum
+                        mark(j, self._copy_local(c, dests[j]) == c.checksum)
                 return result
             on_nvme = [(j, c) for j, c in usable if c.tier is not Tier.DRAM]  # the transport reaches DRAM only
             if on_nvme:
@@ -353,7 +373,7 @@ class PoolClient:
                 for (j, c), data in zip(on_nvme, copies, strict=True):
                     if data is not None:
                         dests[j][:] = data
-                        result[j] = checksum(dests[j]) == c.checksum
+                        mark(j, checksum(dests[j]) == c.checksum)
             in_dram = [(j, c) for j, c in usable if c.tier is Tier.DRAM]
             addresses = {j: self._registered_address(dests[j]) for j, _ in in_dram}
             direct = [(j, c, a) for j, c in in_dram if (a := addresses[j]) is not None]
@@ -363,7 +383,7 @@ class PoolClient:
                 if not self._remote_read(node_id, ops):
                     return result
                 for j, c, _ in direct:
-                    result[j] = checksum(dests[j]) == c.checksum
+                    mark(j, checksum(dests[j]) == c.checksum)
             while staged:  # rounds of at most STAGING_BYTES (or one chunk), one batched READ each
                 rnd: list[tuple[int, StoredChunk]] = []
                 total = 0
@@ -380,7 +400,7 @@ class PoolClient:
                 at = 0
                 for j, c in rnd:
                     dests[j][:] = staging[at : at + c.length].data
-                    result[j] = checksum(dests[j]) == c.checksum
+                    mark(j, checksum(dests[j]) == c.checksum)
                     at += c.length
             return result
         finally:
@@ -434,6 +454,18 @@ class PoolClient:
                 continue
         self.cache.wait_until(lambda c: c.revision >= revision, timeout_s=self.config.metadata.retry_deadline_s)
         return bool(replicas)
+
+    def move(self, keys: Sequence[bytes], tier: Tier) -> None:
+        """Move every replica of ``keys`` to ``tier`` on its node (e.g. demote to NVMe); returns once the
+        local placement cache shows it."""
+        by_node: dict[str, list[bytes]] = {}
+        for key in keys:
+            for p in self.cache.replicas(_check_key(key)):
+                by_node.setdefault(p.node, []).append(key)
+        revision = 0
+        for node_id, node_keys in by_node.items():
+            revision = max(revision, int(_get(self._actor(node_id).move_batch.remote(node_keys, tier))))
+        self.cache.wait_until(lambda c: c.revision >= revision, timeout_s=self.config.metadata.retry_deadline_s)
 
     def stats(self) -> dict[str, Any]:
         nodes = {}

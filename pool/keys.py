@@ -103,3 +103,13 @@ def chunk_keys(identity: CacheIdentity, tokens: Any) -> list[bytes]:
         key = next_key(key, arr[start : start + c])
         keys.append(key)
     return keys
+
+
+def layer_key(chunk_key: bytes, layer: int) -> bytes:
+    """The key of one layer of a chunk, for layer-wise layouts: ``SHA-256(H_k || "layer" || uint32 layer)``.
+
+    Derived from the chunk's key, so a prefix hit on layer 0 names the same prefix on every layer.
+    """
+    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer <= _MAX_TOKEN_ID:
+        raise ValueError(f"layer must be an int in [0, 2**32), got {layer!r}")
+    return hashlib.sha256(chunk_key + b"layer" + layer.to_bytes(4, "little")).digest()

@@ -246,6 +246,16 @@ class PoolNode:
                 self.store.remove(key, corrupt=corrupt)
         return self._publish()
 
+    def move_batch(self, keys: Sequence[bytes], tier: Tier) -> int:
+        """Move held chunks to ``tier``; returns the etcd revision that shows it."""
+        try:
+            for key in keys:
+                if key in self.store:
+                    self.store.move(key, tier)
+        finally:
+            revision = self._publish()
+        return revision
+
     def stats(self) -> dict[str, Any]:
         return {
             "node_id": self.node_id,

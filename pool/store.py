@@ -260,6 +260,19 @@ class ChunkStore:
         self._changes.append(Change(ChangeKind.MOVED, moved))
         return moved
 
+    def move(self, key: bytes, tier: Tier) -> StoredChunk:
+        """Move a chunk to ``tier`` now (an operator's or a benchmark's demotion; eviction does it by itself)."""
+        chunk = self._require(key)
+        if tier not in self.segments:
+            raise ValueError(f"this node has no {tier.value} tier")
+        if chunk.tier is tier:
+            return chunk
+        if self.policy.state(key).pins:
+            raise ValueError(f"chunk {short(key)} is being read; move it after the read")
+        moved = self._move(chunk, tier)
+        self.counters["migrations" if tier is Tier.NVME else "promotions"] += 1
+        return moved
+
     def maintain(self) -> None:
         """DRAM above its high watermark: migrate LRU chunks to NVMe until the low watermark."""
         alloc = self.allocators[Tier.DRAM]

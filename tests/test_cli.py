@@ -20,13 +20,19 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 
 def test_up_on_the_embedded_default() -> None:
-    """The README's main command: embedded etcd, a local Ray node, a PoolNode, a verified put/get, status."""
-    out = run("up", "--nodes", "1", "--dram-mib", "64", "--nvme-mib", "64")
+    """The README's main command: embedded etcd, a local Ray node, a PoolNode, a verified put/get, the
+    prefill/decode demo (here on the small random model; test_smollm2 runs SmolLM2), status."""
+    out = run("up", "--nodes", "1", "--dram-mib", "64", "--nvme-mib", "64", "--demo", "tiny-llama")
     assert out.returncode == 0, out.stderr
     assert "etcd      embedded, 127.0.0.1:" in out.stdout
     assert "ray       local, 1 node(s) on 127.0.0.2" in out.stdout
     assert "prefix lookup 16/16 chunks" in out.stdout and "verified" in out.stdout
-    assert "16.0 MiB / 64.0 MiB" in out.stdout and "chunks: 16" in out.stdout
+    assert "cost      measured on this cluster" in out.stdout
+    cold = next(line for line in out.stdout.splitlines() if "│ cold" in line)
+    warm = next(line for line in out.stdout.splitlines() if "│ warm" in line)
+    assert "recompute" in cold and "0 reused" in cold and "reload" in warm and "1280 reused" in warm
+    assert "TTFT      cold" in out.stdout and "x faster" in out.stdout
+    assert "/ 64.0 MiB" in out.stdout and "chunks: 56" in out.stdout  # the check's 16 + 5 chunks of 8 layers
 
 
 def test_status_of_a_running_pool(metadata_config: MetadataConfig, etcd: EtcdClient, namespace: Namespace) -> None:
@@ -49,7 +55,7 @@ def test_errors_are_one_line_with_a_nonzero_exit() -> None:
 
 
 def test_every_command_explains_itself() -> None:
-    for args in (["--help"], ["up", "--help"], ["status", "--help"]):
+    for args in (["--help"], ["up", "--help"], ["status", "--help"], ["plan", "--help"]):
         out = run(*args)
         assert out.returncode == 0 and "Usage" in out.stdout
 

@@ -158,3 +158,20 @@ def test_reserve_then_commit_and_abort(segments: tuple[DramSegment, NvmeSegment]
     r2 = store.reserve(key(4), BLOCK)
     store.abort(key(4))
     assert store.usage()[Tier.DRAM][0] == BLOCK and r2.offset >= 0
+
+
+def test_move_demotes_and_promotes_on_request(segments: tuple[DramSegment, NvmeSegment]) -> None:
+    clock = ManualClock()
+    store = make(segments, clock)
+    put_n(store, clock, range(2))
+    store.take_changes()
+    moved = store.move(key(0), Tier.NVME)
+    assert moved.tier is Tier.NVME and store.read(key(0)) == bytes(data(0))
+    assert [c.kind for c in store.take_changes()] == [ChangeKind.MOVED]
+    assert store.move(key(0), Tier.NVME) is moved  # already there: nothing to do
+    store.locate(key(1))
+    with pytest.raises(ValueError, match="being read"):
+        store.move(key(1), Tier.NVME)
+    assert store.move(key(0), Tier.DRAM).tier is Tier.DRAM
+    with pytest.raises(ChunkNotFound):
+        store.move(key(9), Tier.NVME)

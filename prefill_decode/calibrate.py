@@ -1,0 +1,73 @@
+"""Measure the cost model's inputs on this cluster: a model's effective FLOP/s, and each tier's read
+bandwidth as the pool delivers it to this process (same code path as a real reload)."""
+
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from kvpool.metadata.records import Tier
+from kvpool.pool.client import PoolClient
+from kvpool.prefill_decode.cost import CostModel, Hardware, ModelSpec
+from kvpool.prefill_decode.model import LoadedModel
+
+
+def spec_of(loaded: LoadedModel) -> ModelSpec:
+    """The cost model's view of a loaded model; ``P`` counts the weights every token passes through (the
+    decoder layers, not the embedding table; the LM head runs for the last token only)."""
+    params = sum(p.numel() for p in loaded.model.model.layers.parameters())
+    return ModelSpec.from_hf_config(
+        loaded.model.config, name=loaded.name, params=params, kv_dtype_bytes=loaded.dtype.itemsize
+    )
+
+
+@torch.no_grad()
+def measure_flops(loaded: LoadedModel, tokens: int = 1024, repeats: int = 3) -> float:
+    """Effective FLOP/s of a full prefill of ``tokens`` random tokens (median of ``repeats``, after a warm-up),
+    counting causal attention."""
+    vocab = loaded.model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0)).to(loaded.device)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        loaded.model(ids, use_cache=True, logits_to_keep=1)
+        times.append(time.perf_counter() - t0)
+    flops = CostModel(spec_of(loaded), Hardware(1.0, {}, "count"), attention=True).prefill_flops(tokens)
+    return flops / statistics.median(times[1:])
+
+
+def measure_bandwidth(
+    client: PoolClient, object_bytes: int, total_bytes: int = 16 << 20, repeats: int = 3
+) -> dict[str, float]:
+    """Bytes/s of ``get_into_batch`` of ``total_bytes`` in objects of ``object_bytes`` from this node's DRAM and,
+    when the node has one, from its NVMe (a read there promotes the chunk back to DRAM, as a real hit
+    does).  Uses throw-away keys and removes them."""
+    rng = np.random.default_rng()
+    objects = max(1, total_bytes // object_bytes)
+    keys = [os.urandom(32) for _ in range(objects)]
+    data = rng.integers(0, 256, (objects, object_bytes), dtype=np.uint8)
+    out = np.empty_like(data)
+    here = next((n for n in client.cache.nodes() if n.node_id == client.node_id), None)
+    client.put_batch(list(zip(keys, data, strict=True)), nodes=[here.node_id] if here else [])
+    has_nvme = here is not None and here.capacity(Tier.NVME) > 0
+    result: dict[str, float] = {}
+    try:
+        for tier in (Tier.DRAM, Tier.NVME) if has_nvme else (Tier.DRAM,):
+            times = []
+            for _ in range(repeats):
+                if tier is Tier.NVME:
+                    client.move(keys, Tier.NVME)
+                t0 = time.perf_counter()
+                client.get_into_batch(keys, list(out))
+                times.append(time.perf_counter() - t0)
+            result[tier.value] = data.nbytes / statistics.median(times)
+    finally:
+        for key in keys:
+            client.remove(key)
+    return result
+
+
+def measure_hardware(loaded: LoadedModel, client: PoolClient, object_bytes: int) -> Hardware:
+    return Hardware(measure_flops(loaded), measure_bandwidth(client, object_bytes), "measured on this cluster")

@@ -1,0 +1,220 @@
+"""``PoolConnector``: a model's KV cache in and out of the pool.
+
+``save`` cuts the full chunks of a cache into pool objects (see :mod:`.layout`) and puts them.  ``load``
+fetches the first ``n`` chunks of a prefix into one reusable host buffer and hands back a ``DynamicCache``
+that views it.  With the per-layer layout the fetch runs on a thread, layer by layer, and a forward
+pre-hook on each decoder layer waits only for *its* layer: layer ``l+1`` arrives while layer ``l``
+computes.  A chunk that cannot be fetched (its node died, it was evicted, it is corrupt) surfaces as
+:class:`~kvpool.errors.ChunkNotFound` from the model's forward; the caller recomputes.
+
+One request at a time per connector: the next ``load`` reuses the buffer the previous cache viewed
+(transformers has copied it by then — appending the first new token to a layer concatenates).
+"""
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from kvpool.errors import ChunkNotFound
+from kvpool.metadata.records import Placement
+from kvpool.pool.client import PoolClient
+from kvpool.pool.keys import CacheIdentity
+from kvpool.prefill_decode.layout import KVBuffer, KVLayout
+
+
+@dataclass
+class LoadTimes:
+    fetch_s: list[float] = field(default_factory=list)  #: per round (a layer, or all): since the previous one landed
+    stall_s: float = 0.0  #: time the model waited for a layer that had not arrived
+    total_s: float = 0.0  #: first fetch started → last fetch done
+
+    @property
+    def overlap(self) -> float:
+        """The share of fetch time hidden behind compute (0: none, 1: all)."""
+        fetch = sum(self.fetch_s)
+        return max(0.0, 1.0 - self.stall_s / fetch) if fetch > 0 else 0.0
+
+
+class Loading:
+    """A prefix being fetched into a :class:`KVBuffer`; ``cache`` views it from the start."""
+
+    def __init__(
+        self, buffer: KVBuffer, rounds: list[tuple[list[bytes], list[torch.Tensor]]], tokens: int | None = None
+    ) -> None:
+        self.buffer = buffer
+        self.cache: DynamicCache = buffer.to_cache(tokens)
+        self.times = LoadTimes()
+        self._rounds = rounds
+        self._ready = [threading.Event() for _ in rounds]
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def _fetch(self, client: PoolClient) -> None:
+        """One batched get of every object (one pin call per holder), layer 0's first; each round's event
+        is set the moment its last object lands."""
+        start = time.perf_counter()
+        keys = [k for ks, _ in self._rounds for k in ks]
+        views = [v for _, vs in self._rounds for v in vs]
+        round_of = [r for r, (ks, _) in enumerate(self._rounds) for _ in ks]
+        missing = [len(ks) for ks, _ in self._rounds]
+        seen: set[int] = set()  # an object retried on another replica may be reported twice
+        last = start
+
+        def landed(i: int) -> None:
+            nonlocal last
+            if i in seen:
+                return
+            seen.add(i)
+            r = round_of[i]
+            missing[r] -= 1
+            if missing[r] == 0:
+                now = time.perf_counter()
+                self.times.fetch_s.append(now - last)
+                last = now
+                self._ready[r].set()
+
+        try:
+            client.get_into_batch(keys, views, on_done=landed)
+        except BaseException as exc:
+            self._error = exc
+            for event in self._ready:
+                event.set()
+        finally:
+            self.times.total_s = time.perf_counter() - start
+
+    def start(self, client: PoolClient, background: bool) -> "Loading":
+        if background:
+            self._thread = threading.Thread(target=self._fetch, args=(client,), name="kvpool-kv-fetch", daemon=True)
+            self._thread.start()
+        else:
+            self._fetch(client)
+        return self
+
+    def wait(self, round_index: int) -> None:
+        """Block until fetch round ``round_index`` is in the buffer; re-raise what stopped the fetch."""
+        event = self._ready[min(round_index, len(self._ready) - 1)]
+        if not event.is_set():
+            t0 = time.perf_counter()
+            event.wait()
+            self.times.stall_s += time.perf_counter() - t0
+        if self._error is not None:
+            if isinstance(self._error, ChunkNotFound):
+                raise ChunkNotFound(f"a chunk of the cached prefix could not be fetched: {self._error}")
+            raise self._error
+
+    def finish(self) -> None:
+        """Wait for every layer (and the fetch thread)."""
+        self.wait(len(self._ready) - 1)
+        if self._thread is not None:
+            self._thread.join()
+
+    @contextmanager
+    def attached(self, model: Any) -> Iterator[None]:
+        """While inside, each decoder layer of ``model`` waits for its own layer's KV before it runs."""
+        layers = model.model.layers
+        per_layer = self.buffer.layout.per_layer
+        hooks = [
+            layer.register_forward_pre_hook(lambda *_, i=i: self.wait(i if per_layer else 0))
+            for i, layer in enumerate(layers)
+        ]
+        try:
+            yield
+        finally:
+            for h in hooks:
+                h.remove()
+            if self._thread is not None:
+                self._thread.join()
+
+
+class PoolConnector:
+    def __init__(self, client: PoolClient, layout: KVLayout, identity: CacheIdentity) -> None:
+        self.client = client
+        self.layout = layout
+        self.identity = identity
+        self._storage: torch.Tensor | None = None  #: reused by every load
+        self._registered = False  #: _storage is registered with the transport
+
+    def keys(self, tokens: Any) -> list[list[bytes]]:
+        return self.layout.keys(self.identity, tokens)
+
+    def cached_chunks(self, keys: Sequence[Sequence[bytes]]) -> int:
+        """How many leading chunks have every one of their objects in the pool (no etcd round trip)."""
+        n = 0
+        for chunk in keys:
+            if not all(self.client.exists_batch(chunk)):
+                break
+            n += 1
+        return n
+
+    def sources(self, keys: Sequence[Sequence[bytes]], chunks: int) -> Counter[tuple[str, str]]:
+        """Bytes of the first ``chunks`` chunks by ``(tier, node)`` of the replica a read would pick."""
+        out: Counter[tuple[str, str]] = Counter()
+        for chunk in keys[:chunks]:
+            for key in chunk:
+                nearest = self._nearest(key)
+                if nearest is not None:
+                    out[(nearest.tier.value, nearest.node)] += nearest.length
+        return out
+
+    def _nearest(self, key: bytes) -> Placement | None:
+        replicas = self.client.cache.replicas(key)
+        if not replicas:
+            return None
+        return min(replicas, key=lambda p: (p.node != self.client.node_id, p.tier.rank))
+
+    def save(
+        self, cache: DynamicCache, keys: Sequence[Sequence[bytes]], first_chunk: int = 0, replicas: int = 1
+    ) -> int:
+        """Put chunks ``first_chunk ..`` of ``cache`` (the full chunks ``keys`` names); returns bytes put."""
+        count = len(keys) - first_chunk
+        if count <= 0:
+            return 0
+        buffer = KVBuffer(self.layout, count)
+        buffer.fill_from(cache, first_chunk)
+        items = [(keys[first_chunk + c][max(layer, 0)], view) for c, layer, view in buffer.object_views()]
+        self.client.put_batch(items, replicas=replicas)
+        return count * self.layout.chunk_size * self.layout.token_bytes
+
+    def load(
+        self, keys: Sequence[Sequence[bytes]], chunks: int, *, tokens: int | None = None, pipelined: bool = True
+    ) -> Loading:
+        """Start fetching the first ``chunks`` chunks, for a cache of their first ``tokens`` positions (default:
+        all); ``pipelined`` (per-layer layout only) fetches on a thread, layer by layer, for
+        :meth:`Loading.attached` to wait on."""
+        if not 0 < chunks <= len(keys):
+            raise ValueError(f"chunks must be in [1, {len(keys)}], got {chunks}")
+        remote = any(
+            (p := self._nearest(k)) is not None and p.node != self.client.node_id for ks in keys[:chunks] for k in ks
+        )
+        buffer = KVBuffer(self.layout, chunks, storage=self._buffer_storage(chunks, register=remote))
+        by_round: dict[int, tuple[list[bytes], list[torch.Tensor]]] = {}
+        for c, layer, view in buffer.object_views():
+            ks, vs = by_round.setdefault(max(layer, 0), ([], []))
+            ks.append(keys[c][max(layer, 0)])
+            vs.append(view)
+        rounds = [by_round[r] for r in sorted(by_round)]
+        return Loading(buffer, rounds, tokens).start(self.client, background=pipelined and self.layout.per_layer)
+
+    def _buffer_storage(self, chunks: int, *, register: bool) -> torch.Tensor:
+        """The reusable load buffer, grown as needed; registered with the transport (once) when chunks
+        will come from another node, so they land in it directly (same-node loads copy from shared memory)."""
+        numel = chunks * self.layout.chunk_size * self.layout.token_bytes // self.layout.dtype.itemsize
+        if self._storage is None or self._storage.numel() < numel:
+            self.close()
+            self._storage = torch.empty(numel, dtype=self.layout.dtype)
+        if register and not self._registered:
+            self.client.register_buffer(self._storage)
+            self._registered = True
+        return self._storage
+
+    def close(self) -> None:
+        if self._storage is not None and self._registered:
+            self.client.unregister_buffer(self._storage)
+        self._storage, self._registered = None, False

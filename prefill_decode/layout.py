@@ -1,0 +1,164 @@
+"""How a model's KV cache is cut into pool chunks, and put back together.
+
+A chunk holds the K and V of ``T`` consecutive tokens (``T`` = the chunk size), token-major so that the
+chunks of a prefix, laid end to end, *are* the cache:
+
+- ``all-layers``: one pool object per chunk, ``[T, L, 2, H, D]`` (tokens, layers, K/V, KV heads, head dim);
+- ``per-layer``: one pool object per chunk and layer, ``[T, 2, H, D]``, keyed by
+  :func:`kvpool.pool.keys.layer_key`, so layer ``l+1`` can be fetched while layer ``l`` computes.
+
+A :class:`KVBuffer` is one host tensor for a whole prefix (``[N, L, 2, H, D]`` or ``[L, N, 2, H, D]``).
+Chunks are read from the pool straight into their slice of it, and the ``DynamicCache`` built from it
+holds *views* — ``K_l = buffer[..., l, 0, :, :].permute(1, 0, 2)`` is ``[H, N, D]`` with no copy — so
+it can be handed to the model before the chunks have arrived.  transformers copies once, when the first
+new token is appended to each layer.
+"""
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from kvpool.errors import ConfigError
+from kvpool.pool.keys import DEFAULT_CHUNK_SIZE, CacheIdentity, chunk_keys, layer_key
+
+LAYOUTS = ("all-layers", "per-layer")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of one model's KV cache in the pool."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    layout: str = "per-layer"
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "kv_heads", "head_dim", "chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"KVLayout.layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ConfigError(f"KVLayout.dtype must be a torch.dtype, got {self.dtype!r}")
+
+    @classmethod
+    def of(cls, model: Any, *, chunk_size: int = DEFAULT_CHUNK_SIZE, layout: str = "per-layer") -> "KVLayout":
+        """The layout of a transformers causal LM's cache (its config and parameter dtype)."""
+        cfg = model.config
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        dtype = next(model.parameters()).dtype
+        return cls(cfg.num_hidden_layers, kv_heads, head_dim, dtype, chunk_size, layout)
+
+    @property
+    def per_layer(self) -> bool:
+        return self.layout == "per-layer"
+
+    @property
+    def token_bytes(self) -> int:
+        """KV bytes of one token, all layers."""
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def object_bytes(self) -> int:
+        """Bytes of one pool object: a chunk of all layers, or of one layer."""
+        return self.chunk_size * self.token_bytes // (self.layers if self.per_layer else 1)
+
+    def shape_string(self) -> str:
+        dims = "T,2,H,D" if self.per_layer else "T,L,2,H,D"
+        return f"{self.layout}:[{dims}] L={self.layers} H={self.kv_heads} D={self.head_dim}"
+
+    def identity(self, model: str, *, tp_size: int = 1, tp_rank: int = 0, codec: str = "raw") -> CacheIdentity:
+        """The cache identity (the root of the key chain): the layout is part of it."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return CacheIdentity(model, dtype, self.shape_string(), self.chunk_size, tp_size, tp_rank, codec)
+
+    def keys(self, identity: CacheIdentity, tokens: Any) -> list[list[bytes]]:
+        """Per full chunk of ``tokens``, the keys of its pool objects: one (all-layers) or one per layer."""
+        if identity.chunk_size != self.chunk_size:
+            raise ConfigError(f"identity chunk size {identity.chunk_size} != layout chunk size {self.chunk_size}")
+        chain = chunk_keys(identity, tokens)
+        if not self.per_layer:
+            return [[k] for k in chain]
+        return [[layer_key(k, layer) for layer in range(self.layers)] for k in chain]
+
+
+class KVBuffer:
+    """Host memory for the KV of ``chunks`` whole chunks, and the cache that views it."""
+
+    def __init__(self, layout: KVLayout, chunks: int, *, storage: torch.Tensor | None = None) -> None:
+        self.layout = layout
+        self.chunks = chunks
+        tokens = chunks * layout.chunk_size
+        lay = layout
+        shape = (
+            (lay.layers, tokens, 2, lay.kv_heads, lay.head_dim)
+            if lay.per_layer
+            else (tokens, lay.layers, 2, lay.kv_heads, lay.head_dim)
+        )
+        numel = int(np.prod(shape))
+        if storage is None:
+            storage = torch.empty(numel, dtype=lay.dtype)
+        elif storage.dtype != lay.dtype or storage.numel() < numel or not storage.is_contiguous():
+            raise ValueError(f"storage must be a contiguous {lay.dtype} tensor of at least {numel} elements")
+        self.tensor = storage[:numel].view(shape)
+
+    def object_views(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """``(chunk, layer, view)`` for every pool object, in the order :meth:`KVLayout.keys` names them
+        (layer is -1 for all-layers objects); each view is contiguous, ready for ``get_into``."""
+        t = self.layout.chunk_size
+        for c in range(self.chunks):
+            if self.layout.per_layer:
+                for layer in range(self.layout.layers):
+                    yield c, layer, self.tensor[layer, c * t : (c + 1) * t]
+            else:
+                yield c, -1, self.tensor[c * t : (c + 1) * t]
+
+    def layer_kv(self, layer: int, tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``(K, V)`` of one layer, ``[1, H, N, D]`` each, as transformers expects them (the first
+        ``tokens`` positions only, when given)."""
+        per = self.tensor[layer] if self.layout.per_layer else self.tensor[:, layer]  # [N, 2, H, D]
+        per = per[:tokens]
+        return per[:, 0].permute(1, 0, 2).unsqueeze(0), per[:, 1].permute(1, 0, 2).unsqueeze(0)
+
+    def to_cache(self, tokens: int | None = None) -> DynamicCache:
+        """A ``DynamicCache`` over this buffer's first ``tokens`` positions (default: all), with no copy:
+        writes into the buffer show through, so the cache can be made before the chunks arrive.
+
+        ``DynamicCache(pairs)`` would copy each pair in (it appends them to empty layers), so the layers
+        are set up here and handed their views.
+        """
+        layers: list[Any] = []
+        for index in range(self.layout.layers):
+            k, v = self.layer_kv(index, tokens)
+            layer = DynamicLayer()
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+            layers.append(layer)
+        cache = DynamicCache()
+        cache.layers = layers
+        return cache
+
+    def fill_from(self, cache: DynamicCache, first_chunk: int = 0) -> None:
+        """Copy chunks ``first_chunk ..`` of a cache (batch of one) into this buffer, chunk 0 of the buffer
+        being ``first_chunk`` of the cache."""
+        t = self.layout.chunk_size
+        start, stop = first_chunk * t, (first_chunk + self.chunks) * t
+        for layer in range(self.layout.layers):
+            held: Any = cache.layers[layer]
+            k, v = held.keys, held.values
+            if k is None or v is None or k.shape[0] != 1 or k.shape[-2] < stop:
+                raise ValueError(f"layer {layer} of the cache holds fewer than {stop} tokens of one sequence")
+            dk, dv = self.layer_kv(layer)
+            dk.copy_(k[..., start:stop, :])
+            dv.copy_(v[..., start:stop, :])

@@ -1,0 +1,110 @@
+"""``ModelRunner``: prefill a prompt (reusing a cached prefix from the pool) and decode greedily.
+
+The plain compute, with no Ray and no routing in it: a prefill either starts from ``reuse_chunks`` chunks
+fetched through a :class:`PoolConnector` and computes only the rest of the prompt, or computes the whole
+prompt.  A prefix whose chunks all hit still computes the last prompt token (its logits give the first
+new token), so the cache is cropped to one token short of the prompt.  Any chunk that cannot be
+fetched turns the request into a full recompute: a lost chunk costs time, never a wrong answer.
+"""
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from kvpool.errors import ChunkNotFound
+from kvpool.pool.keys import token_array
+from kvpool.prefill_decode.connector import LoadTimes, PoolConnector
+from kvpool.prefill_decode.model import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prefilled:
+    """A prompt's state after prefill: the cache of every prompt token and the last position's logits."""
+
+    tokens: list[int]
+    logits: torch.Tensor  #: [vocab], float32, of the last prompt position
+    cache: DynamicCache
+    reused_tokens: int  #: prompt tokens whose KV came from the pool
+    computed_tokens: int  #: prompt tokens run through the model
+    fell_back: bool  #: a reuse was planned but a chunk could not be fetched: everything was recomputed
+    seconds: float  #: prompt in → logits out
+    load: LoadTimes | None = None
+
+    @property
+    def first_token(self) -> int:
+        return int(self.logits.argmax())
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, connector: PoolConnector | None = None) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.connector = connector
+
+    def _ids(self, tokens: Sequence[int]) -> torch.Tensor:
+        return torch.as_tensor(token_array(tokens).astype("int64"), device=self.loaded.device).unsqueeze(0)
+
+    @torch.no_grad()
+    def prefill(self, tokens: Sequence[int], keys: Sequence[Sequence[bytes]] = (), reuse_chunks: int = 0) -> Prefilled:
+        """Prefill ``tokens``, taking the KV of the first ``reuse_chunks`` chunks (named by ``keys``,
+        from :meth:`PoolConnector.keys`) from the pool."""
+        tokens = [int(t) for t in token_array(tokens)]
+        if not tokens:
+            raise ValueError("the prompt is empty: give at least one token")
+        ids = self._ids(tokens)
+        t0 = time.perf_counter()
+        if reuse_chunks:
+            if self.connector is None:
+                raise ValueError("reuse_chunks needs a runner with a PoolConnector")
+            try:
+                return self._prefill_reusing(tokens, ids, keys, reuse_chunks, t0)
+            except ChunkNotFound as exc:
+                log.warning("cached prefix lost mid-request (%s); recomputing all %d tokens", exc, len(tokens))
+        out = self.model(ids, use_cache=True, logits_to_keep=1)
+        return Prefilled(
+            tokens, out.logits[0, -1].float(), out.cache, 0, len(tokens), bool(reuse_chunks), time.perf_counter() - t0
+        )
+
+    def _prefill_reusing(
+        self, tokens: list[int], ids: torch.Tensor, keys: Sequence[Sequence[bytes]], chunks: int, t0: float
+    ) -> Prefilled:
+        assert self.connector is not None
+        start = min(chunks * self.connector.layout.chunk_size, len(tokens) - 1)  # the last token's logits are needed
+        loading = self.connector.load(keys, chunks, tokens=start)
+        with loading.attached(self.model):
+            out = self.model(ids[:, start:], cache=loading.cache, use_cache=True, logits_to_keep=1)
+        loading.finish()
+        return Prefilled(
+            tokens, out.logits[0, -1].float(), out.cache, start, len(tokens) - start, False,
+            time.perf_counter() - t0, loading.times,
+        )  # fmt: skip
+
+    def save(self, prefilled: Prefilled, keys: Sequence[Sequence[bytes]], skip_chunks: int = 0) -> int:
+        """Put the prompt's full chunks from ``skip_chunks`` on (those before are in the pool); bytes put."""
+        if self.connector is None:
+            raise ValueError("save needs a runner with a PoolConnector")
+        return self.connector.save(prefilled.cache, keys, skip_chunks)
+
+    @torch.no_grad()
+    def decode(
+        self, prefilled: Prefilled, max_new_tokens: int, *, first_token: int | None = None, eos: int | None = None
+    ) -> list[int]:
+        """Greedy tokens after the prompt (``first_token`` as given by the prefill worker, if any);
+        stops after ``max_new_tokens`` or at ``eos``."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        token = prefilled.first_token if first_token is None else int(first_token)
+        out = [token]
+        cache: Any = prefilled.cache
+        while len(out) < max_new_tokens and token != eos:
+            logits = self.model(self._ids([token]), cache=cache, use_cache=True).logits[0, -1]
+            token = int(logits.argmax())
+            out.append(token)
+        return out

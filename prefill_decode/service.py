@@ -1,0 +1,144 @@
+"""``Service``: one request end to end — prefill worker, pool, decode worker — and the OpenAI-style HTTP
+front on top of it (``POST /v1/completions``, ``GET /v1/models``, ``GET /health``, ``GET /stats``).
+
+The front tokenizes (when the model has a tokenizer; token-id prompts work for any model), asks the
+prefill worker for the first token, hands the prompt and that token to the decode worker, and answers in
+the shape of OpenAI's completions API, with a ``kvpool`` field saying where the prompt's KV came from.
+"""
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from aiohttp import web
+
+from kvpool.errors import ConfigError, KvPoolError
+from kvpool.prefill_decode.workers import DecodeResult, PrefillResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt_tokens: list[int]
+    tokens: list[int]  #: the generated tokens, first one included
+    ttft_s: float  #: request in → first token out (prefill worker)
+    total_s: float
+    prefill: PrefillResult
+    decode: DecodeResult
+
+
+class Service:
+    """A prefill actor and a decode actor (handles from :func:`~kvpool.prefill_decode.workers.start_worker`)."""
+
+    def __init__(self, prefill: Any, decode: Any, *, model: str, tokenizer: Any = None, eos: int | None = None) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos = eos
+
+    def tokenize(self, prompt: str | list[int], *, chat: bool = False) -> list[int]:
+        if isinstance(prompt, list):
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+                raise ConfigError("a token prompt must be a list of non-negative ints")
+            return prompt
+        if self.tokenizer is None:
+            raise ConfigError(f"model {self.model} has no tokenizer: send the prompt as a list of token ids")
+        if chat:
+            messages = [{"role": "user", "content": prompt}]
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(prompt))
+
+    def detokenize(self, tokens: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    async def complete(self, tokens: list[int], max_tokens: int) -> Completion:
+        if not tokens:
+            raise ConfigError("the prompt is empty")
+        if max_tokens < 1:
+            raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
+        t0 = time.perf_counter()
+        first: PrefillResult = await self.prefill.prefill.remote(tokens)
+        ttft = time.perf_counter() - t0
+        done: DecodeResult = await self.decode.decode.remote(
+            tokens, first.first_token, max_tokens, revision=first.revision, eos=self.eos
+        )
+        return Completion(tokens, done.tokens, ttft, time.perf_counter() - t0, first, done)
+
+    def complete_sync(self, tokens: list[int], max_tokens: int) -> Completion:
+        return asyncio.run(self.complete(tokens, max_tokens))
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+
+
+def make_app(service: Service) -> web.Application:
+    async def completions(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "the body must be JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object", "invalid_request_error")
+        prompt, max_tokens = body.get("prompt"), body.get("max_tokens", 16)
+        if not isinstance(prompt, (str, list)):
+            return _error(400, "prompt must be a string or a list of token ids", "invalid_request_error")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= 4096:
+            return _error(400, "max_tokens must be an int in [1, 4096]", "invalid_request_error")
+        try:
+            tokens = service.tokenize(prompt, chat=bool(body.get("chat", False)))
+            done = await service.complete(tokens, max_tokens)
+        except ConfigError as exc:
+            return _error(400, str(exc), "invalid_request_error")
+        except KvPoolError as exc:
+            log.warning("completion failed: %s", exc)
+            return _error(503, f"{type(exc).__name__}: {exc}", "server_error")
+        finish = "stop" if service.eos is not None and done.tokens[-1] == service.eos else "length"
+        return web.json_response(
+            {
+                "id": f"cmpl-{uuid.uuid4().hex[:24]}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": service.model,
+                "choices": [
+                    {"index": 0, "text": service.detokenize(done.tokens), "tokens": done.tokens,
+                     "finish_reason": finish, "logprobs": None}
+                ],
+                "usage": {
+                    "prompt_tokens": len(tokens),
+                    "completion_tokens": len(done.tokens),
+                    "total_tokens": len(tokens) + len(done.tokens),
+                },
+                "kvpool": {
+                    "ttft_s": done.ttft_s,
+                    "total_s": done.total_s,
+                    "prefill": asdict(done.prefill.summary),
+                    "decode": asdict(done.decode.summary),
+                },
+            }
+        )  # fmt: skip
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": service.model, "object": "model"}]})
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def stats(_: web.Request) -> web.Response:
+        prefill, decode = await asyncio.gather(service.prefill.stats.remote(), service.decode.stats.remote())
+        return web.json_response({"prefill": prefill, "decode": decode})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/stats", stats)
+    return app

@@ -1,0 +1,161 @@
+"""``PrefillWorker`` and ``DecodeWorker``: Ray actors around a model, a pool client, a router and a runner.
+
+The prefill worker takes a prompt, reloads whatever prefix the router says to reload, computes the rest,
+returns the first token and puts the prompt's new full chunks into the pool.  The decode worker (any
+node) takes the same prompt and that first token, reloads the prompt's KV from the pool — one-sided reads
+from wherever the chunks are — computes the partial last chunk the pool does not keep, and decodes.
+Neither imports a transport: all KV movement goes through :class:`~kvpool.pool.client.PoolClient`.
+"""
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from kvpool.errors import ConfigError
+from kvpool.pool.config import PoolConfig
+from kvpool.pool.keys import DEFAULT_CHUNK_SIZE
+from kvpool.prefill_decode.calibrate import measure_hardware, spec_of
+from kvpool.prefill_decode.connector import PoolConnector
+from kvpool.prefill_decode.cost import CostModel, Hardware
+from kvpool.prefill_decode.layout import LAYOUTS, KVLayout
+from kvpool.prefill_decode.model import load_model
+from kvpool.prefill_decode.router import Route, Router
+from kvpool.prefill_decode.runner import ModelRunner, Prefilled
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    pool: PoolConfig
+    model: str = "tiny-llama"  #: a name :func:`~kvpool.prefill_decode.model.load_model` knows
+    model_options: tuple[tuple[str, Any], ...] = ()  #: keyword arguments of the loader, e.g. (("seed", 1),)
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    layout: str = "per-layer"
+    hardware: Hardware | None = None  #: the cost model's figures; None: measured when the worker starts
+    replicas: int = 1  #: copies of each chunk a prefill worker puts
+    torch_threads: int = 0  #: 0: torch's default
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ConfigError(f"replicas must be an int >= 1, got {self.replicas!r}")
+
+
+@dataclass(frozen=True)
+class PrefillSummary:
+    """What one prefill did, for logs, the HTTP front and the benchmark."""
+
+    node_id: str
+    prompt_tokens: int
+    action: str  #: "reload" or "recompute", as the router decided
+    decision: str  #: the router's one-line reasoning
+    reused_tokens: int
+    computed_tokens: int
+    fell_back: bool  #: a planned reload lost a chunk: recomputed
+    seconds: float  #: the prefill proper (reload + compute)
+    sources: dict[str, int] = field(default_factory=dict)  #: reloaded bytes by "tier@node"
+    fetch_s: float = 0.0
+    stall_s: float = 0.0
+
+    @classmethod
+    def of(cls, node_id: str, route: Route, pre: Prefilled) -> "PrefillSummary":
+        load = pre.load
+        return cls(
+            node_id, len(pre.tokens), route.decision.action.value, str(route.decision), pre.reused_tokens,
+            pre.computed_tokens, pre.fell_back, pre.seconds, route.sources if pre.reused_tokens else {},
+            sum(load.fetch_s) if load else 0.0, load.stall_s if load else 0.0,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: int
+    ttft_s: float  #: prompt in → first token out, on the prefill worker
+    summary: PrefillSummary
+    saved_bytes: int  #: new KV put into the pool
+    revision: int  #: the etcd revision at which those chunks are visible
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    tokens: list[int]  #: first token included
+    summary: PrefillSummary  #: how the decode worker got the prompt's KV
+    decode_s: float
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig) -> None:
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.config = config
+        self.loaded = load_model(config.model, **dict(config.model_options))
+        from kvpool.pool.client import PoolClient  # needs Ray up: imported where it is used
+
+        self.client = PoolClient(config.pool)
+        layout = KVLayout.of(self.loaded.model, chunk_size=config.chunk_size, layout=config.layout)
+        self.connector = PoolConnector(self.client, layout, layout.identity(self.loaded.name))
+        hardware = config.hardware or measure_hardware(self.loaded, self.client, layout.object_bytes)
+        self.router = Router(self.connector, CostModel(spec_of(self.loaded), hardware, attention=True))
+        self.runner = ModelRunner(self.loaded, self.connector)
+
+    def _prefill(self, tokens: Sequence[int]) -> tuple[Route, Prefilled]:
+        route = self.router.route(tokens)
+        return route, self.runner.prefill(tokens, route.keys, route.reuse_chunks)
+
+    def node_id(self) -> str:
+        return self.client.node_id
+
+    def hardware(self) -> Hardware:
+        return self.router.cost.hardware
+
+    def stats(self) -> dict[str, Any]:
+        return {"node_id": self.client.node_id, "model": self.loaded.name, **self.router.stats()}
+
+    def close(self) -> None:
+        self.connector.close()
+        self.client.close()
+
+
+class PrefillWorker(Worker):
+    def prefill(self, tokens: Sequence[int]) -> PrefillResult:
+        t0 = time.perf_counter()
+        route, pre = self._prefill(tokens)
+        first = pre.first_token
+        ttft = time.perf_counter() - t0
+        skip = 0 if pre.fell_back else route.cached_chunks  # the chunks the pool already has
+        saved = self.runner.save(pre, route.keys, skip) if len(route.keys) > skip else 0
+        summary = PrefillSummary.of(self.client.node_id, route, pre)
+        return PrefillResult(first, ttft, summary, saved, self.client.cache.revision)
+
+
+class DecodeWorker(Worker):
+    def decode(
+        self, tokens: Sequence[int], first_token: int, max_new_tokens: int, *, revision: int = 0, eos: int | None = None
+    ) -> DecodeResult:
+        """Continue ``tokens`` from ``first_token``: reload the prompt's KV (once this worker's placement
+        cache has reached ``revision``, where the prefill worker's chunks are visible), then decode."""
+        self.client.cache.wait_until(lambda c: c.revision >= revision, timeout_s=10)
+        route, pre = self._prefill(tokens)
+        t0 = time.perf_counter()
+        out = self.runner.decode(pre, max_new_tokens, first_token=first_token, eos=eos)
+        return DecodeResult(out, PrefillSummary.of(self.client.node_id, route, pre), time.perf_counter() - t0)
+
+
+def start_workers(config: WorkerConfig, prefill_node: str | None, decode_node: str | None) -> tuple[Any, Any]:
+    """A ``PrefillWorker`` and a ``DecodeWorker`` actor (pinned to the given Ray nodes), both constructed —
+    model loaded, pool joined, cost model measured — before this returns."""
+
+    def actor(kind: type[Worker], node_id: str | None) -> Any:
+        options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
+        if node_id is not None:
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        return ray.remote(kind).options(**options).remote(config)
+
+    prefill, decode = actor(PrefillWorker, prefill_node), actor(DecodeWorker, decode_node)
+    ray.get([prefill.node_id.remote(), decode.node_id.remote()])
+    return prefill, decode

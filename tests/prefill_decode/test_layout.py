@@ -1,0 +1,57 @@
+"""KVLayout and KVBuffer, pure: chunk views, the cache that views the buffer, keys per layout."""
+
+import pytest
+import torch
+
+from kvpool.errors import ConfigError
+from kvpool.prefill_decode.layout import KVBuffer, KVLayout
+from kvpool.prefill_decode.model import LoadedModel
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "all-layers"])
+def test_objects_laid_end_to_end_are_the_cache(model: LoadedModel, layout: str) -> None:
+    lay = KVLayout.of(model.model, chunk_size=16, layout=layout)
+    with torch.no_grad():
+        cache = model.model(torch.arange(70).unsqueeze(0), use_cache=True).cache
+    full = KVBuffer(lay, 4)
+    full.fill_from(cache)
+    part = KVBuffer(lay, 2)  # the first two chunks, object by object, as a load would fetch them
+    objects = {(c, layer): v for c, layer, v in full.object_views()}
+    for c, layer, view in part.object_views():
+        assert view.is_contiguous() and view.numel() * view.element_size() == lay.object_bytes
+        view.copy_(objects[(c, layer)])
+    rebuilt = part.to_cache(30)
+    for layer in range(lay.layers):
+        assert torch.equal(rebuilt.layers[layer].keys, cache.layers[layer].keys[..., :30, :])
+        assert torch.equal(rebuilt.layers[layer].values, cache.layers[layer].values[..., :30, :])
+
+
+def test_the_cache_views_the_buffer_until_the_model_appends(model: LoadedModel) -> None:
+    lay = KVLayout.of(model.model, chunk_size=32)
+    buffer = KVBuffer(lay, 2)
+    cache = buffer.to_cache(63)
+    buffer.tensor.fill_(1.5)  # bytes arriving after the cache was made show through
+    assert cache.get_seq_length() == 63 and bool((cache.layers[3].keys == 1.5).all())
+    with torch.no_grad():
+        model.model(torch.tensor([[1, 2]]), cache=cache, use_cache=True)
+    assert cache.get_seq_length() == 65
+    buffer.tensor.fill_(0.0)  # the model's append copied: the buffer is free for the next load
+    assert bool((cache.layers[3].keys[..., :63, :] == 1.5).all())
+
+
+def test_keys_depend_on_the_layout(model: LoadedModel) -> None:
+    tokens = list(range(100))
+    per = KVLayout.of(model.model, chunk_size=32, layout="per-layer")
+    whole = KVLayout.of(model.model, chunk_size=32, layout="all-layers")
+    per_keys, whole_keys = per.keys(per.identity("m"), tokens), whole.keys(whole.identity("m"), tokens)
+    assert len(per_keys) == len(whole_keys) == 3
+    assert all(len(set(k)) == per.layers for k in per_keys) and all(len(k) == 1 for k in whole_keys)
+    assert not {k for ks in per_keys for k in ks} & {k for ks in whole_keys for k in ks}
+    assert per.object_bytes * per.layers == whole.object_bytes == 32 * per.token_bytes
+
+
+def test_bad_layouts_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="layout"):
+        KVLayout(2, 2, 32, torch.float32, layout="rows")
+    with pytest.raises(ConfigError, match="chunk_size"):
+        KVLayout(2, 2, 32, torch.float32, chunk_size=0)
