@@ -27,6 +27,7 @@ from kvpool.prefill_decode.cost import KNOWN_MODELS, REFERENCE_HARDWARE, Action,
 
 if TYPE_CHECKING:
     from kvpool.pool.config import PoolConfig
+    from kvpool.prefill_decode.cost import Hardware
     from kvpool.prefill_decode.service import Service
 
 app = typer.Typer(
@@ -457,6 +458,28 @@ def render_plan(model: CostModel, tokens: int) -> None:
     )
 
 
+def _measure_hardware(probe: str) -> "Hardware":
+    """FLOPS_eff of ``probe`` in this process, tier bandwidths of a local one-node pool (stopped after)."""
+    from kvpool.pool.client import PoolClient
+    from kvpool.prefill_decode.calibrate import measure_hardware
+    from kvpool.prefill_decode.layout import KVLayout
+    from kvpool.prefill_decode.model import load_model
+
+    with ExitStack() as stack:
+        pool = stack.enter_context(_pool_up(stack, None, "plan-measure", None, 1, 256, 512))
+        with console.status(f"loading {probe}, measuring its prefill and the pool's tiers"):
+            loaded = load_model(probe)
+            object_bytes = KVLayout.of(loaded.model).object_bytes
+            with PoolClient(pool) as client:
+                hardware = measure_hardware(loaded, client, object_bytes)
+    console.print(
+        f"measured  prefill of {probe}: {hardware.flops / 1e9:.1f} GFLOP/s; "
+        + ", ".join(f"{t} {bw / 1e9:.2f} GB/s" for t, bw in hardware.bandwidth.items())
+        + " (remote tier: not in this pool)"
+    )
+    return hardware
+
+
 def _reference_gbps(tier: str) -> str:
     return f"{REFERENCE_HARDWARE.bandwidth[tier] / 1e9:g}"
 
@@ -492,6 +515,17 @@ def plan(
         "--attention/--no-attention",
         help="Count causal attention FLOPs in prefill (the reference analysis leaves them out; they dominate for small models at long context).",
     ),
+    measure: bool = typer.Option(
+        False,
+        "--measure",
+        help="Use this cluster's figures: FLOPS_eff of a prefill of the --probe model here, and the DRAM and NVMe "
+        "read bandwidth of a pool brought up on the embedded default (about a minute). Overrides still apply.",
+    ),
+    probe: str = typer.Option(
+        "smollm2-135m",
+        "--probe",
+        help="With --measure: the model whose prefill measures FLOPS_eff (smollm2-135m, tiny-llama).",
+    ),
 ) -> None:
     """Print the break-even table of reloading a KV prefix from each tier against recomputing it.
 
@@ -500,8 +534,7 @@ def plan(
     """
     with _errors():
         spec = model_spec(model)
-        # --measure (to come) plugs in here: start from measure_hardware(), this cluster's measured figures.
-        hardware = REFERENCE_HARDWARE
+        hardware = _measure_hardware(probe) if measure else REFERENCE_HARDWARE
         overrides = {
             "--tflops": tflops,
             "--dram-gbps": dram_gbps,

@@ -178,9 +178,13 @@ class PoolConnector:
             return 0
         buffer = KVBuffer(self.layout, count)
         buffer.fill_from(cache, first_chunk)
-        items = [(keys[first_chunk + c][max(layer, 0)], view) for c, layer, view in buffer.object_views()]
+        return self.put_buffer(buffer, keys[first_chunk:], replicas)
+
+    def put_buffer(self, buffer: KVBuffer, keys: Sequence[Sequence[bytes]], replicas: int = 1) -> int:
+        """Put a filled buffer's chunks, named by ``keys`` (one entry per chunk of the buffer); bytes put."""
+        items = [(keys[c][max(layer, 0)], view) for c, layer, view in buffer.object_views()]
         self.client.put_batch(items, replicas=replicas)
-        return count * self.layout.chunk_size * self.layout.token_bytes
+        return buffer.chunks * self.layout.chunk_size * self.layout.token_bytes
 
     def load(
         self, keys: Sequence[Sequence[bytes]], chunks: int, *, tokens: int | None = None, pipelined: bool = True

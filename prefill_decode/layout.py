@@ -96,7 +96,10 @@ class KVLayout:
 class KVBuffer:
     """Host memory for the KV of ``chunks`` whole chunks, and the cache that views it."""
 
-    def __init__(self, layout: KVLayout, chunks: int, *, storage: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, layout: KVLayout, chunks: int, *, storage: torch.Tensor | None = None, pin: bool = False
+    ) -> None:
+        """``pin``: page-locked host memory (a CUDA device can then copy into it without blocking)."""
         self.layout = layout
         self.chunks = chunks
         tokens = chunks * layout.chunk_size
@@ -108,7 +111,7 @@ class KVBuffer:
         )
         numel = int(np.prod(shape))
         if storage is None:
-            storage = torch.empty(numel, dtype=lay.dtype)
+            storage = torch.empty(numel, dtype=lay.dtype, pin_memory=pin)
         elif storage.dtype != lay.dtype or storage.numel() < numel or not storage.is_contiguous():
             raise ValueError(f"storage must be a contiguous {lay.dtype} tensor of at least {numel} elements")
         self.tensor = storage[:numel].view(shape)
@@ -149,9 +152,10 @@ class KVBuffer:
         cache.layers = layers
         return cache
 
-    def fill_from(self, cache: DynamicCache, first_chunk: int = 0) -> None:
-        """Copy chunks ``first_chunk ..`` of a cache (batch of one) into this buffer, chunk 0 of the buffer
-        being ``first_chunk`` of the cache."""
+    def fill_from(self, cache: DynamicCache, first_chunk: int = 0, *, non_blocking: bool = False) -> None:
+        """Copy chunks ``first_chunk ..`` of a cache (batch of one, on any device) into this buffer, chunk 0
+        of the buffer being ``first_chunk`` of the cache.  ``non_blocking`` from a CUDA cache into a pinned
+        buffer returns before the copy is done: wait on an event recorded after it."""
         t = self.layout.chunk_size
         start, stop = first_chunk * t, (first_chunk + self.chunks) * t
         for layer in range(self.layout.layers):
@@ -160,5 +164,5 @@ class KVBuffer:
             if k is None or v is None or k.shape[0] != 1 or k.shape[-2] < stop:
                 raise ValueError(f"layer {layer} of the cache holds fewer than {stop} tokens of one sequence")
             dk, dv = self.layer_kv(layer)
-            dk.copy_(k[..., start:stop, :])
-            dv.copy_(v[..., start:stop, :])
+            dk.copy_(k[..., start:stop, :], non_blocking=non_blocking)
+            dv.copy_(v[..., start:stop, :], non_blocking=non_blocking)

@@ -22,6 +22,7 @@ from kvpool.pool.keys import DEFAULT_CHUNK_SIZE
 from kvpool.prefill_decode.calibrate import measure_hardware, spec_of
 from kvpool.prefill_decode.connector import PoolConnector
 from kvpool.prefill_decode.cost import CostModel, Hardware
+from kvpool.prefill_decode.device_tier import DeviceTier
 from kvpool.prefill_decode.layout import LAYOUTS, KVLayout
 from kvpool.prefill_decode.model import load_model
 from kvpool.prefill_decode.router import Route, Router
@@ -38,6 +39,9 @@ class WorkerConfig:
     hardware: Hardware | None = None  #: the cost model's figures; None: measured when the worker starts
     replicas: int = 1  #: copies of each chunk a prefill worker puts
     torch_threads: int = 0  #: 0: torch's default
+    #: decode workers keep finished sequences' KV on the model's device up to this budget (0: off), offloading
+    #: it to the pool by watermark — so the next turn of a conversation finds its prompt and answer there
+    device_budget_mib: int = 0
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -134,6 +138,15 @@ class PrefillWorker(Worker):
 
 
 class DecodeWorker(Worker):
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        self.device_tier = (
+            DeviceTier(self.connector, config.device_budget_mib << 20, device=self.loaded.device)
+            if config.device_budget_mib
+            else None
+        )
+        self._sequences = 0
+
     def decode(
         self, tokens: Sequence[int], first_token: int, max_new_tokens: int, *, revision: int = 0, eos: int | None = None
     ) -> DecodeResult:
@@ -143,7 +156,13 @@ class DecodeWorker(Worker):
         route, pre = self._prefill(tokens)
         t0 = time.perf_counter()
         out = self.runner.decode(pre, max_new_tokens, first_token=first_token, eos=eos)
+        if self.device_tier is not None:  # the cache now holds the prompt and every new token but the last
+            self._sequences += 1
+            self.device_tier.admit(f"seq-{self._sequences}", [*pre.tokens, *out[:-1]], pre.cache)
         return DecodeResult(out, PrefillSummary.of(self.client.node_id, route, pre), time.perf_counter() - t0)
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "device_tier": self.device_tier.stats() if self.device_tier else None}
 
 
 def start_workers(config: WorkerConfig, prefill_node: str | None, decode_node: str | None) -> tuple[Any, Any]:
