@@ -7,6 +7,8 @@ process: a random-weight 8-layer Llama (GQA) by default.  For each prompt length
 - warm from DRAM: the prompt's chunks reloaded layer by layer (pipelined with compute), the last token
   computed for its logits;
 - warm from NVMe: the same after every chunk was moved down to the NVMe tier (a hit promotes it back);
+- a half hit from DRAM: a prompt sharing only its first half with the cached one — half reloaded, half
+  computed, which is where layer-wise loading overlaps the fetch with compute;
 
 and prints beside each the cost model's prediction (FLOPS_eff and tier bandwidths measured at the start of
 the run), the floor set by memcpy / raw O_DIRECT disk for moving that much KV, and the share of fetch time
@@ -44,7 +46,7 @@ from kvpool.prefill_decode.router import Router
 from kvpool.prefill_decode.runner import ModelRunner, Prefilled
 from pool import memcpy_gbps, raw_disk_gbps
 
-console = Console()
+console = Console(width=150)
 
 
 def median(values: list[float]) -> float:
@@ -78,6 +80,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     f"model {loaded.name} ({layout.token_bytes:,} B of KV per token, {layout.layout} chunks of "
                     f"{args.chunk}); {hardware.source}: {hardware.flops / 1e9:.1f} GFLOP/s, "
                     + ", ".join(f"{t} {bw / 1e9:.2f} GB/s" for t, bw in hardware.bandwidth.items())
+                    + f", reload latency {hardware.latency_s * 1e3:.1f} ms"
                     + f"; memcpy {copy_gbps:.1f} GB/s, O_DIRECT read {disk_read_gbps:.2f} GB/s"
                 )
                 for n in lengths:
@@ -94,14 +97,19 @@ def bench_length(
 ) -> list[dict[str, Any]]:  # fmt: skip
     vocab = runner.model.config.vocab_size
     tokens = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-    kv_bytes = n * runner.connector.layout.token_bytes if runner.connector else 0
+    assert runner.connector is not None
+    kv_bytes = n * runner.connector.layout.token_bytes
 
-    def ttft(reuse: bool) -> tuple[float, Prefilled]:
+    def ttft(reuse: bool, prompt: list[int] = tokens) -> tuple[float, Prefilled]:
         t0 = time.perf_counter()
-        route = router.route(tokens)
-        pre = runner.prefill(tokens, route.keys, route.reuse_chunks if reuse else 0)
+        route = router.route(prompt)
+        pre = runner.prefill(prompt, route.keys, route.reuse_chunks if reuse else 0)
         pre.first_token  # noqa: B018 -- the first token is part of TTFT
         return time.perf_counter() - t0, pre
+
+    half = n // 2
+    other = torch.randint(0, vocab, (n - half,), generator=torch.Generator().manual_seed(n + 1)).tolist()
+    half_tokens = tokens[:half] + other  # shares its first half with `tokens`: a partial hit
 
     cold_runs = []
     cold_pre: Prefilled | None = None
@@ -113,21 +121,23 @@ def bench_length(
     keys = [k for chunk in router.route(tokens).keys for k in chunk]
     cold = median(cold_runs)
     out = []
-    for tier in ("dram", "nvme"):
+    for tier in ("dram", "nvme", "dram, half hit"):
         runs, overlaps = [], []
+        prompt = half_tokens if tier.endswith("half hit") else tokens
         for _ in range(args.repeat):
             if tier == "nvme":
                 client.move(keys, Tier.NVME)
-            s, pre = ttft(reuse=True)
+            s, pre = ttft(reuse=True, prompt=prompt)
             if pre.reused_tokens == 0:
-                raise RuntimeError(f"the {n}-token prompt was not reused from {tier}: {router.route(tokens).decision}")
-            assert pre.first_token == cold_pre.first_token
+                raise RuntimeError(f"the {n}-token prompt was not reused from {tier}: {router.route(prompt).decision}")
             runs.append(s)
             overlaps.append(pre.load.overlap if pre.load else 0.0)
+        assert prompt is not tokens or pre.first_token == cold_pre.first_token
         warm = median(runs)
         predicted_cold = cost.prefill_s(n)
-        predicted_warm = cost.reload_s(n - 1, tier) + cost.prefill_s(n, n - 1)
-        floor = kv_bytes / ((copy_gbps if tier == "dram" else disk_gbps) * 1e9)
+        reused = pre.reused_tokens
+        predicted_warm = cost.reload_s(reused, tier.split(",")[0]) + cost.prefill_s(n, reused)
+        floor = reused * runner.connector.layout.token_bytes / ((disk_gbps if tier == "nvme" else copy_gbps) * 1e9)
         out.append(
             {
                 "tokens": n, "tier": tier, "kv_bytes": kv_bytes, "cold_s": cold, "warm_s": warm,
@@ -143,15 +153,15 @@ def bench_length(
 def render(rows: list[dict[str, Any]]) -> None:
     table = Table(title="time to first token: recompute vs reload (medians)")
     cols = (
-        "tokens", "KV MiB", "tier", "cold s", "warm s", "speedup", "predicted", "pred/meas",
-        "copy floor s", "overlap",
+        "tokens", "KV MiB", "tier", "cold s", "pred cold s", "warm s", "pred warm s", "speedup", "predicted",
+        "pred/meas", "copy floor s", "overlap",
     )  # fmt: skip
     for col in cols:
         table.add_column(col, justify="left" if col == "tier" else "right")
     for r in rows:
         table.add_row(
-            f"{r['tokens']:,}", f"{r['kv_bytes'] / MiB:.1f}", r["tier"], f"{r['cold_s']:.3f}", f"{r['warm_s']:.4f}",
-            f"{r['speedup']:.1f}x", f"{r['predicted_speedup']:.1f}x", f"{r['predicted_speedup'] / r['speedup']:.2f}",
+            f"{r['tokens']:,}", f"{r['kv_bytes'] / MiB:.1f}", r["tier"], f"{r['cold_s']:.3f}",
+            f"{r['predicted_cold_s']:.3f}", f"{r['warm_s']:.4f}", f"{r['predicted_warm_s']:.4f}", f"{r['speedup']:.1f}x", f"{r['predicted_speedup']:.1f}x", f"{r['predicted_speedup'] / r['speedup']:.2f}",
             f"{r['floor_s']:.4f}", f"{r['overlap']:.0%}",
         )  # fmt: skip
     console.print(table)
@@ -171,7 +181,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     lengths = sorted({r["tokens"] for r in rows})
     cold = [next(r["cold_s"] for r in rows if r["tokens"] == n) for n in lengths]
     ax.plot(lengths, cold, "o-", label="cold (recompute)")
-    for tier, marker in (("dram", "s"), ("nvme", "^")):
+    for tier, marker in (("dram", "s"), ("nvme", "^"), ("dram, half hit", "d")):
         sel = [r for r in rows if r["tier"] == tier]
         ax.plot([r["tokens"] for r in sel], [r["warm_s"] for r in sel], marker + "-", label=f"warm from {tier}")
         ax.plot(

@@ -71,10 +71,15 @@ def token_array(tokens: Any, field: str = "tokens") -> np.ndarray:
             raise ValueError(f"{field} must hold integer token ids, got dtype {arr.dtype}")
     else:
         items = list(tokens)
-        for i, t in enumerate(items):
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                raise ValueError(f"{field}[{i}] must be an int token id, got {type(t).__name__} {t!r}")
-        arr = np.asarray(items, dtype=np.int64) if items else np.zeros(0, dtype=np.int64)
+        types = set(map(type, items))  # one C-level pass; the per-item check below runs only to name a culprit
+        if not types <= {int} and not all(issubclass(t, (int, np.integer)) and t is not bool for t in types):
+            for i, t in enumerate(items):
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                    raise ValueError(f"{field}[{i}] must be an int token id, got {type(t).__name__} {t!r}")
+        try:
+            arr = np.asarray(items, dtype=np.int64) if items else np.zeros(0, dtype=np.int64)
+        except OverflowError:
+            raise ValueError(f"{field} holds an id above the largest supported token id {_MAX_TOKEN_ID}") from None
     if arr.ndim != 1:
         raise ValueError(f"{field} must be 1-D, got shape {tuple(arr.shape)}")
     if arr.size:

@@ -223,6 +223,13 @@ class PoolNode:
         self._publish()
         return out
 
+    def touch_batch(self, keys: Sequence[bytes]) -> None:
+        """Hits a same-node client read without pinning (see ``PoolClient``): count them, refresh their LRU place."""
+        for key in keys:
+            if key in self.store:
+                self.store.policy.touch(key)
+                self.store.counters["gets"] += 1
+
     def release_batch(self, keys: Sequence[bytes]) -> None:
         for key in keys:
             self.store.release(key)

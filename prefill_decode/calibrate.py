@@ -38,12 +38,16 @@ def measure_flops(loaded: LoadedModel, tokens: int = 1024, repeats: int = 3) -> 
     return flops / statistics.median(times[1:])
 
 
-def measure_bandwidth(
+def measure_reads(
     client: PoolClient, object_bytes: int, total_bytes: int = 16 << 20, repeats: int = 3
-) -> dict[str, float]:
-    """Bytes/s of ``get_into_batch`` of ``total_bytes`` in objects of ``object_bytes`` from this node's DRAM and,
-    when the node has one, from its NVMe (a read there promotes the chunk back to DRAM, as a real hit
-    does).  Uses throw-away keys and removes them."""
+) -> tuple[dict[str, float], float]:
+    """Read bandwidth (bytes/s) per tier of this node, and the fixed latency of one read (s).
+
+    Times ``get_into_batch`` of ``total_bytes`` in objects of ``object_bytes`` — the way a reload reads —
+    from this node's DRAM and, when the node has one, its NVMe (a read there promotes the chunk back to
+    DRAM, as a real hit does); and of a single object from DRAM, which is the latency (one pin round trip
+    and a copy).  Bandwidth is the large read's bytes over its time less that latency.  Uses throw-away
+    keys and removes them."""
     rng = np.random.default_rng()
     objects = max(1, total_bytes // object_bytes)
     keys = [os.urandom(32) for _ in range(objects)]
@@ -52,22 +56,44 @@ def measure_bandwidth(
     here = next((n for n in client.cache.nodes() if n.node_id == client.node_id), None)
     client.put_batch(list(zip(keys, data, strict=True)), nodes=[here.node_id] if here else [])
     has_nvme = here is not None and here.capacity(Tier.NVME) > 0
-    result: dict[str, float] = {}
+
+    def timed(n: int, tier: Tier) -> float:
+        times = []
+        for _ in range(repeats):
+            if tier is Tier.NVME:
+                client.move(keys[:n], Tier.NVME)
+            t0 = time.perf_counter()
+            client.get_into_batch(keys[:n], list(out[:n]))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
     try:
-        for tier in (Tier.DRAM, Tier.NVME) if has_nvme else (Tier.DRAM,):
-            times = []
-            for _ in range(repeats):
-                if tier is Tier.NVME:
-                    client.move(keys, Tier.NVME)
-                t0 = time.perf_counter()
-                client.get_into_batch(keys, list(out))
-                times.append(time.perf_counter() - t0)
-            result[tier.value] = data.nbytes / statistics.median(times)
+        latency = timed(1, Tier.DRAM)
+        bandwidth = {
+            t.value: data.nbytes / max(timed(objects, t) - latency, 1e-6)
+            for t in ((Tier.DRAM, Tier.NVME) if has_nvme else (Tier.DRAM,))
+        }
     finally:
         for key in keys:
             client.remove(key)
-    return result
+    return bandwidth, latency
+
+
+@torch.no_grad()
+def measure_step(loaded: LoadedModel, repeats: int = 5) -> float:
+    """The fixed cost of a forward pass: a one-token step after an 8-token prompt (median, after a warm-up)."""
+    ids = torch.arange(9, device=loaded.device).unsqueeze(0) % loaded.model.config.vocab_size
+    times = []
+    for _ in range(repeats + 1):
+        cache = loaded.model(ids[:, :8], use_cache=True).cache
+        t0 = time.perf_counter()
+        loaded.model(ids[:, 8:], cache=cache, use_cache=True, logits_to_keep=1)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 def measure_hardware(loaded: LoadedModel, client: PoolClient, object_bytes: int) -> Hardware:
-    return Hardware(measure_flops(loaded), measure_bandwidth(client, object_bytes), "measured on this cluster")
+    """Everything the cost model needs, measured here: FLOPS_eff, the fixed cost of a forward step, each
+    tier's read bandwidth and the fixed latency of a read."""
+    bandwidth, latency = measure_reads(client, object_bytes)
+    return Hardware(measure_flops(loaded), bandwidth, "measured on this cluster", latency, measure_step(loaded))

@@ -35,11 +35,13 @@ class LoadTimes:
     stall_s: float = 0.0  #: time the model waited for a layer that had not arrived
     total_s: float = 0.0  #: first fetch started → last fetch done
 
+    pipelined: bool = False  #: fetched on a thread while the model ran
+
     @property
     def overlap(self) -> float:
-        """The share of fetch time hidden behind compute (0: none, 1: all)."""
+        """The share of fetch time hidden behind compute (0: none — always, when not pipelined; 1: all)."""
         fetch = sum(self.fetch_s)
-        return max(0.0, 1.0 - self.stall_s / fetch) if fetch > 0 else 0.0
+        return max(0.0, 1.0 - self.stall_s / fetch) if fetch > 0 and self.pipelined else 0.0
 
 
 class Loading:
@@ -90,6 +92,7 @@ class Loading:
             self.times.total_s = time.perf_counter() - start
 
     def start(self, client: PoolClient, background: bool) -> "Loading":
+        self.times.pipelined = background
         if background:
             self._thread = threading.Thread(target=self._fetch, args=(client,), name="kvpool-kv-fetch", daemon=True)
             self._thread.start()

@@ -142,6 +142,8 @@ class Hardware:
     flops: float  #: effective FLOP/s of prefill
     bandwidth: Mapping[str, float]  #: tier name -> bytes/s
     source: str  #: "reference analysis", "measured on this cluster", "overridden"
+    latency_s: float = 0.0  #: fixed cost of one reload, whatever its size (pin round trip, first bytes)
+    step_s: float = 0.0  #: fixed cost of one forward pass, whatever its length (weights read, kernel launches)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "flops", _positive_number("Hardware.flops", self.flops))
@@ -156,9 +158,13 @@ class Hardware:
         object.__setattr__(self, "bandwidth", MappingProxyType(checked))
         if not isinstance(self.source, str) or not self.source:
             raise ConfigError(f"Hardware.source must be a non-empty str, got {self.source!r}")
+        for name in ("latency_s", "step_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ConfigError(f"Hardware.{name} must be a finite number >= 0, got {value!r}")
 
     def __hash__(self) -> int:  # the read-only mapping is not hashable itself
-        return hash((self.flops, tuple(self.bandwidth.items()), self.source))
+        return hash((self.flops, tuple(self.bandwidth.items()), self.source, self.latency_s, self.step_s))
 
     def with_overrides(self, flops: float | None = None, **bandwidth: float | None) -> "Hardware":
         """A copy with the given figures replaced (None: keep); its source becomes "overridden".
@@ -169,9 +175,7 @@ class Hardware:
         if flops is None and not given:
             return self
         return Hardware(
-            self.flops if flops is None else flops,
-            {**self.bandwidth, **given},
-            "overridden",
+            self.flops if flops is None else flops, {**self.bandwidth, **given}, "overridden", self.latency_s
         )
 
 
@@ -249,12 +253,20 @@ class CostModel:
         return flops
 
     def prefill_s(self, tokens: int, cached: int = 0) -> float:
-        return self.prefill_flops(tokens, cached) / self.hardware.flops
+        """The FLOPs at FLOPS_eff, plus the hardware's fixed cost of a forward pass when there is one."""
+        flops = self.prefill_flops(tokens, cached)
+        return flops / self.hardware.flops + (self.hardware.step_s if tokens > cached else 0.0)
 
     def kv_bytes(self, tokens: int) -> int:
         return _tokens("tokens", tokens) * self.spec.kv_bytes_per_token
 
     def reload_s(self, tokens: int, tier: str | Tier) -> float:
+        """The hardware's fixed reload latency plus :meth:`transfer_s` (nothing to reload: 0)."""
+        transfer = self.transfer_s(tokens, tier)
+        return self.hardware.latency_s + transfer if tokens else transfer
+
+    def transfer_s(self, tokens: int, tier: str | Tier) -> float:
+        """Moving the KV of ``tokens`` tokens out of ``tier`` at its bandwidth."""
         name = _tier_name(tier)
         bandwidth = self.hardware.bandwidth.get(name)
         if bandwidth is None:

@@ -54,7 +54,8 @@ class Router:
                 by_tier[tier] += nbytes
             total = sum(by_tier.values())
             # the prefix's tokens, shared out by where their bytes are; the last prompt token is always computed
-            reload = sum(self.cost.reload_s(round(cached_tokens * b / total), t) for t, b in by_tier.items())
+            reload = self.cost.hardware.latency_s
+            reload += sum(self.cost.transfer_s(round(cached_tokens * b / total), t) for t, b in by_tier.items())
             reload += self.cost.prefill_s(n, min(cached_tokens, n - 1))
             action = Action.RELOAD if reload < recompute else Action.RECOMPUTE
             decision = Decision(action, n, cached_tokens, "+".join(sorted(by_tier)), reload, recompute)

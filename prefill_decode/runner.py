@@ -43,10 +43,14 @@ class Prefilled:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, connector: PoolConnector | None = None) -> None:
+    def __init__(
+        self, loaded: LoadedModel, connector: PoolConnector | None = None, *, pipeline_min_tokens: int = 64
+    ) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.connector = connector
+        #: a reload overlaps its per-layer fetch with compute when at least this many tokens are computed
+        self.pipeline_min_tokens = pipeline_min_tokens
 
     def _ids(self, tokens: Sequence[int]) -> torch.Tensor:
         return torch.as_tensor(token_array(tokens).astype("int64"), device=self.loaded.device).unsqueeze(0)
@@ -55,21 +59,22 @@ class ModelRunner:
     def prefill(self, tokens: Sequence[int], keys: Sequence[Sequence[bytes]] = (), reuse_chunks: int = 0) -> Prefilled:
         """Prefill ``tokens``, taking the KV of the first ``reuse_chunks`` chunks (named by ``keys``,
         from :meth:`PoolConnector.keys`) from the pool."""
-        tokens = [int(t) for t in token_array(tokens)]
-        if not tokens:
+        arr = token_array(tokens)
+        if not arr.size:
             raise ValueError("the prompt is empty: give at least one token")
-        ids = self._ids(tokens)
+        prompt: list[int] = arr.tolist()
+        ids = torch.from_numpy(arr.astype("int64")).to(self.loaded.device).unsqueeze(0)
         t0 = time.perf_counter()
         if reuse_chunks:
             if self.connector is None:
                 raise ValueError("reuse_chunks needs a runner with a PoolConnector")
             try:
-                return self._prefill_reusing(tokens, ids, keys, reuse_chunks, t0)
+                return self._prefill_reusing(prompt, ids, keys, reuse_chunks, t0)
             except ChunkNotFound as exc:
-                log.warning("cached prefix lost mid-request (%s); recomputing all %d tokens", exc, len(tokens))
+                log.warning("cached prefix lost mid-request (%s); recomputing all %d tokens", exc, len(prompt))
         out = self.model(ids, use_cache=True, logits_to_keep=1)
         return Prefilled(
-            tokens, out.logits[0, -1].float(), out.cache, 0, len(tokens), bool(reuse_chunks), time.perf_counter() - t0
+            prompt, out.logits[0, -1].float(), out.cache, 0, len(prompt), bool(reuse_chunks), time.perf_counter() - t0
         )
 
     def _prefill_reusing(
@@ -77,7 +82,10 @@ class ModelRunner:
     ) -> Prefilled:
         assert self.connector is not None
         start = min(chunks * self.connector.layout.chunk_size, len(tokens) - 1)  # the last token's logits are needed
-        loading = self.connector.load(keys, chunks, tokens=start)
+        # overlap pays only when there is compute to hide the fetch behind; for a short suffix a fetch on a
+        # thread just competes with the model for the interpreter
+        pipelined = len(tokens) - start >= self.pipeline_min_tokens
+        loading = self.connector.load(keys, chunks, tokens=start, pipelined=pipelined)
         with loading.attached(self.model):
             out = self.model(ids[:, start:], cache=loading.cache, use_cache=True, logits_to_keep=1)
         loading.finish()

@@ -224,3 +224,15 @@ def test_with_overrides() -> None:
     assert list(added.bandwidth) == ["dram", "nvme"]
     with pytest.raises(ConfigError, match="unknown tier"):
         REFERENCE_HARDWARE.with_overrides(tape=1e9)
+
+
+def test_a_fixed_reload_latency_is_paid_once_per_reload() -> None:
+    spec = model_spec("llama-3-8b")
+    hw = Hardware(1e12, {"dram": 1e9}, "measured on this cluster", latency_s=0.01)
+    model = CostModel(spec, hw)
+    assert model.reload_s(0, "dram") == 0
+    assert model.reload_s(1000, "dram") == pytest.approx(0.01 + 1000 * spec.kv_bytes_per_token / 1e9)
+    assert model.transfer_s(1000, "dram") == pytest.approx(1000 * spec.kv_bytes_per_token / 1e9)
+    assert hw.with_overrides(dram=2e9).latency_s == 0.01
+    with pytest.raises(ConfigError, match="latency_s"):
+        Hardware(1e12, {}, "t", latency_s=-1)
