@@ -41,3 +41,7 @@ class CorruptChunk(ChunkNotFound):
 class TransferError(KvPoolError):
     """A transfer between two nodes failed or timed out (peer dead, unreachable, or refused); for a read
     the pool treats the chunk as a miss on that replica."""
+
+
+class WorkerUnavailable(KvPoolError):
+    """A prefill or decode worker of a service died or cannot be reached; restart the service."""

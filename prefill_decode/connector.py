@@ -34,7 +34,6 @@ class LoadTimes:
     fetch_s: list[float] = field(default_factory=list)  #: per round (a layer, or all): since the previous one landed
     stall_s: float = 0.0  #: time the model waited for a layer that had not arrived
     total_s: float = 0.0  #: first fetch started → last fetch done
-
     pipelined: bool = False  #: fetched on a thread while the model ran
 
     @property

@@ -13,9 +13,10 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import ray
 from aiohttp import web
 
-from kvpool.errors import ConfigError, KvPoolError
+from kvpool.errors import ConfigError, KvPoolError, WorkerUnavailable
 from kvpool.prefill_decode.workers import DecodeResult, PrefillResult
 
 log = logging.getLogger(__name__)
@@ -65,11 +66,18 @@ class Service:
         if max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
         t0 = time.perf_counter()
-        first: PrefillResult = await self.prefill.prefill.remote(tokens)
-        ttft = time.perf_counter() - t0
-        done: DecodeResult = await self.decode.decode.remote(
-            tokens, first.first_token, max_tokens, revision=first.revision, eos=self.eos
-        )
+        try:
+            first: PrefillResult = await self.prefill.prefill.remote(tokens)
+            ttft = time.perf_counter() - t0
+            done: DecodeResult = await self.decode.decode.remote(
+                tokens, first.first_token, max_tokens, revision=first.revision, eos=self.eos
+            )
+        except ray.exceptions.RayTaskError as exc:  # a worker's own error (a bad prompt, a pool error): as itself
+            if isinstance(exc.cause, KvPoolError):
+                raise exc.cause from None
+            raise
+        except ray.exceptions.RayActorError as exc:
+            raise WorkerUnavailable(f"a prefill or decode worker died: {exc}; restart the service") from exc
         return Completion(tokens, done.tokens, ttft, time.perf_counter() - t0, first, done)
 
     def complete_sync(self, tokens: list[int], max_tokens: int) -> Completion:

@@ -70,6 +70,7 @@ def test_http_completions_go_prefill_pool_decode(workers: tuple[Any, Any], model
                     {"model": model.name, "prompt": tokens, "max_tokens": 6},
                     {"prompt": "text needs a tokenizer", "max_tokens": 6},
                     {"prompt": tokens, "max_tokens": 0},
+                    {"prompt": [*tokens, 9999], "max_tokens": 2},
                 ):
                     async with http.post("/v1/completions", json=body) as r:
                         out.append((r.status, await r.json()))
@@ -79,7 +80,7 @@ def test_http_completions_go_prefill_pool_decode(workers: tuple[Any, Any], model
             await runner.cleanup()
         return out
 
-    (s1, cold), (s2, warm), (s3, no_tok), (s4, bad), (s5, stats) = asyncio.run(scenario())
+    (s1, cold), (s2, warm), (s3, no_tok), (s4, bad), (s6, oov), (s5, stats) = asyncio.run(scenario())
     with torch.no_grad():
         reference = model.model.generate(torch.tensor([tokens]), max_new_tokens=6, do_sample=False)
     assert s1 == s2 == 200 and cold["choices"][0]["tokens"] == reference[0, len(tokens) :].tolist()
@@ -89,4 +90,5 @@ def test_http_completions_go_prefill_pool_decode(workers: tuple[Any, Any], model
     assert warm["kvpool"]["prefill"]["reused_tokens"] == 3 * 32
     assert s3 == 400 and "tokenizer" in no_tok["error"]["message"]
     assert s4 == 400 and "max_tokens" in bad["error"]["message"]
+    assert s6 == 400 and "vocabulary" in oov["error"]["message"]  # the worker's ConfigError, as a 400
     assert s5 == 200 and stats["prefill"]["requests"] >= 2
