@@ -10,6 +10,7 @@ import signal
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
@@ -26,6 +27,7 @@ from kvpool.metadata.records import Tier
 from kvpool.prefill_decode.cost import KNOWN_MODELS, REFERENCE_HARDWARE, Action, CostModel, model_spec
 
 if TYPE_CHECKING:
+    from kvpool.pool.client import PoolClient
     from kvpool.pool.config import PoolConfig
     from kvpool.prefill_decode.cost import Hardware
     from kvpool.prefill_decode.service import Service
@@ -48,6 +50,8 @@ EtcdOption = typer.Option(
 ClusterOption = typer.Option(
     "default", "--cluster", help="Cluster name: namespaces every key, so pools can share one etcd."
 )
+RayAddressOption = typer.Option(..., "--ray-address", help="The Ray cluster the pool runs on (head host:port).")
+NamespaceOption = typer.Option("kvpool", "--namespace", help="The Ray namespace of the pool's PoolNode actors.")
 
 
 @app.callback()
@@ -150,10 +154,7 @@ def list_chunks(
 
 
 @app.command()
-def down(
-    ray_address: str = typer.Option(..., "--ray-address", help="The Ray cluster the pool runs on (head host:port)."),
-    namespace: str = typer.Option("kvpool", "--namespace", help="The Ray namespace of its PoolNode actors."),
-) -> None:
+def down(ray_address: str = RayAddressOption, namespace: str = NamespaceOption) -> None:
     """Stop every PoolNode of a pool started with 'kvpool up --hold --ray-address' or start_pool().
 
     Each node revokes its lease first, so its records and placements leave etcd at once; segments are
@@ -172,6 +173,89 @@ def down(
         finally:
             ray.shutdown()
         console.print(f"stopped {stopped} pool node(s) in namespace {namespace!r}")
+
+
+@contextmanager
+def _attached_client(etcd: str | None, cluster: str, ray_address: str, namespace: str) -> Iterator["PoolClient"]:
+    """A ``PoolClient`` of a running pool, from a driver attached to its Ray cluster."""
+    import ray
+
+    from kvpool.pool.client import PoolClient
+    from kvpool.pool.config import PoolConfig
+
+    cfg = _config(etcd, cluster)
+    if not cfg.endpoints:
+        raise KvPoolError(f"this command needs a running pool: pass --etcd host:port or set {ENDPOINTS_ENV}")
+    ray.init(address=ray_address, logging_level=logging.WARNING, namespace=namespace)
+    try:
+        with PoolClient(PoolConfig(metadata=cfg, namespace=namespace, metrics_port=-1)) as client:
+            yield client
+    finally:
+        ray.shutdown()
+
+
+def _key(text: str) -> bytes:
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        raise ConfigError(f"a chunk key is 64 hex digits (kvpool ls shows them), got {text!r}")
+    return key
+
+
+@app.command()
+def put(
+    path: Path = typer.Argument(..., exists=True, dir_okay=False, help="File whose bytes become one chunk."),
+    key: str = typer.Option("", "--key", help="The chunk key, 64 hex digits. Default: SHA-256 of the bytes."),
+    replicas: int = typer.Option(1, "--replicas", min=1, help="Copies on distinct nodes."),
+    etcd: str | None = EtcdOption,
+    cluster: str = ClusterOption,
+    ray_address: str = RayAddressOption,
+    namespace: str = NamespaceOption,
+) -> None:
+    """Put a file's bytes into a running pool as one chunk (for inspection and tests), and print its key."""
+    import hashlib
+
+    with _errors():
+        data = path.read_bytes()
+        if not data:
+            raise ConfigError(f"{path} is empty: a chunk holds at least one byte")
+        chunk_key = _key(key) if key else hashlib.sha256(data).digest()
+        with _attached_client(etcd, cluster, ray_address, namespace) as client:
+            client.put_batch([(chunk_key, data)], replicas=replicas)
+            where = ", ".join(f"{p.node[:12]} ({p.tier.value})" for p in client.cache.replicas(chunk_key))
+        console.print(f"{chunk_key.hex()}  {len(data)} bytes on {where}")
+
+
+@app.command()
+def get(
+    key: str = typer.Argument(..., help="The chunk key, 64 hex digits (kvpool ls shows them)."),
+    out: Path | None = typer.Option(
+        None, "--out", dir_okay=False, help="Write the bytes here. Default: just check them."
+    ),
+    etcd: str | None = EtcdOption,
+    cluster: str = ClusterOption,
+    ray_address: str = RayAddressOption,
+    namespace: str = NamespaceOption,
+) -> None:
+    """Read one chunk from a running pool, checksum verified; say where it came from; optionally save it."""
+    import time as _time
+
+    with _errors():
+        chunk_key = _key(key)
+        with _attached_client(etcd, cluster, ray_address, namespace) as client:
+            replicas = client.cache.replicas(chunk_key)
+            t0 = _time.perf_counter()
+            data = client.get(chunk_key)
+            took = _time.perf_counter() - t0
+        if out is not None:
+            out.write_bytes(data)
+        where = ", ".join(f"{p.node[:12]} ({p.tier.value})" for p in replicas)
+        console.print(
+            f"{chunk_key.hex()}  {len(data)} bytes, crc32c verified, in {took * 1e3:.1f} ms; replicas: {where}"
+            + (f"; written to {out}" if out is not None else "")
+        )
 
 
 @contextmanager

@@ -1,6 +1,8 @@
 """kvpool ls / down against a live pool, run as a user runs them (the installed script, a subprocess)."""
 
+import hashlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,3 +37,27 @@ def test_ls_lists_chunks_and_down_stops_the_pool(pool: PoolConfig, client: PoolC
     assert out.returncode == 0, out.stderr
     assert "stopped 3 pool node(s)" in out.stdout
     assert client.cache.wait_until(lambda c: not c.nodes() and not c.chunk_count(), timeout_s=10)
+
+
+def test_put_then_get_a_file_through_the_cli(pool: PoolConfig, client: PoolClient, tmp_path: Path) -> None:
+    src, back = tmp_path / "chunk.bin", tmp_path / "back.bin"
+    src.write_bytes(os.urandom(300_000))
+    where = [
+        "--etcd", pool.metadata.endpoints[0], "--cluster", pool.metadata.cluster,
+        "--ray-address", ray.get_runtime_context().gcs_address, "--namespace", pool.namespace,
+    ]  # fmt: skip
+    out = kvpool("put", str(src), "--replicas", "2", *where)
+    assert out.returncode == 0, out.stderr
+    assert (found := re.search(r"\b[0-9a-f]{64}\b", out.stdout)), out.stdout
+    key = found.group(0)
+    assert bytes.fromhex(key) == hashlib.sha256(src.read_bytes()).digest()
+    assert client.cache.wait_until(lambda c: len(c.replicas(bytes.fromhex(key))) == 2, timeout_s=10)
+
+    out = kvpool("get", key, "--out", str(back), *where)
+    assert out.returncode == 0, out.stderr
+    assert back.read_bytes() == src.read_bytes() and "crc32c verified" in out.stdout
+
+    missing = kvpool("get", "ab" * 32, *where)
+    assert missing.returncode == 1 and "ChunkNotFound" in missing.stderr and "Traceback" not in missing.stderr
+    bad = kvpool("get", "not-a-key", *where)
+    assert bad.returncode == 1 and "64 hex digits" in bad.stderr
