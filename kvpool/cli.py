@@ -81,11 +81,36 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def scrape(address: str, timeout_s: float = 1.0) -> dict[str, float]:
+    """A node's Prometheus metrics (``host:port``), summed per metric name (``name{level}`` for watermarks);
+    empty if the node does not answer."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout_s) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name + (f"{{{sample.labels['level']}}}" if "level" in sample.labels else "")
+            out[name] = out.get(name, 0.0) + sample.value
+    return out
+
+
 def render_status(cache: MetadataCache, etcd: EtcdClient, cluster: str) -> None:
-    """Nodes with each tier's bytes held (from the placements) against its capacity (from the node record)."""
+    """Nodes with each tier's bytes held (from the placements) against its capacity (from the node record),
+    and, from each node's metrics endpoint, its DRAM watermarks and traffic counters."""
     nodes = cache.nodes()
     table = Table(title=f"kvpool cluster '{cluster}' — etcd {etcd.endpoints}, revision {cache.revision}")
-    for col in ("node", "host", "pid", "DRAM held / capacity", "NVMe held / capacity", "replicas", "up for", "metrics"):
+    cols = (
+        "node", "host", "pid", "DRAM held / capacity", "NVMe held / capacity", "watermarks", "replicas",
+        "puts", "gets", "moves", "up for", "metrics",
+    )  # fmt: skip
+    for col in cols:
         table.add_column(col, justify="right" if col not in ("node", "host", "metrics") else "left")
     now = time.time()
     for n in nodes:
@@ -94,9 +119,22 @@ def render_status(cache: MetadataCache, etcd: EtcdClient, cluster: str) -> None:
             for t in (Tier.DRAM, Tier.NVME)
         ]
         up = f"{now - n.started:.0f} s" if n.started else "?"
-        table.add_row(n.node_id[:12], n.host, str(n.pid), *tiers, str(cache.replica_count(n.node_id)), up, n.metrics)
+        m = scrape(n.metrics) if n.metrics else {}
+        marks = (
+            f"{m['kvpool_dram_watermark_ratio{low}']:.0%}-{m['kvpool_dram_watermark_ratio{high}']:.0%}"
+            if "kvpool_dram_watermark_ratio{high}" in m
+            else "-"
+        )
+        counts = [
+            str(int(m[name])) if name in m else "-"
+            for name in ("kvpool_puts_total", "kvpool_gets_total", "kvpool_tier_moves_total")
+        ]
+        table.add_row(
+            n.node_id[:12], n.host, str(n.pid), *tiers, marks, str(cache.replica_count(n.node_id)), *counts, up,
+            n.metrics,
+        )  # fmt: skip
     if not nodes:
-        table.add_row("(no live nodes)", "", "", "", "", "", "", "")
+        table.add_row("(no live nodes)", *[""] * (len(cols) - 1))
     console.print(table)
     console.print(
         f"chunks: {cache.chunk_count()}   replicas: {cache.replica_count()}   "

@@ -16,7 +16,7 @@ from kvpool.pool.store import ChunkStore
 #: store counter → (metric name, help, labels): migrations and promotions are moves between tiers
 _COUNTERS = {
     "puts": ("kvpool_puts", "Chunks stored by this node", {}),
-    "gets": ("kvpool_gets", "Chunk reads served (pinned for a reader) by this node", {}),
+    "gets": ("kvpool_gets", "Chunk reads served by this node (pinned, or same-node optimistic reads reported)", {}),
     "migrations": ("kvpool_tier_moves", "Chunks moved between tiers", {"from_tier": "dram", "to_tier": "nvme"}),
     "promotions": ("kvpool_tier_moves", "Chunks moved between tiers", {"from_tier": "nvme", "to_tier": "dram"}),
     "drops": ("kvpool_evictions", "Chunks dropped to make room", {}),
@@ -42,7 +42,12 @@ class StoreCollector(Collector):
             cap.add_metric(where, alloc.capacity)
             chunks.add_metric(where, self.store.policy.count(tier))
             frag.add_metric(where, alloc.stats().fragmentation)
-        yield from (used, cap, chunks, frag)
+        marks = GaugeMetricFamily(
+            "kvpool_dram_watermark_ratio", "DRAM migrates to NVMe above high, down to low", labels=["node", "level"]
+        )
+        marks.add_metric([self.node_id, "high"], self.store.watermarks.high)
+        marks.add_metric([self.node_id, "low"], self.store.watermarks.low)
+        yield from (used, cap, chunks, frag, marks)
         families: dict[str, CounterMetricFamily] = {}
         for key, (name, doc, labels) in _COUNTERS.items():
             fam = families.setdefault(name, CounterMetricFamily(name, doc, labels=["node", *labels]))

@@ -48,7 +48,8 @@ def test_put_then_get_a_file_through_the_cli(pool: PoolConfig, client: PoolClien
     ]  # fmt: skip
     out = kvpool("put", str(src), "--replicas", "2", *where)
     assert out.returncode == 0, out.stderr
-    assert (found := re.search(r"\b[0-9a-f]{64}\b", out.stdout)), out.stdout
+    found = re.search(r"\b[0-9a-f]{64}\b", out.stdout)
+    assert found, out.stdout
     key = found.group(0)
     assert bytes.fromhex(key) == hashlib.sha256(src.read_bytes()).digest()
     assert client.cache.wait_until(lambda c: len(c.replicas(bytes.fromhex(key))) == 2, timeout_s=10)
