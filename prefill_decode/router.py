@@ -44,7 +44,7 @@ class Router:
         keys = self.connector.keys(tokens)
         cached = self.connector.cached_chunks(keys)
         by_place = self.connector.sources(keys, cached)
-        cached_tokens = min(cached * self.connector.layout.chunk_size, n)
+        cached_tokens = min(cached * self.connector.layout.chunk_size, n) if by_place else 0  # gone meanwhile
         recompute = self.cost.prefill_s(n)
         if cached_tokens == 0:
             decision = Decision(Action.RECOMPUTE, n, 0, "-", recompute, recompute)
@@ -55,7 +55,7 @@ class Router:
             total = sum(by_tier.values())
             # the prefix's tokens, shared out by where their bytes are; the last prompt token is always computed
             reload = self.cost.hardware.latency_s
-            reload += sum(self.cost.transfer_s(round(cached_tokens * b / total), t) for t, b in by_tier.items())
+            reload += sum(self._transfer_s(round(cached_tokens * b / total), t) for t, b in by_tier.items())
             reload += self.cost.prefill_s(n, min(cached_tokens, n - 1))
             action = Action.RELOAD if reload < recompute else Action.RECOMPUTE
             decision = Decision(action, n, cached_tokens, "+".join(sorted(by_tier)), reload, recompute)
@@ -68,6 +68,14 @@ class Router:
             self.counts["misses"] += 1
         log.info("route %s", decision)
         return route
+
+    def _transfer_s(self, tokens: int, tier: str) -> float:
+        """``CostModel.transfer_s``; a tier without a measured figure (this node has no NVMe, but the chunk
+        sits on another node's) is priced at the slowest tier known, or as never worth reloading."""
+        bandwidth = self.cost.hardware.bandwidth
+        if tier in bandwidth:
+            return self.cost.transfer_s(tokens, tier)
+        return self.cost.kv_bytes(tokens) / min(bandwidth.values()) if bandwidth else float("inf")
 
     def stats(self) -> dict[str, Any]:
         c = self.counts

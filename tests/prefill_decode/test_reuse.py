@@ -109,3 +109,12 @@ def test_router_recomputes_when_reloading_is_slower(stack: tuple, model: LoadedM
     assert route.cached_chunks == 2 and route.decision.action is Action.RECOMPUTE and route.reuse_chunks == 0
     assert slow.stats()["recompute"] == 1 and slow.stats()["hit_rate"] == 1.0
     assert "recompute" in str(route.decision) and route.sources  # the prefix is there; it was judged too slow
+
+
+def test_a_tier_without_a_figure_is_priced_at_the_slowest_known(stack: tuple, model: LoadedModel) -> None:
+    runner, _ = stack
+    tokens = prompt(8, 2 * CHUNK)
+    router = Router(runner.connector, CostModel(spec_of(model), Hardware(5e9, {"nvme": 2e8}, "no dram figure")))
+    runner.save(runner.prefill(tokens), router.route(tokens).keys)
+    route = router.route(tokens)  # the chunks are in DRAM, priced at NVMe's bandwidth: still worth reloading
+    assert route.cached_chunks == 2 and route.decision.action is Action.RELOAD
