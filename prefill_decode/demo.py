@@ -1,8 +1,8 @@
 """The demo of ``kvpool up``: a long shared document, asked about twice.
 
 The first request prefills the whole prompt and puts its KV into the pool; the second finds the prefix
-there and reloads it.  The document is long enough (well over a thousand tokens) that most of it falls
-in full 256-token chunks.
+there and reloads it.  The document is long enough (about 850 tokens with SmolLM2's tokenizer and chat
+template) that most of it falls in full 256-token chunks.
 """
 
 DOCUMENT = """\
