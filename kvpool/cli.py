@@ -23,7 +23,7 @@ from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig
 from kvpool.metadata.etcd_server import EmbeddedEtcd
 from kvpool.metadata.namespace import Namespace
-from kvpool.metadata.records import Tier
+from kvpool.metadata.records import Placement, Tier
 from kvpool.prefill_decode.cost import KNOWN_MODELS, REFERENCE_HARDWARE, Action, CostModel, model_spec
 
 if TYPE_CHECKING:
@@ -242,6 +242,10 @@ def _key(text: str) -> bytes:
     return key
 
 
+def _where(replicas: list[Placement]) -> str:
+    return ", ".join(f"{p.node[:12]} ({p.tier.value})" for p in replicas)
+
+
 @app.command()
 def put(
     path: Path = typer.Argument(..., exists=True, dir_okay=False, help="File whose bytes become one chunk."),
@@ -262,7 +266,7 @@ def put(
         chunk_key = _key(key) if key else hashlib.sha256(data).digest()
         with _attached_client(etcd, cluster, ray_address, namespace) as client:
             client.put_batch([(chunk_key, data)], replicas=replicas)
-            where = ", ".join(f"{p.node[:12]} ({p.tier.value})" for p in client.cache.replicas(chunk_key))
+            where = _where(client.cache.replicas(chunk_key))
         console.print(f"{chunk_key.hex()}  {len(data)} bytes on {where}")
 
 
@@ -278,18 +282,15 @@ def get(
     namespace: str = NamespaceOption,
 ) -> None:
     """Read one chunk from a running pool, checksum verified; say where it came from; optionally save it."""
-    import time as _time
-
     with _errors():
         chunk_key = _key(key)
         with _attached_client(etcd, cluster, ray_address, namespace) as client:
-            replicas = client.cache.replicas(chunk_key)
-            t0 = _time.perf_counter()
+            where = _where(client.cache.replicas(chunk_key))
+            t0 = time.perf_counter()
             data = client.get(chunk_key)
-            took = _time.perf_counter() - t0
+            took = time.perf_counter() - t0
         if out is not None:
             out.write_bytes(data)
-        where = ", ".join(f"{p.node[:12]} ({p.tier.value})" for p in replicas)
         console.print(
             f"{chunk_key.hex()}  {len(data)} bytes, crc32c verified, in {took * 1e3:.1f} ms; replicas: {where}"
             + (f"; written to {out}" if out is not None else "")
