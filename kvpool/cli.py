@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -447,8 +447,7 @@ def run_demo(service: "Service", max_tokens: int = 32) -> None:
     for i in (1, 2):
         done = service.complete_sync(tokens, max_tokens)
         p, d = done.prefill.summary, done.decode.summary
-        where = ", ".join(f"{b / 2**20:.1f} MiB {src}" for src, b in p.sources.items()) or "-"
-        dwhere = ", ".join(f"{b / 2**20:.1f} MiB {src}" for src, b in d.sources.items()) or "-"
+        where, dwhere = (", ".join(f"{b / 2**20:.1f} MiB {src}" for src, b in x.sources.items()) or "-" for x in (p, d))
         table.add_row(
             "cold" if i == 1 else "warm", f"{done.ttft_s:.3f}", p.action,
             f"{p.reused_tokens} reused ({where}), {p.computed_tokens} computed",
@@ -603,8 +602,13 @@ def _measure_hardware(probe: str) -> "Hardware":
     return hardware
 
 
-def _reference_gbps(tier: str) -> str:
-    return f"{REFERENCE_HARDWARE.bandwidth[tier] / 1e9:g}"
+def _gbps_option(tier: str, label: str) -> Any:
+    default = REFERENCE_HARDWARE.bandwidth[tier] / 1e9
+    return typer.Option(
+        None,
+        f"--{tier}-gbps",
+        help=f"{label} tier read bandwidth, GB/s (decimal). Default: {default:g} (reference analysis).",
+    )
 
 
 @app.command()
@@ -618,21 +622,9 @@ def plan(
         "--tflops",
         help=f"Effective prefill compute, TFLOP/s. Default: {REFERENCE_HARDWARE.flops / 1e12:g} (reference analysis).",
     ),
-    dram_gbps: float | None = typer.Option(
-        None,
-        "--dram-gbps",
-        help=f"DRAM tier read bandwidth, GB/s (decimal). Default: {_reference_gbps('dram')} (reference analysis).",
-    ),
-    nvme_gbps: float | None = typer.Option(
-        None,
-        "--nvme-gbps",
-        help=f"NVMe tier read bandwidth, GB/s (decimal). Default: {_reference_gbps('nvme')} (reference analysis).",
-    ),
-    remote_gbps: float | None = typer.Option(
-        None,
-        "--remote-gbps",
-        help=f"Remote tier (S3) read bandwidth, GB/s (decimal). Default: {_reference_gbps('remote')} (reference analysis).",
-    ),
+    dram_gbps: float | None = _gbps_option("dram", "DRAM"),
+    nvme_gbps: float | None = _gbps_option("nvme", "NVMe"),
+    remote_gbps: float | None = _gbps_option("remote", "Remote (S3)"),
     attention: bool = typer.Option(
         False,
         "--attention/--no-attention",

@@ -474,27 +474,34 @@ class PoolClient:
 
     def remove(self, key: bytes) -> bool:
         """Remove every replica; False if the pool did not hold the chunk."""
-        replicas = self.cache.replicas(_check_key(key))
-        revision = 0
-        for p in replicas:
-            try:
-                revision = max(revision, int(_get(self._actor(p.node).remove_batch.remote([key]))))
-            except ChunkNotFound:
-                continue
-        self.cache.wait_until(lambda c: c.revision >= revision, timeout_s=self.config.metadata.retry_deadline_s)
-        return bool(replicas)
+        return self.remove_batch([key]) == 1
+
+    def remove_batch(self, keys: Sequence[bytes]) -> int:
+        """Remove every replica of ``keys`` (one call per holding node); returns how many the pool held."""
+        return self._per_holder(keys, lambda actor, node_keys: actor.remove_batch.remote(node_keys))
 
     def move(self, keys: Sequence[bytes], tier: Tier) -> None:
         """Move every replica of ``keys`` to ``tier`` on its node (e.g. demote to NVMe); returns once the
         local placement cache shows it."""
+        self._per_holder(keys, lambda actor, node_keys: actor.move_batch.remote(node_keys, tier))
+
+    def _per_holder(self, keys: Sequence[bytes], call: Callable[[Any, list[bytes]], Any]) -> int:
+        """``call(actor, keys it holds)`` once per node holding a replica of any of ``keys`` (a node gone
+        meanwhile is skipped), then wait until the local placement cache shows the etcd revision the calls
+        returned.  Returns how many of ``keys`` had a replica."""
         by_node: dict[str, list[bytes]] = {}
+        held = 0
         for key in keys:
-            for p in self.cache.replicas(_check_key(key)):
+            replicas = self.cache.replicas(_check_key(key))
+            held += bool(replicas)
+            for p in replicas:
                 by_node.setdefault(p.node, []).append(key)
         revision = 0
         for node_id, node_keys in by_node.items():
-            revision = max(revision, int(_get(self._actor(node_id).move_batch.remote(node_keys, tier))))
+            with contextlib.suppress(ChunkNotFound):
+                revision = max(revision, int(_get(call(self._actor(node_id), node_keys))))
         self.cache.wait_until(lambda c: c.revision >= revision, timeout_s=self.config.metadata.retry_deadline_s)
+        return held
 
     def stats(self) -> dict[str, Any]:
         nodes = {}

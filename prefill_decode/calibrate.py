@@ -74,8 +74,7 @@ def measure_reads(
             for t in ((Tier.DRAM, Tier.NVME) if has_nvme else (Tier.DRAM,))
         }
     finally:
-        for key in keys:
-            client.remove(key)
+        client.remove_batch(keys)
     return bandwidth, latency
 
 

@@ -17,6 +17,7 @@ import ray
 from aiohttp import web
 
 from kvpool.errors import ConfigError, KvPoolError, WorkerUnavailable
+from kvpool.pool.keys import token_array
 from kvpool.prefill_decode.workers import DecodeResult, PrefillResult
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,10 @@ class Service:
 
     def tokenize(self, prompt: str | list[int], *, chat: bool = False) -> list[int]:
         if isinstance(prompt, list):
-            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-                raise ConfigError("a token prompt must be a list of non-negative ints")
-            return prompt
+            try:
+                return [int(t) for t in token_array(prompt, "prompt")]
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if self.tokenizer is None:
             raise ConfigError(f"model {self.model} has no tokenizer: send the prompt as a list of token ids")
         if chat:
