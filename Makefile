@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvpool-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck pytest bench clean
+.PHONY: run test lint typecheck pytest bench clean system-deps
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,8 +35,21 @@ typecheck: $(STAMP)
 	for p in pool transport metadata prefill_decode; do ln -s $(CURDIR)/$$p build/typecheck/kvpool/$$p; done
 	cd build/typecheck && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p kvpool
 
-pytest: $(STAMP)
+pytest: $(STAMP) system-deps
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# tests/launcher runs `ray up cluster.yaml` over ssh on this machine: it needs sshd and rsync.  As root
+# with apt, they are installed here; elsewhere that one test is skipped and says why.
+SYSTEM_PKGS := openssh-server rsync
+system-deps:
+	@if ! { test -x /usr/sbin/sshd && command -v rsync >/dev/null; }; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing $(SYSTEM_PKGS) (for tests/launcher)"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -q --no-install-recommends $(SYSTEM_PKGS) >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $(SYSTEM_PKGS) >/dev/null; }; \
+	  else echo "note: tests/launcher needs $(SYSTEM_PKGS) (not root or no apt-get): it will be skipped"; fi; \
+	fi
 
 bench: $(STAMP)
 	$(PY) bench/metadata.py

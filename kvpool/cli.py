@@ -77,6 +77,18 @@ def _config(etcd: str | None, cluster: str) -> MetadataConfig:
     return MetadataConfig(endpoints=endpoints, cluster=cluster)
 
 
+def _ray_init(address: str, **kwargs: Any) -> None:
+    """Attach to the Ray cluster at ``address``, or one clear error saying it cannot be reached."""
+    import ray
+
+    try:
+        ray.init(address=address, logging_level=logging.WARNING, **kwargs)
+    except (ConnectionError, RuntimeError) as exc:
+        raise KvPoolError(
+            f"cannot attach to the Ray cluster at {address}: is it up, and is that its head? ({exc})"
+        ) from exc
+
+
 def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -204,13 +216,73 @@ def down(ray_address: str = RayAddressOption, namespace: str = NamespaceOption) 
     from kvpool.pool.node import stop_pool
 
     with _errors():
-        ray.init(address=ray_address, logging_level=logging.WARNING)
+        _ray_init(ray_address)
         try:
             with console.status("stopping PoolNode actors"):
                 stopped = stop_pool(PoolConfig(namespace=namespace))
         finally:
             ray.shutdown()
         console.print(f"stopped {stopped} pool node(s) in namespace {namespace!r}")
+
+
+@app.command()
+def join(
+    ray_address: str = RayAddressOption,
+    etcd: str | None = EtcdOption,
+    cluster: str = ClusterOption,
+    namespace: str = NamespaceOption,
+    node_ip: str = typer.Option(
+        "", "--node-ip", envvar="KVPOOL_NODE_IP", help="This node's Ray address. Default: the one Ray detects."
+    ),
+    dram_mib: int = typer.Option(
+        0, "--dram-mib", min=0, help="DRAM segment, MiB. Default: the node's Ray resource kvpool_dram_mib."
+    ),
+    nvme_mib: int = typer.Option(
+        0, "--nvme-mib", min=0, help="NVMe segment, MiB. Default: the node's Ray resource kvpool_nvme_mib."
+    ),
+    nvme_dir: str = typer.Option("", "--nvme-dir", help="Where the NVMe segment file goes. Default: a temp dir."),
+    metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", help="Where the node serves its metrics."),
+) -> None:
+    """Start this node's PoolNode actor (detached) and return: what each node of a 'ray up' cluster runs.
+
+    The node is the Ray node at --node-ip; its capacity comes from --dram-mib / --nvme-mib or, when those
+    are not given, from the Ray resources kvpool_dram_mib / kvpool_nvme_mib it was started with (and the
+    pool's defaults when it has neither).  Running it twice is harmless.  'kvpool down' stops the pool.
+    """
+    import ray
+
+    from kvpool.pool.config import MiB, PoolConfig
+    from kvpool.pool.node import start_pool
+
+    with _errors():
+        cfg = _config(etcd, cluster)
+        if not cfg.endpoints:
+            raise ConfigError(f"join needs the pool's etcd: pass --etcd host:port or set {ENDPOINTS_ENV}")
+        _ray_init(ray_address)
+        try:
+            ip = node_ip or ray.util.get_node_ip_address()
+            node = next((n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == ip), None)
+            if node is None:
+                alive = ", ".join(sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]))
+                raise ConfigError(f"no alive Ray node at {ip} (alive: {alive}); pass --node-ip")
+            res = node["Resources"]
+            pool = PoolConfig(
+                metadata=cfg,
+                dram_bytes=int(dram_mib or res.get("kvpool_dram_mib", 0)) * MiB,
+                nvme_bytes=int(nvme_mib or res.get("kvpool_nvme_mib", 0)) * MiB,
+                nvme_dir=nvme_dir,
+                namespace=namespace,
+                metrics_host=metrics_host,
+            )
+            with console.status(f"starting the PoolNode on {ip}"):
+                info = ray.get(start_pool(pool, [node["NodeID"]])[node["NodeID"]].info.remote())
+        finally:
+            ray.shutdown()
+        nvme_text = f"NVMe {_size(info.nvme_capacity)}" + (" (O_DIRECT)" if info.nvme_direct else "")
+        console.print(
+            f"pool node {info.node_id[:12]} up on {ip}: DRAM {_size(info.dram_capacity)}, {nvme_text}, "
+            f"metrics {info.metrics_address or 'off'}"
+        )
 
 
 @contextmanager
@@ -224,7 +296,7 @@ def _attached_client(etcd: str | None, cluster: str, ray_address: str, namespace
     cfg = _config(etcd, cluster)
     if not cfg.endpoints:
         raise KvPoolError(f"this command needs a running pool: pass --etcd host:port or set {ENDPOINTS_ENV}")
-    ray.init(address=ray_address, logging_level=logging.WARNING, namespace=namespace)
+    _ray_init(ray_address, namespace=namespace)
     try:
         with PoolClient(PoolConfig(metadata=cfg, namespace=namespace, metrics_port=-1)) as client:
             yield client
@@ -322,7 +394,7 @@ def _pool_up(
     if ray_address:
         import ray
 
-        ray.init(address=ray_address, logging_level=logging.WARNING)
+        _ray_init(ray_address)
         stack.callback(ray.shutdown)
         console.print(f"ray       attached to {ray_address}")
     else:

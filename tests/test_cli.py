@@ -55,12 +55,15 @@ def test_errors_are_one_line_with_a_nonzero_exit() -> None:
     assert "MetadataUnavailable" in out.stderr and "Traceback" not in out.stderr
     bad = run("status", "--etcd", "not-an-endpoint")
     assert bad.returncode == 1 and "ConfigError" in bad.stderr and "host:port" in bad.stderr
+    no_etcd = run("join", "--ray-address", "127.0.0.2:6379")
+    assert no_etcd.returncode == 1 and "ConfigError" in no_etcd.stderr and "--etcd" in no_etcd.stderr
 
 
 def test_every_command_explains_itself() -> None:
-    for args in (["--help"], ["up", "--help"], ["status", "--help"], ["plan", "--help"]):
+    commands = ("up", "join", "status", "ls", "put", "get", "down", "plan", "etcd")
+    for args in (["--help"], *([c, "--help"] for c in commands)):
         out = run(*args)
-        assert out.returncode == 0 and "Usage" in out.stdout
+        assert out.returncode == 0 and "Usage" in out.stdout, args
 
 
 def test_etcd_command_serves_until_terminated(tmp_path: Path) -> None:

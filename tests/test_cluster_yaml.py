@@ -13,11 +13,12 @@ def test_cluster_yaml_passes_rays_schema() -> None:
     validate_config(prepare_config(config))  # raises on any schema error
 
 
-def test_head_runs_etcd_and_every_node_advertises_pool_capacity() -> None:
+def test_head_runs_etcd_and_every_node_advertises_pool_capacity_and_joins() -> None:
     config = yaml.safe_load(CLUSTER_YAML.read_text())
     head, workers = " ".join(config["head_start_ray_commands"]), " ".join(config["worker_start_ray_commands"])
     assert "kvpool etcd" in head
     assert "--host $KVPOOL_HEAD" in head and f"KVPOOL_HEAD={config['provider']['head_ip']}" in head
     for commands in (head, workers):
-        assert "kvpool_dram_gib" in commands and "kvpool_nvme_gib" in commands
+        assert "kvpool_dram_mib" in commands and "kvpool_nvme_mib" in commands
+        assert "kvpool join" in commands and "ray stop" not in commands
     assert "torch==2.13.0" in " ".join(config["setup_commands"])

@@ -48,9 +48,9 @@ class NixlTransport(Transport):
         """``serve``: this process is a target others read from and write to (a pool node).
         ``scope`` (the cluster name): descriptors of another scope are refused by :meth:`connect`."""
         apply_ucx_defaults()
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # not an INFO line per agent; NIXL_LOG_LEVEL=INFO shows them
         from nixl_cu12._api import nixl_agent, nixl_agent_config
 
-        logging.getLogger("nixl_cu12").setLevel(logging.WARNING)
         self.name = name or f"kvpool-{uuid.uuid4().hex[:12]}"
         try:
             self._agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
