@@ -140,7 +140,7 @@ class MetadataCache:
                         del self._chunks[chunk]
             elif key.startswith(ns.nodes):
                 self._nodes.pop(ns.parse_node(key), None)
-        except ValueError:
+        except MalformedRecord:
             pass  # a key we never decoded
 
     # -- queries --------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The metadata layer's one validated config object."""
 
+import math
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from kvpool.errors import ConfigError
@@ -11,11 +12,13 @@ ENDPOINTS_ENV = "KVPOOL_ETCD_ENDPOINTS"
 ETCD_BIN_ENV = "KVPOOL_ETCD_BIN"
 ETCD_TXN_MAX_OPS = 128  # etcd's default --max-txn-ops
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
-_ENDPOINT = re.compile(r"^(?:https?://)?(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+):(?P<port>\d{1,5})/?$")
+_ENDPOINT = re.compile(r"^(?:https?://)?(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+):(?P<port>\d{1,5})/?$", re.ASCII)
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
     """``"host:port"`` or ``"http://host:port"`` → ``(host, port)``; ``ConfigError`` otherwise."""
+    if not isinstance(text, str):
+        raise ConfigError(f"endpoints: {text!r:.60} is a {type(text).__name__}, not a 'host:port' string")
     m = _ENDPOINT.match(text.strip())
     if not m or not 0 < int(m["port"]) < 65536:
         raise ConfigError(
@@ -56,6 +59,8 @@ class MetadataConfig:
     def __post_init__(self) -> None:
         if isinstance(self.endpoints, str):
             raise ConfigError("endpoints must be a tuple of 'host:port' strings, not one string")
+        if not isinstance(self.endpoints, (tuple, list)):
+            raise ConfigError(f"endpoints must be a tuple of 'host:port' strings, got {self.endpoints!r:.60}")
         for ep in self.endpoints:
             parse_endpoint(ep)
         validate_name("cluster", self.cluster)
@@ -65,11 +70,11 @@ class MetadataConfig:
             )
         for name in ("request_timeout_s", "retry_deadline_s"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value <= 0:
+            if not _number(value) or not 0 < value < math.inf:
                 raise ConfigError(f"{name} must be a number > 0 seconds, got {value!r}")
-        if not isinstance(self.page_size, int) or self.page_size < 1:
+        if not _int(self.page_size) or self.page_size < 1:
             raise ConfigError(f"page_size must be an int >= 1, got {self.page_size!r}")
-        if not isinstance(self.txn_max_ops, int) or not 1 <= self.txn_max_ops <= 10_000:
+        if not _int(self.txn_max_ops) or not 1 <= self.txn_max_ops <= 10_000:
             raise ConfigError(
                 f"txn_max_ops must be an int in [1, 10000] (etcd's default is 128), got {self.txn_max_ops!r}"
             )
@@ -77,6 +82,10 @@ class MetadataConfig:
     @classmethod
     def from_env(cls, **overrides: Any) -> "MetadataConfig":
         """Defaults, then ``KVPOOL_ETCD_ENDPOINTS`` (comma-separated), then explicit overrides."""
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(overrides) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown metadata settings {', '.join(unknown)}; known: {', '.join(known)}")
         cfg = cls()
         env = os.environ.get(ENDPOINTS_ENV, "").strip()
         if env:
@@ -85,3 +94,11 @@ class MetadataConfig:
 
     def with_endpoints(self, *endpoints: str) -> "MetadataConfig":
         return replace(self, endpoints=tuple(endpoints))
+
+
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

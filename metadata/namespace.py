@@ -5,11 +5,14 @@
 ``/kvpool/<cluster>/sync``                     → a barrier marker (see ``MetadataCache.sync``)
 """
 
+import re
 from dataclasses import dataclass
 
+from kvpool.errors import ConfigError, MalformedRecord
 from kvpool.metadata.config import validate_name
 
 KEY_BYTES = 32  # chunk keys are SHA-256 digests (kvpool.pool.keys)
+_KEY_HEX = re.compile(rb"[0-9a-f]{%d}" % (2 * KEY_BYTES))  # lower case, as chunk() writes it
 
 
 @dataclass(frozen=True)
@@ -42,22 +45,32 @@ class Namespace:
     def chunk(self, key: bytes) -> bytes:
         """The prefix holding every replica of one chunk."""
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            raise ValueError(f"a chunk key is {KEY_BYTES} bytes, got {key!r}")
+            raise ConfigError(f"a chunk key is {KEY_BYTES} bytes (kvpool.pool.keys.chunk_keys), got {key!r:.60}")
         return self.chunks + key.hex().encode() + b"/"
 
     def replica(self, key: bytes, node_id: str) -> bytes:
         return self.chunk(key) + validate_name("node_id", node_id).encode()
 
     def parse_replica(self, etcd_key: bytes) -> tuple[bytes, str]:
-        """``(chunk key, node id)`` from a replica's etcd key; ``ValueError`` if it is not one."""
-        if not etcd_key.startswith(self.chunks):
-            raise ValueError(f"{etcd_key!r} is not under {self.chunks!r}")
-        hexkey, sep, node = etcd_key[len(self.chunks) :].decode().partition("/")
-        if not sep or len(hexkey) != 2 * KEY_BYTES or not node:
-            raise ValueError(f"{etcd_key!r} is not <chunks>/<key hex>/<node>")
-        return bytes.fromhex(hexkey), node
+        """``(chunk key, node id)`` from a replica's etcd key, exactly as :meth:`replica` writes it;
+        ``MalformedRecord`` otherwise."""
+        if not isinstance(etcd_key, bytes) or not etcd_key.startswith(self.chunks):
+            raise MalformedRecord(f"etcd key {etcd_key!r:.120} is not under {self.chunks!r}")
+        hexkey, sep, node = etcd_key[len(self.chunks) :].partition(b"/")
+        if not sep or not _KEY_HEX.fullmatch(hexkey):
+            raise MalformedRecord(f"etcd key {etcd_key!r:.120} is not <chunks>/<{2 * KEY_BYTES} hex digits>/<node>")
+        return bytes.fromhex(hexkey.decode()), self._node_name(etcd_key, node)
 
     def parse_node(self, etcd_key: bytes) -> str:
-        if not etcd_key.startswith(self.nodes):
-            raise ValueError(f"{etcd_key!r} is not under {self.nodes!r}")
-        return etcd_key[len(self.nodes) :].decode()
+        """The node id of a node record's etcd key, exactly as :meth:`node` writes it; ``MalformedRecord``
+        otherwise."""
+        if not isinstance(etcd_key, bytes) or not etcd_key.startswith(self.nodes):
+            raise MalformedRecord(f"etcd key {etcd_key!r:.120} is not under {self.nodes!r}")
+        return self._node_name(etcd_key, etcd_key[len(self.nodes) :])
+
+    @staticmethod
+    def _node_name(etcd_key: bytes, raw: bytes) -> str:
+        try:
+            return validate_name("node_id", raw.decode())
+        except (UnicodeDecodeError, ConfigError) as exc:
+            raise MalformedRecord(f"etcd key {etcd_key!r:.120} does not end in a node id: {exc}") from None

@@ -7,6 +7,7 @@ not in the value (see :mod:`kvpool.metadata.namespace`).
 """
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -37,21 +38,35 @@ def _pack(fields: dict[str, Any]) -> bytes:
     return msgpack.packb({"v": SCHEMA_VERSION, **fields}, use_bin_type=True)
 
 
-def _unpack(kind: str, raw: bytes, spec: dict[str, type | tuple[type, ...]]) -> dict[str, Any]:
+_Spec = dict[str, type | tuple[type, ...]]
+
+
+def _unpack(kind: str, raw: bytes, spec: _Spec, optional: _Spec | None = None) -> dict[str, Any]:
+    """The fields of one record: exactly ``"v"``, every field of ``spec`` and maybe those of ``optional``, each
+    of its type (``bool`` is never an ``int``, floats are finite); ``MalformedRecord`` otherwise."""
     try:
         obj = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise MalformedRecord(f"{kind}: not msgpack ({type(exc).__name__}: {exc})") from exc
     if not isinstance(obj, dict):
         raise MalformedRecord(f"{kind}: expected a map, got {type(obj).__name__}")
-    if obj.get("v") != SCHEMA_VERSION:
-        raise MalformedRecord(f"{kind}: schema version {obj.get('v')!r}, this kvpool reads {SCHEMA_VERSION}")
-    for name, typ in spec.items():
+    version = obj.get("v")
+    if type(version) is not int or version != SCHEMA_VERSION:
+        raise MalformedRecord(f"{kind}: schema version {version!r:.40}, this kvpool reads {SCHEMA_VERSION}")
+    optional = optional or {}
+    unknown = [k for k in obj if k != "v" and k not in spec and k not in optional]
+    if unknown:
+        raise MalformedRecord(f"{kind}: unknown fields {unknown!r:.80} (written by another kvpool version?)")
+    for name, typ in {**spec, **optional}.items():
         if name not in obj:
+            if name in optional:
+                continue
             raise MalformedRecord(f"{kind}: field {name!r} missing")
         value = obj[name]
-        if not isinstance(value, typ) or (isinstance(value, bool) and typ is int):
+        if not isinstance(value, typ) or isinstance(value, bool):
             raise MalformedRecord(f"{kind}: field {name!r} has type {type(value).__name__}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise MalformedRecord(f"{kind}: field {name!r} is {value}")
     return obj
 
 
@@ -78,7 +93,7 @@ class Placement:
     created: float = 0.0
     last_access: float = 0.0
 
-    _SPEC: ClassVar[dict[str, type | tuple[type, ...]]] = {
+    _SPEC: ClassVar[_Spec] = {
         "tier": str, "segment": str, "offset": int, "length": int, "checksum": int,
         "codec": str, "checksum_alg": str, "created": (int, float), "last_access": (int, float),
     }  # fmt: skip
@@ -95,8 +110,10 @@ class Placement:
     @classmethod
     def decode(cls, key: bytes, node: str, raw: bytes) -> "Placement":
         f = _unpack("placement", raw, cls._SPEC)
-        if f["offset"] < 0 or f["length"] < 0:
-            raise MalformedRecord(f"placement: negative offset/length {f['offset']}/{f['length']}")
+        if f["offset"] < 0 or f["length"] < 1 or f["checksum"] < 0:
+            raise MalformedRecord(
+                f"placement: offset {f['offset']} and checksum {f['checksum']} must be >= 0, length {f['length']} >= 1"
+            )
         return cls(
             key=key, node=node, tier=_tier("placement", f["tier"]), segment=f["segment"], offset=f["offset"],
             length=f["length"], checksum=f["checksum"], codec=f["codec"], checksum_alg=f["checksum_alg"],
@@ -119,8 +136,10 @@ class SegmentInfo:
     @classmethod
     def from_wire(cls, item: Any) -> "SegmentInfo":
         if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], str) and isinstance(item[1], str)
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in item[2:])):  # fmt: skip
-            raise MalformedRecord(f"node record: segment entry {item!r} is not [name, tier, capacity, used]")
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in item[2:])):  # fmt: skip
+            raise MalformedRecord(
+                f"node record: segment entry {item!r:.80} is not [name, tier, capacity >= 0, used >= 0]"
+            )
         return cls(item[0], _tier("node record", item[1]), item[2], item[3])
 
 
@@ -137,7 +156,7 @@ class NodeRecord:
     updated: float = 0.0
     metrics: str = ""  #: host:port of the node's Prometheus endpoint ("" when it serves none)
 
-    _SPEC: ClassVar[dict[str, type | tuple[type, ...]]] = {
+    _SPEC: ClassVar[_Spec] = {
         "host": str, "pid": int, "address": bytes, "segments": list, "started": (int, float), "updated": (int, float),
     }  # fmt: skip
 
@@ -152,11 +171,13 @@ class NodeRecord:
 
     @classmethod
     def decode(cls, node_id: str, raw: bytes) -> "NodeRecord":
-        f = _unpack("node record", raw, cls._SPEC)
+        f = _unpack("node record", raw, cls._SPEC, {"metrics": str})  # metrics came later
+        if not 0 < f["pid"] < 2**31:
+            raise MalformedRecord(f"node record: pid {f['pid']} is not a process id")
         return cls(
             node_id=node_id, host=f["host"], pid=f["pid"], address=f["address"],
             segments=tuple(SegmentInfo.from_wire(s) for s in f["segments"]),
-            started=float(f["started"]), updated=float(f["updated"]), metrics=str(f.get("metrics", "")),
+            started=float(f["started"]), updated=float(f["updated"]), metrics=f.get("metrics", ""),
         )  # fmt: skip
 
     def capacity(self, tier: Tier) -> int:

@@ -102,9 +102,8 @@ class NodeRegistry:
         """Every live node (straight from etcd); malformed records are logged and skipped."""
         out = []
         for kv in self.etcd.get_prefix(self.namespace.nodes):
-            node_id = self.namespace.parse_node(kv.key)
             try:
-                out.append(NodeRecord.decode(node_id, kv.value))
+                out.append(NodeRecord.decode(self.namespace.parse_node(kv.key), kv.value))
             except MalformedRecord as exc:
                 log.warning("skipping node record %s: %s", kv.key.decode(errors="replace"), exc)
         return out

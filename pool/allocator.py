@@ -10,7 +10,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from itertools import pairwise
 
-from kvpool.errors import PoolFull
+from kvpool.errors import ConfigError, PoolFull
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,11 @@ class OffsetAllocator:
 
     def __init__(self, capacity: int, alignment: int = 4096) -> None:
         if not _is_int(alignment) or alignment < 1 or alignment & (alignment - 1):
-            raise ValueError(f"alignment must be a power of two >= 1, got {alignment!r}")
+            raise ConfigError(f"alignment must be a power of two >= 1, got {alignment!r}")
         if not _is_int(capacity) or capacity <= 0:
-            raise ValueError(f"capacity must be an int > 0, got {capacity!r}")
+            raise ConfigError(f"capacity must be an int > 0, got {capacity!r}")
         if capacity < alignment:
-            raise ValueError(f"capacity must be at least one alignment unit ({alignment} B), got {capacity}")
+            raise ConfigError(f"capacity must be at least one alignment unit ({alignment} B), got {capacity}")
         self._alignment = alignment
         self._capacity = capacity - capacity % alignment
         #: offsets of free extents, ascending; ``_free_size`` holds their sizes
@@ -79,7 +79,7 @@ class OffsetAllocator:
         """Reserve ``size`` bytes (rounded up to ``alignment``) and return their offset.
 
         Takes the front of the lowest-offset free extent that fits.  Raises ``PoolFull`` when none fits,
-        leaving the allocator unchanged.
+        leaving the allocator unchanged; ``ConfigError`` for a size that is not an int > 0.
         """
         rounded = self._round(size)
         for i, start in enumerate(self._free_starts):
@@ -109,14 +109,12 @@ class OffsetAllocator:
 
     def size_of(self, offset: int) -> int:
         """The rounded size of the live allocation at ``offset``."""
-        if offset not in self._live:
-            raise ValueError(f"offset {offset!r} is not a live allocation")
+        self._check_live(offset, "")
         return self._live[offset]
 
     def free(self, offset: int) -> None:
         """Release the live allocation at ``offset`` and merge it with free neighbours on both sides."""
-        if offset not in self._live:
-            raise ValueError(f"offset {offset!r} is not a live allocation (never allocated, or already freed)")
+        self._check_live(offset, " (never allocated, or already freed)")
         size = self._live.pop(offset)
         self._used -= size
         i = bisect_left(self._free_starts, offset)
@@ -158,9 +156,13 @@ class OffsetAllocator:
         _require(self._used == sum(self._live.values()), "used does not match live allocations")
         _require(self._used + sum(self._free_size.values()) == self._capacity, "used + free != capacity")
 
+    def _check_live(self, offset: int, why: str) -> None:
+        if not _is_int(offset) or offset not in self._live:
+            raise ConfigError(f"offset {offset!r:.60} is not a live allocation{why}")
+
     def _round(self, size: int) -> int:
         if not _is_int(size) or size <= 0:
-            raise ValueError(f"size must be an int > 0, got {size!r}")
+            raise ConfigError(f"size must be an int > 0 (bytes), got {size!r:.60}")
         return -(-size // self._alignment) * self._alignment
 
 

@@ -1,5 +1,6 @@
 """The pool's one validated config object."""
 
+import math
 import os
 import shutil
 import tempfile
@@ -20,9 +21,7 @@ class Watermarks:
     low: float = 0.6
 
     def __post_init__(self) -> None:
-        if not (
-            isinstance(self.high, (int, float)) and isinstance(self.low, (int, float)) and 0 < self.low < self.high <= 1
-        ):
+        if not (_fraction(self.high) and _fraction(self.low) and 0 < self.low < self.high <= 1):
             raise ConfigError(f"watermarks must satisfy 0 < low < high <= 1, got low={self.low!r} high={self.high!r}")
 
 
@@ -48,13 +47,32 @@ class PoolConfig:
     metrics_port: int = 0  #: 0: a free port per node (published in its node record); -1: no metrics
 
     def __post_init__(self) -> None:
+        if not isinstance(self.metadata, MetadataConfig):
+            raise ConfigError(f"metadata must be a MetadataConfig, got {type(self.metadata).__name__}")
+        if not isinstance(self.watermarks, Watermarks):
+            raise ConfigError(f"watermarks must be a Watermarks, got {type(self.watermarks).__name__}")
+        for name in ("shm_dir", "nvme_dir", "namespace", "metrics_host"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or (not value and name != "nvme_dir"):
+                raise ConfigError(f"{name} must be a {'' if name == 'nvme_dir' else 'non-empty '}string, got {value!r}")
+        if not isinstance(self.promote_on_hit, bool):
+            raise ConfigError(f"promote_on_hit must be True or False, got {self.promote_on_hit!r}")
         for name in ("dram_bytes", "nvme_bytes", "alignment"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise ConfigError(f"{name} must be an int number of bytes, got {value!r}")
+                hint = (
+                    " (sizes are not parsed: write e.g. 16 * GiB from kvpool.pool.config)"
+                    if isinstance(value, str)
+                    else ""
+                )
+                raise ConfigError(f"{name} must be an int number of bytes{hint}, got {value!r}")
         if self.dram_bytes < 0:
             raise ConfigError(f"dram_bytes must be >= 0 (0: default), got {self.dram_bytes}")
-        if not isinstance(self.metrics_port, int) or not -1 <= self.metrics_port < 65536:
+        if (
+            not isinstance(self.metrics_port, int)
+            or isinstance(self.metrics_port, bool)
+            or not -1 <= self.metrics_port < 65536
+        ):
             raise ConfigError(f"metrics_port must be -1 (off), 0 (free port) or a port, got {self.metrics_port!r}")
         if self.alignment < 1 or self.alignment & (self.alignment - 1):
             raise ConfigError(f"alignment must be a power of two, got {self.alignment}")
@@ -78,3 +96,7 @@ class PoolConfig:
         if self.nvme_bytes:
             return max(self.nvme_bytes, 0)
         return min(shutil.disk_usage(directory).free // 10, 16 * GiB) // MiB * MiB
+
+
+def _fraction(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

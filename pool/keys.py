@@ -9,14 +9,20 @@ depends on the process, the host or ``PYTHONHASHSEED``: the same prompt gives th
 
 import hashlib
 import json
+import re
+from collections.abc import Mapping, Set
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
+from kvpool.errors import ConfigError
+from kvpool.metadata.namespace import KEY_BYTES
+
 DEFAULT_CHUNK_SIZE = 256
 _MAX_TOKEN_ID = 2**32 - 1  # tokens are hashed as little-endian uint32
 _IDENTITY_TAG = "kvpool.cache-identity/1"
+_KEY_HEX = re.compile(rf"[0-9a-fA-F]{{{2 * KEY_BYTES}}}", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -39,17 +45,17 @@ class CacheIdentity:
         for name in ("model", "kv_dtype", "layout", "codec"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
-                raise ValueError(f"CacheIdentity.{name} must be a non-empty string, got {value!r}")
+                raise ConfigError(f"CacheIdentity.{name} must be a non-empty string, got {value!r}")
         for name in ("chunk_size", "tp_size", "tp_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"CacheIdentity.{name} must be an int, got {value!r}")
+                raise ConfigError(f"CacheIdentity.{name} must be an int, got {value!r}")
         if self.chunk_size <= 0:
-            raise ValueError(f"CacheIdentity.chunk_size must be > 0, got {self.chunk_size}")
+            raise ConfigError(f"CacheIdentity.chunk_size must be > 0, got {self.chunk_size}")
         if self.tp_size <= 0:
-            raise ValueError(f"CacheIdentity.tp_size must be > 0, got {self.tp_size}")
+            raise ConfigError(f"CacheIdentity.tp_size must be > 0, got {self.tp_size}")
         if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"CacheIdentity.tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
+            raise ConfigError(f"CacheIdentity.tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
 
     def root(self) -> bytes:
         """``H_0``: the SHA-256 of a canonical encoding of the identity."""
@@ -57,37 +63,65 @@ class CacheIdentity:
         return hashlib.sha256(canonical.encode()).digest()
 
 
+def check_key(key: Any, field: str = "key") -> bytes:
+    """``key`` if it is a chunk key (``KEY_BYTES`` bytes, as :func:`chunk_keys` makes them); ``ConfigError``
+    naming ``field`` otherwise."""
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        got = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
+        raise ConfigError(
+            f"{field}: a chunk key is {KEY_BYTES} bytes (kvpool.pool.keys.chunk_keys makes them), got {got} {key!r:.60}"
+        )
+    return key
+
+
+def parse_key(text: Any, field: str = "key") -> bytes:
+    """A chunk key written as ``2 * KEY_BYTES`` hex digits (``key.hex()``, as ``kvpool ls`` shows it; surrounding
+    whitespace ignored) → its bytes; ``ConfigError`` naming ``field`` otherwise."""
+    if not isinstance(text, str) or not _KEY_HEX.fullmatch(text.strip()):
+        raise ConfigError(
+            f"{field}: a chunk key is {2 * KEY_BYTES} hex digits (kvpool ls shows them), got {text!r:.80}"
+        )
+    return bytes.fromhex(text.strip())
+
+
 def token_array(tokens: Any, field: str = "tokens") -> np.ndarray:
     """Validate token ids and return them as a little-endian uint32 array (no copy when already one).
 
-    Accepts a sequence of ints, a 1-D integer numpy array or a 1-D integer torch tensor.  Raises
-    ``ValueError`` naming ``field`` for non-integers, negative ids, ids above 2**32-1 or a wrong shape.
+    Accepts an ordered collection of ints (list, tuple, range, iterator), a 1-D integer numpy array or a 1-D
+    integer torch tensor.  Raises ``ConfigError`` naming ``field`` for non-integers, negative ids, ids above
+    2**32-1, a wrong shape, or a container that holds no ordered ids (str, bytes, a set, a mapping).
     """
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor, without importing torch
         tokens = tokens.detach().cpu().numpy()
     if isinstance(tokens, np.ndarray):
         arr = tokens
         if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"{field} must hold integer token ids, got dtype {arr.dtype}")
+            raise ConfigError(f"{field} must hold integer token ids, got dtype {arr.dtype}")
     else:
+        if isinstance(tokens, (str, bytes, bytearray, memoryview, Mapping, Set)) or not hasattr(tokens, "__iter__"):
+            raise ConfigError(
+                f"{field} must be a sequence of int token ids, got {type(tokens).__name__} {tokens!r:.60}"
+            )
         items = list(tokens)
         types = set(map(type, items))  # one C-level pass; the per-item check below runs only to name a culprit
         if not types <= {int} and not all(issubclass(t, (int, np.integer)) and t is not bool for t in types):
             for i, t in enumerate(items):
                 if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                    raise ValueError(f"{field}[{i}] must be an int token id, got {type(t).__name__} {t!r}")
+                    raise ConfigError(f"{field}[{i}] must be an int token id, got {type(t).__name__} {t!r}")
         try:
             arr = np.asarray(items, dtype=np.int64) if items else np.zeros(0, dtype=np.int64)
-        except OverflowError:
-            raise ValueError(f"{field} holds an id above the largest supported token id {_MAX_TOKEN_ID}") from None
+        except OverflowError:  # beyond int64 either way; name the first id out of range
+            i, t = next((i, int(t)) for i, t in enumerate(items) if not 0 <= int(t) <= _MAX_TOKEN_ID)
+            where = "below 0" if t < 0 else f"above the largest supported token id {_MAX_TOKEN_ID}"
+            raise ConfigError(f"{field}[{i}] = {t} is {where}") from None
     if arr.ndim != 1:
-        raise ValueError(f"{field} must be 1-D, got shape {tuple(arr.shape)}")
+        raise ConfigError(f"{field} must be 1-D, got shape {tuple(arr.shape)}")
     if arr.size:
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0:
-            raise ValueError(f"{field} must be non-negative token ids, found {lo} at index {int(arr.argmin())}")
+            raise ConfigError(f"{field} must be non-negative token ids, found {lo} at index {int(arr.argmin())}")
         if hi > _MAX_TOKEN_ID:
-            raise ValueError(f"{field} holds id {hi} above the largest supported token id {_MAX_TOKEN_ID}")
+            raise ConfigError(f"{field} holds id {hi} above the largest supported token id {_MAX_TOKEN_ID}")
     return arr.astype("<u4", copy=False)
 
 
@@ -100,6 +134,8 @@ def next_key(previous: bytes, chunk_tokens: np.ndarray) -> bytes:
 
 def chunk_keys(identity: CacheIdentity, tokens: Any) -> list[bytes]:
     """The keys of every *full* chunk of ``tokens``; a trailing partial chunk gets no key."""
+    if not isinstance(identity, CacheIdentity):
+        raise ConfigError(f"identity must be a CacheIdentity, got {type(identity).__name__}")
     arr = token_array(tokens)
     c = identity.chunk_size
     keys: list[bytes] = []
@@ -115,6 +151,7 @@ def layer_key(chunk_key: bytes, layer: int) -> bytes:
 
     Derived from the chunk's key, so a prefix hit on layer 0 names the same prefix on every layer.
     """
+    check_key(chunk_key, "chunk_key")
     if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer <= _MAX_TOKEN_ID:
-        raise ValueError(f"layer must be an int in [0, 2**32), got {layer!r}")
+        raise ConfigError(f"layer must be an int in [0, 2**32), got {layer!r}")
     return hashlib.sha256(chunk_key + b"layer" + layer.to_bytes(4, "little")).digest()

@@ -15,11 +15,12 @@ import logging
 from dataclasses import dataclass, replace
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
-from kvpool.errors import ChunkNotFound, PoolFull
+from kvpool.errors import ChunkNotFound, ConfigError, PoolFull
 from kvpool.metadata.records import Tier
 from kvpool.pool.allocator import OffsetAllocator
 from kvpool.pool.config import Watermarks
 from kvpool.pool.eviction import EvictionPolicy
+from kvpool.pool.keys import check_key
 from kvpool.pool.segment import DramSegment, NvmeSegment
 
 log = logging.getLogger(__name__)
@@ -60,8 +61,13 @@ class Reservation:
     already_stored: bool = False  #: the key is held already (keys name content): nothing to write
 
 
+def _check_checksum(checksum: int) -> None:
+    if not isinstance(checksum, int) or isinstance(checksum, bool) or not 0 <= checksum < 2**64:
+        raise ConfigError(f"checksum must be an int in [0, 2**64), got {checksum!r:.60}")
+
+
 def short(key: bytes) -> str:
-    return key.hex()[:16]
+    return key.hex()[:16] if isinstance(key, bytes) else f"{key!r:.16}"
 
 
 class ChunkStore:
@@ -87,7 +93,7 @@ class ChunkStore:
         self._reserved: dict[bytes, Reservation] = {}
         self._changes: list[Change] = []  #: since the last take_changes()
         self.counters = {
-            "puts": 0, "gets": 0, "migrations": 0, "promotions": 0, "drops": 0, "corrupt": 0,
+            "puts": 0, "gets": 0, "misses": 0, "migrations": 0, "promotions": 0, "drops": 0, "corrupt": 0,
             "bytes_via_ray": 0,  #: KV bytes that came or went as Ray call arguments/results, not one-sided
         }  # fmt: skip
 
@@ -95,12 +101,13 @@ class ChunkStore:
 
     def reserve(self, key: bytes, length: int) -> Reservation:
         """Room for ``length`` bytes in DRAM, making room by migration or drops if needed."""
+        check_key(key)
+        if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
+            raise ConfigError(f"length must be an int > 0 (bytes), got {length!r:.60}")
         if key in self._chunks:
             return Reservation(key, self._chunks[key].offset, length, already_stored=True)
         if key in self._reserved:
-            raise ValueError(f"chunk {short(key)} is being written already")
-        if length <= 0:
-            raise ValueError(f"length must be > 0, got {length}")
+            raise ConfigError(f"chunk {short(key)} is being written already")
         offset = self._allocate(Tier.DRAM, length)
         r = Reservation(key, offset, length)
         self._reserved[key] = r
@@ -108,9 +115,10 @@ class ChunkStore:
 
     def commit(self, key: bytes, checksum: int, *, replicated: bool = False) -> StoredChunk:
         """Make a reserved chunk visible (then migrate by watermark)."""
-        r = self._reserved.pop(key, None)
+        _check_checksum(checksum)
+        r = self._reserved.pop(check_key(key), None)
         if r is None:
-            raise ValueError(f"chunk {short(key)} was not reserved")
+            raise ConfigError(f"chunk {short(key)} was not reserved")
         chunk = StoredChunk(key, Tier.DRAM, r.offset, r.length, checksum)
         self._chunks[key] = chunk
         self.policy.add(key, Tier.DRAM, self.allocators[Tier.DRAM].size_of(r.offset), replicated=replicated)
@@ -120,11 +128,14 @@ class ChunkStore:
         return self._chunks[key]
 
     def abort(self, key: bytes) -> None:
-        r = self._reserved.pop(key, None)
+        """Give a reservation's space back; a key that is not reserved (or not a key) is left alone: cleanup
+        of a batch goes on past it."""
+        r = self._reserved.pop(key, None) if isinstance(key, bytes) else None
         if r is not None:
             self.allocators[Tier.DRAM].free(r.offset)
 
     def put(self, key: bytes, data: memoryview, checksum: int, *, replicated: bool = False) -> StoredChunk:
+        _check_checksum(checksum)
         r = self.reserve(key, data.nbytes)
         if r.already_stored:
             return self._chunks[key]
@@ -158,7 +169,7 @@ class ChunkStore:
         return chunk
 
     def release(self, key: bytes) -> None:
-        if key in self.policy:
+        if isinstance(key, bytes) and key in self.policy:
             self.policy.unpin(key)
 
     def read(self, key: bytes) -> bytes:
@@ -170,10 +181,10 @@ class ChunkStore:
         return bytes(seg.read(chunk.offset, chunk.length))
 
     def _require(self, key: bytes) -> StoredChunk:
-        try:
-            return self._chunks[key]
-        except KeyError:
-            raise ChunkNotFound(f"chunk {short(key)} is not held by this node") from None
+        chunk = self._chunks.get(key) if isinstance(key, bytes) else None
+        if chunk is None:
+            raise ChunkNotFound(f"chunk {short(key)} is not held by this node")
+        return chunk
 
     # -- removing --------------------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from kvpool.prefill_decode.connector import PoolConnector
 from kvpool.prefill_decode.cost import CostModel, Hardware
 from kvpool.prefill_decode.device_tier import DeviceTier
 from kvpool.prefill_decode.layout import LAYOUTS, KVLayout
-from kvpool.prefill_decode.model import load_model
+from kvpool.prefill_decode.model import MODELS, load_model
 from kvpool.prefill_decode.router import Route, Router
 from kvpool.prefill_decode.runner import ModelRunner, Prefilled
 
@@ -44,10 +44,24 @@ class WorkerConfig:
     device_budget_mib: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.pool, PoolConfig):
+            raise ConfigError(f"pool must be a PoolConfig, got {type(self.pool).__name__}")
+        if not isinstance(self.model, str) or self.model not in MODELS:
+            raise ConfigError(f"model must be one of {', '.join(sorted(MODELS))}, got {self.model!r}")
+        if not isinstance(self.model_options, tuple) or not all(
+            isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], str) for o in self.model_options
+        ):
+            raise ConfigError(
+                f"model_options must be a tuple of (name, value) pairs, e.g. (('seed', 1),), got {self.model_options!r:.80}"
+            )
         if self.layout not in LAYOUTS:
             raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
-        if not isinstance(self.replicas, int) or self.replicas < 1:
-            raise ConfigError(f"replicas must be an int >= 1, got {self.replicas!r}")
+        if self.hardware is not None and not isinstance(self.hardware, Hardware):
+            raise ConfigError(f"hardware must be None (measure) or a Hardware, got {type(self.hardware).__name__}")
+        for name, low in (("chunk_size", 1), ("replicas", 1), ("torch_threads", 0), ("device_budget_mib", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 @dataclass(frozen=True)

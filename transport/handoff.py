@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.errors import ConfigError
 from kvpool.transport.base import Op
 from kvpool.transport.nixl import NixlTransport
 
@@ -24,8 +25,13 @@ class Handoff:
     token: bytes  #: the notification the consumer's READ carries
 
     def __post_init__(self) -> None:
-        if self.length <= 0:
-            raise ValueError(f"a handoff of {self.length} bytes")
+        for name in ("descriptor", "token"):
+            if not isinstance(getattr(self, name), bytes) or not getattr(self, name):
+                raise ConfigError(f"Handoff.{name} must be non-empty bytes, got {getattr(self, name)!r:.60}")
+        if not isinstance(self.region, str) or not self.region:
+            raise ConfigError(f"Handoff.region must be a region name, got {self.region!r:.60}")
+        if not isinstance(self.length, int) or isinstance(self.length, bool) or self.length <= 0:
+            raise ConfigError(f"Handoff.length must be an int > 0 (bytes), got {self.length!r:.60}")
 
 
 def _address(buffer: Any) -> tuple[int, int]:

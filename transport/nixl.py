@@ -23,12 +23,13 @@ from typing import Any
 import msgpack
 
 from kvpool.errors import TransferError
-from kvpool.transport.base import Op, Transport, pop_notification
+from kvpool.transport.base import Op, Transport, is_int_in, pop_notification, unpack_descriptor
 
 log = logging.getLogger(__name__)
 
 UCX_DEFAULTS = {"UCX_TLS": "posix,cma,tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 _DESCRIPTOR_VERSION = 1
+_DESCRIPTOR_FIELDS = frozenset({"v", "name", "scope", "agent", "regions"})
 PROGRESS_INTERVAL_S = 0.001
 MAX_PENDING_NOTIFS = 10_000
 
@@ -127,22 +128,13 @@ class NixlTransport(Transport):
         )
 
     def connect(self, descriptor: bytes) -> str:
-        try:
-            d = msgpack.unpackb(descriptor, raw=False)
-            if not isinstance(d, dict) or d.get("v") != _DESCRIPTOR_VERSION:
-                raise ValueError(f"not a kvpool NIXL descriptor (version {d.get('v') if isinstance(d, dict) else d!r})")
-            name, regions = str(d["name"]), {str(k): (int(v[0]), int(v[1])) for k, v in d["regions"].items()}
-            if d.get("scope", "") != self.scope:
-                raise TransferError(
-                    f"descriptor of {name} belongs to cluster {d.get('scope')!r}, this transport to {self.scope!r}"
-                )
-            if name not in self._peers:  # NIXL refuses to load the same agent twice
+        name, agent, regions = parse_descriptor(descriptor, self.scope)
+        if name not in self._peers:  # NIXL refuses to load the same agent twice
+            try:
                 with self._lock:
-                    self._agent.add_remote_agent(d["agent"])
-        except TransferError:
-            raise
-        except Exception as exc:
-            raise TransferError(f"malformed transfer descriptor: {exc}") from exc
+                    self._agent.add_remote_agent(agent)
+            except Exception as exc:  # nixl raises its own types
+                raise TransferError(f"NIXL refused the descriptor of {name}: {exc}") from exc
         self._peers[name] = regions
         return name
 
@@ -210,3 +202,25 @@ class NixlTransport(Transport):
             self.disconnect(peer)
         for name in list(self._reg_descs):
             self.deregister(name)
+
+
+def parse_descriptor(descriptor: bytes, scope: str) -> tuple[str, bytes, dict[str, tuple[int, int]]]:
+    """``(peer name, NIXL agent metadata, regions as name → (address, length))`` of a descriptor made by
+    :meth:`NixlTransport.descriptor` in cluster ``scope``; ``TransferError`` otherwise.  Pure: a malformed
+    descriptor never reaches the NIXL agent."""
+    d = unpack_descriptor(descriptor, "NIXL", _DESCRIPTOR_VERSION, _DESCRIPTOR_FIELDS, scope)
+    name, agent, regions = d["name"], d["agent"], d["regions"]
+    if not isinstance(agent, bytes) or not agent:
+        raise TransferError(f"malformed NIXL descriptor of {name}: agent metadata is {type(agent).__name__}, not bytes")
+    if not isinstance(regions, dict):
+        raise TransferError(f"malformed NIXL descriptor of {name}: regions is {type(regions).__name__}, not a map")
+    out = {}
+    for region, span in regions.items():
+        if not (isinstance(region, str) and region and isinstance(span, list) and len(span) == 2
+                and is_int_in(span[0], 0, 2**63) and is_int_in(span[1], 1, 2**63)):  # fmt: skip
+            raise TransferError(
+                f"malformed NIXL descriptor of {name}: region {region!r:.40} → {span!r:.60} is not "
+                "name → [address >= 0, length >= 1]"
+            )
+        out[region] = (span[0], span[1])
+    return name, agent, out
