@@ -11,7 +11,8 @@ class KvPoolError(Exception):
 
 
 class ConfigError(KvPoolError, ValueError):
-    """A configuration value is malformed or out of range; the message names the field."""
+    """A configuration value or an argument (a chunk key, token ids, a size) is malformed or out of range;
+    the message names the field."""
 
 
 class MetadataUnavailable(KvPoolError):
@@ -45,3 +46,13 @@ class TransferError(KvPoolError):
 
 class WorkerUnavailable(KvPoolError):
     """A prefill or decode worker of a service died or cannot be reached; restart the service."""
+
+
+class UnencodableTensor(KvPoolError, ValueError):
+    """A codec was handed a tensor it cannot encode: not a torch tensor, a dtype other than float16,
+    bfloat16 or float32, no dimensions, or NaN/inf for a quantizing codec; store it raw or fix the producer."""
+
+
+class UndecodableChunk(ChunkNotFound):
+    """Bytes are not a chunk the codec can decode (truncated, bad header, unknown codec, corrupt compressed
+    stream, sizes that disagree with the header).  A ``ChunkNotFound``: callers treat it as a miss and recompute."""
