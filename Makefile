@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(PY) bench/metadata.py
 	$(PY) bench/pool.py
 	$(PY) bench/transfer.py
+	$(PY) bench/cluster.py
 
 clean:
 	rm -rf build $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -27,6 +27,7 @@ from kvpool.metadata.records import Placement, Tier
 from kvpool.prefill_decode.cost import KNOWN_MODELS, REFERENCE_HARDWARE, Action, CostModel, model_spec
 
 if TYPE_CHECKING:
+    from kvpool.bench import Results as BenchResults
     from kvpool.pool.client import PoolClient
     from kvpool.pool.config import PoolConfig
     from kvpool.prefill_decode.cost import Hardware
@@ -94,8 +95,8 @@ def _size(n: int) -> str:
 
 
 def scrape(address: str, timeout_s: float = 1.0) -> dict[str, float]:
-    """A node's Prometheus metrics (``host:port``), summed per metric name (``name{level}`` for watermarks);
-    empty if the node does not answer."""
+    """A node's Prometheus metrics (``host:port``), summed per metric name (``name{level}`` for watermarks,
+    ``name{result}`` for lookups); empty if the node does not answer."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -108,19 +109,21 @@ def scrape(address: str, timeout_s: float = 1.0) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            name = sample.name + (f"{{{sample.labels['level']}}}" if "level" in sample.labels else "")
+            label = next((sample.labels[k] for k in ("level", "result") if k in sample.labels), None)
+            name = sample.name + (f"{{{label}}}" if label is not None else "")
             out[name] = out.get(name, 0.0) + sample.value
     return out
 
 
 def render_status(cache: MetadataCache, etcd: EtcdClient, cluster: str) -> None:
     """Nodes with each tier's bytes held (from the placements) against its capacity (from the node record),
-    and, from each node's metrics endpoint, its DRAM watermarks and traffic counters."""
+    and, from each node's metrics endpoint, its DRAM watermarks, traffic counters and the hit rate of the
+    prefix lookups made by clients on that node (chunks found / chunks asked for)."""
     nodes = cache.nodes()
     table = Table(title=f"kvpool cluster '{cluster}' — etcd {etcd.endpoints}, revision {cache.revision}")
     cols = (
         "node", "host", "pid", "DRAM held / capacity", "NVMe held / capacity", "watermarks", "replicas",
-        "puts", "gets", "moves", "up for", "metrics",
+        "puts", "gets", "moves", "hit rate", "up for", "metrics",
     )  # fmt: skip
     for col in cols:
         table.add_column(col, justify="right" if col not in ("node", "host", "metrics") else "left")
@@ -141,9 +144,11 @@ def render_status(cache: MetadataCache, etcd: EtcdClient, cluster: str) -> None:
             str(int(m[name])) if name in m else "-"
             for name in ("kvpool_puts_total", "kvpool_gets_total", "kvpool_tier_moves_total")
         ]
+        hits, misses = (m.get(f"kvpool_lookup_chunks_total{{{r}}}", 0.0) for r in ("hit", "miss"))
+        rate = f"{hits / (hits + misses):.0%} of {int(hits + misses)}" if hits + misses else "-"
         table.add_row(
-            n.node_id[:12], n.host, str(n.pid), *tiers, marks, str(cache.replica_count(n.node_id)), *counts, up,
-            n.metrics,
+            n.node_id[:12], n.host, str(n.pid), *tiers, marks, str(cache.replica_count(n.node_id)), *counts, rate,
+            up, n.metrics,
         )  # fmt: skip
     if not nodes:
         table.add_row("(no live nodes)", *[""] * (len(cols) - 1))
@@ -573,6 +578,117 @@ def check_pool(pool: "PoolConfig") -> None:
     )
     if not ok:
         raise KvPoolError("the pool returned bytes that differ from what was put; run with --debug and report it")
+
+
+@app.command("bench")
+def bench_command(
+    etcd: str | None = EtcdOption,
+    cluster: str = ClusterOption,
+    ray_address: str | None = typer.Option(
+        None,
+        "--ray-address",
+        help="Benchmark the running pool of this Ray cluster (needs --etcd). Default: a local one.",
+    ),
+    namespace: str = NamespaceOption,
+    nodes: int = typer.Option(3, "--nodes", min=1, max=8, help="Nodes of the local cluster (127.0.0.2 and up)."),
+    dram_mib: int = typer.Option(512, "--dram-mib", min=64, help="Local cluster: DRAM segment per node, MiB."),
+    nvme_mib: int = typer.Option(512, "--nvme-mib", min=64, help="Local cluster: NVMe segment per node, MiB."),
+    size_mib: int = typer.Option(4, "--size-mib", min=1, help="Chunk size, MiB."),
+    mib_per_cell: int = typer.Option(64, "--mib-per-cell", min=1, help="Bytes moved per measurement, MiB."),
+    repeat: int = typer.Option(3, "--repeat", min=1, help="Passes per get measurement (the median is shown)."),
+    ttft: str = typer.Option("1024,4096", "--ttft", help="Prompt lengths for cold/warm TTFT; '' skips it."),
+    model: str = typer.Option("tiny-llama", "--model", help="Model of the TTFT workers: tiny-llama or smollm2-135m."),
+    out: Path = typer.Option(Path("bench/results/cluster"), "--out", help="Writes OUT.json and OUT.png."),
+) -> None:
+    """Measure a pool: node-to-node put/get GB/s per tier, scaling as nodes read at once, TTFT cold and warm.
+
+    Runs on the embedded default (a local cluster of --nodes nodes on loopback) or, with --ray-address and
+    --etcd, on a running pool (one started by 'ray up cluster.yaml', say), which it leaves as it found it.
+    Every figure is printed beside this machine's limits measured in the same run: single-thread memcpy,
+    a loopback TCP stream and raw O_DIRECT disk I/O.  Results: a table, OUT.json and OUT.png.
+    """
+    import json
+    from dataclasses import asdict
+
+    from rich.progress import Progress
+
+    from kvpool import bench
+    from kvpool.pool.config import MiB, PoolConfig
+
+    with _errors(), ExitStack() as stack:
+        lengths = tuple(int(t) for t in ttft.split(",") if t.strip())
+        settings = bench.Settings(size_mib * MiB, mib_per_cell * MiB, repeat, ttft_tokens=lengths, ttft_model=model)
+        if ray_address:
+            cfg = _config(etcd, cluster)
+            if not cfg.endpoints:
+                raise ConfigError(f"--ray-address needs the pool's etcd: pass --etcd host:port or set {ENDPOINTS_ENV}")
+            _ray_init(ray_address, namespace=namespace)
+            import ray
+
+            stack.callback(ray.shutdown)
+            pool = PoolConfig(metadata=cfg, namespace=namespace, metrics_port=-1)
+        else:
+            pool = stack.enter_context(_pool_up(stack, etcd, cluster, None, nodes, dram_mib, nvme_mib))
+        import ray
+
+        count = sum(n["Alive"] for n in ray.nodes())
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task("benchmark", total=bench.steps(count, settings))
+
+            def progress(what: str, steps: int) -> None:
+                bar.update(task, advance=steps, description=what)
+
+            results = bench.run(pool, settings, progress)
+        render_bench(results)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        json_path = out.with_suffix(".json")
+        json_path.write_text(json.dumps(asdict(results), indent=2))
+        try:
+            png = bench.plot(results, out.with_suffix(".png"))
+            console.print(f"figures written to {json_path} and {png}")
+        except ImportError:
+            console.print(f"figures written to {json_path} (no plot: pip install 'kvpool[bench]' for matplotlib)")
+
+
+def render_bench(r: "BenchResults") -> None:
+    lim = r.limits
+    s = r.settings
+    console.print(
+        f"limits    memcpy (1 thread) {lim['memcpy']:.2f} GB/s · TCP loopback {lim['socket']:.2f} GB/s · "
+        f"O_DIRECT disk write {lim['disk_write']:.2f} / read {lim['disk_read']:.2f} GB/s"
+    )
+    unique = len(set(r.hosts)) == len(r.hosts)
+    names = [h if unique else f"{h} ({i[:6]})" for h, i in zip(r.hosts, r.nodes, strict=True)]
+    per = f"{s['chunks_per_cell']} x {s['size'] // 2**20} MiB chunks"
+    grids = [("put GB/s: writer (row) into holder (column)", r.put)]
+    grids += [(f"get {t} GB/s: chunks held by (row), read by (column)", g) for t, g in r.get.items()]
+    for title, grid in grids:
+        table = Table(title=f"{title}; {per}")
+        table.add_column("")
+        for n in names:
+            table.add_column(n, justify="right")
+        for n, row in zip(names, grid, strict=True):
+            table.add_row(n, *(f"{v:.2f}" for v in row))
+        console.print(table)
+    table = Table(title="scaling: DRAM get, each reader from its neighbour, all at once")
+    for col in ("readers", "aggregate GB/s", "per reader GB/s", "memcpy GB/s", "TCP GB/s"):
+        table.add_column(col, justify="right")
+    for point in r.scaling:
+        table.add_row(
+            str(point["readers"]), f"{point['aggregate_gbps']:.2f}", f"{point['per_reader_gbps']:.2f}",
+            f"{lim['memcpy']:.2f}", f"{lim['socket']:.2f}",
+        )  # fmt: skip
+    console.print(table)
+    if r.ttft:
+        table = Table(title=f"TTFT, {s['ttft_model']}: prefill on {r.hosts[0]}, decode on {r.hosts[-1]}")
+        for col in ("prompt tokens", "cold s", "warm s", "speedup", "reused tokens", "same first token"):
+            table.add_column(col, justify="right")
+        for t in r.ttft:
+            table.add_row(
+                f"{t['tokens']:,}", f"{t['cold_s']:.3f}", f"{t['warm_s']:.3f}", f"{t['speedup']:.1f}x",
+                f"{t['reused_tokens']:,}", "yes" if t["same_token"] else "NO",
+            )  # fmt: skip
+        console.print(table)
 
 
 @app.command("etcd")

@@ -20,6 +20,7 @@ Every read is checked against the checksum stored in its placement: a mismatch d
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -35,6 +36,7 @@ from kvpool.metadata.namespace import KEY_BYTES, Namespace
 from kvpool.metadata.records import Placement, Tier
 from kvpool.pool.buffers import byte_view
 from kvpool.pool.config import PoolConfig
+from kvpool.pool.metrics import ClientStats
 from kvpool.pool.node import NodeInfo, actor_name
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.store import SEGMENT_NAMES, Reservation, StoredChunk, short
@@ -95,6 +97,7 @@ class PoolClient:
         self._peers: dict[str, str] = {}
         self._registered: dict[str, tuple[int, int]] = {}  #: caller buffers registered with the transport
         self.transfer_timeout_s = 30.0
+        self._seen, self._reported_at = ClientStats(), time.monotonic()  #: for the node's metrics
         try:
             self._local = self._actor(self.node_id)
             info: NodeInfo = _get(self._local.info.remote())
@@ -103,6 +106,7 @@ class PoolClient:
             log.info("no pool node on this Ray node (%s): every transfer goes remote", self.node_id[:12])
 
     def close(self) -> None:
+        self._report(force=True)
         if self._transport is not None:
             self._transport.close()
         self.cache.close()
@@ -323,6 +327,7 @@ class PoolClient:
         its buffer, verified — same-node copies stream, so a caller can start on the first chunks early."""
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        started = time.perf_counter()
         dests = [byte_view(b, writable=True, field="buffer") for b in buffers]
         done = [False] * len(keys)
         by_node: dict[str, list[int]] = {}
@@ -344,6 +349,9 @@ class PoolClient:
                 self.get_into(key, dests[i])
                 if on_done is not None:
                     on_done(i)
+        local = sum(d.nbytes for d, p in zip(dests, nearest, strict=True) if p.node == self.node_id)
+        self._seen.get(time.perf_counter() - started, local, sum(d.nbytes for d in dests) - local)
+        self._report()
         return [d.nbytes for d in dests]
 
     def _read_local_unpinned(
@@ -470,7 +478,23 @@ class PoolClient:
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading chunks of a hash chain the pool holds (no etcd round trip)."""
-        return self.cache.lookup_prefix([_check_key(k) for k in keys])
+        held = self.cache.lookup_prefix([_check_key(k) for k in keys])
+        self.count_lookup(len(keys), held)
+        return held
+
+    def count_lookup(self, asked: int, held: int) -> None:
+        """Count a prefix lookup of ``asked`` chunks of which the pool held the first ``held`` (the node's
+        hit rate); :meth:`lookup_prefix` counts its own, callers that look chunks up otherwise call this."""
+        self._seen.lookup(asked, held)
+        self._report()
+
+    def _report(self, force: bool = False) -> None:
+        """Hand what this client saw (lookups, gets) to its node's metrics, at most about once a second,
+        without waiting.  A client on a Ray node with no pool node has nobody to report to."""
+        if self._local is None or not self._seen or (not force and time.monotonic() - self._reported_at < 1.0):
+            return
+        self._local.report_clients.remote(self._seen)
+        self._seen, self._reported_at = ClientStats(), time.monotonic()
 
     def remove(self, key: bytes) -> bool:
         """Remove every replica; False if the pool did not hold the chunk."""

@@ -4,11 +4,13 @@ Served over HTTP on ``PoolConfig.metrics_host:metrics_port`` (loopback and a fre
 published in the node record, so ``kvpool status`` and a Prometheus file-SD job can find every node.
 """
 
+import bisect
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvpool.pool.store import ChunkStore
@@ -17,6 +19,7 @@ from kvpool.pool.store import ChunkStore
 _COUNTERS = {
     "puts": ("kvpool_puts", "Chunks stored by this node", {}),
     "gets": ("kvpool_gets", "Chunk reads served by this node (pinned, or same-node optimistic reads reported)", {}),
+    "misses": ("kvpool_get_misses", "Reads of chunks this node no longer held (a placement gone stale)", {}),
     "migrations": ("kvpool_tier_moves", "Chunks moved between tiers", {"from_tier": "dram", "to_tier": "nvme"}),
     "promotions": ("kvpool_tier_moves", "Chunks moved between tiers", {"from_tier": "nvme", "to_tier": "dram"}),
     "drops": ("kvpool_evictions", "Chunks dropped to make room", {}),
@@ -25,9 +28,76 @@ _COUNTERS = {
 }
 
 
+#: upper bounds (seconds) of the client get latency histogram; one batched get is one observation
+GET_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+SOURCES = ("local", "remote")
+
+
+@dataclass
+class ClientStats:
+    """What the clients on one node saw: prefix lookups (hits and misses, in chunks) and batched gets
+    (bytes by source, latency).  Each ``PoolClient`` keeps one and reports it to its node's ``PoolNode``
+    about once a second, which adds it up and serves it with its own metrics."""
+
+    lookup_hits: int = 0
+    lookup_misses: int = 0
+    get_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    get_buckets: list[int] = field(default_factory=lambda: [0] * (len(GET_SECONDS_BUCKETS) + 1))
+    get_seconds: float = 0.0
+
+    def lookup(self, asked: int, held: int) -> None:
+        self.lookup_hits += held
+        self.lookup_misses += asked - held
+
+    def get(self, seconds: float, local_bytes: int, remote_bytes: int) -> None:
+        self.get_bytes["local"] += local_bytes
+        self.get_bytes["remote"] += remote_bytes
+        self.get_buckets[bisect.bisect_left(GET_SECONDS_BUCKETS, seconds)] += 1
+        self.get_seconds += seconds
+
+    def merge(self, other: "ClientStats") -> None:
+        self.lookup_hits += other.lookup_hits
+        self.lookup_misses += other.lookup_misses
+        for source in SOURCES:
+            self.get_bytes[source] += other.get_bytes.get(source, 0)
+        self.get_buckets = [a + b for a, b in zip(self.get_buckets, other.get_buckets, strict=True)]
+        self.get_seconds += other.get_seconds
+
+    def __bool__(self) -> bool:
+        return bool(self.lookup_hits or self.lookup_misses or sum(self.get_buckets))
+
+    def collect(self, node_id: str) -> Iterator[Metric]:
+        lookups = CounterMetricFamily(
+            "kvpool_lookup_chunks",
+            "Chunks asked for by prefix lookups of clients on this node",
+            labels=["node", "result"],
+        )
+        lookups.add_metric([node_id, "hit"], self.lookup_hits)
+        lookups.add_metric([node_id, "miss"], self.lookup_misses)
+        moved = CounterMetricFamily(
+            "kvpool_client_get_bytes",
+            "Bytes read by clients on this node, by where the chunk was",
+            labels=["node", "source"],
+        )
+        for source, n in self.get_bytes.items():
+            moved.add_metric([node_id, source], n)
+        latency = HistogramMetricFamily(
+            "kvpool_client_get_seconds", "Latency of batched gets by clients on this node", labels=["node"]
+        )
+        cumulative, buckets = 0, []
+        for bound, n in zip((*map(str, GET_SECONDS_BUCKETS), "+Inf"), self.get_buckets, strict=True):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        latency.add_metric([node_id], buckets, sum_value=self.get_seconds)
+        yield from (lookups, moved, latency)
+
+
 class StoreCollector(Collector):
-    def __init__(self, node_id: str, store: ChunkStore, etcd_errors: Callable[[], int]) -> None:
+    def __init__(
+        self, node_id: str, store: ChunkStore, etcd_errors: Callable[[], int], clients: ClientStats | None = None
+    ) -> None:
         self.node_id, self.store, self.etcd_errors = node_id, store, etcd_errors
+        self.clients = clients if clients is not None else ClientStats()
 
     def collect(self) -> Iterator[Metric]:
         used = GaugeMetricFamily(
@@ -55,6 +125,7 @@ class StoreCollector(Collector):
         errors = CounterMetricFamily("kvpool_etcd_errors", "etcd requests that failed after retries", labels=["node"])
         errors.add_metric([self.node_id], self.etcd_errors())
         yield from (*families.values(), errors)
+        yield from self.clients.collect(self.node_id)
 
 
 def serve_metrics(collector: StoreCollector, host: str, port: int) -> tuple[Any, str]:

@@ -29,7 +29,7 @@ from kvpool.metadata.placement import PlacementStore
 from kvpool.metadata.records import NodeRecord, Placement, SegmentInfo, Tier
 from kvpool.metadata.registry import NodeRegistry
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.metrics import StoreCollector, serve_metrics
+from kvpool.pool.metrics import ClientStats, StoreCollector, serve_metrics
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import SEGMENT_NAMES, ChangeKind, ChunkStore, Reservation, StoredChunk
 from kvpool.transport.nixl import NixlTransport
@@ -101,9 +101,10 @@ class PoolNode:
             promote_on_hit=config.promote_on_hit, alignment=config.alignment,
         )  # fmt: skip
         self.etcd_errors = 0
+        self.client_stats = ClientStats()  #: reported by the clients on this node (see PoolClient)
         self._metrics_server, self.metrics_address = None, ""
         if config.metrics_port >= 0:
-            collector = StoreCollector(node_id, self.store, lambda: self.etcd_errors)
+            collector = StoreCollector(node_id, self.store, lambda: self.etcd_errors, self.client_stats)
             self._metrics_server, self.metrics_address = serve_metrics(
                 collector, config.metrics_host, config.metrics_port
             )
@@ -219,6 +220,7 @@ class PoolNode:
             try:
                 out.append(self.store.locate(key))
             except ChunkNotFound:
+                self.store.counters["misses"] += 1
                 out.append(None)
         self._publish()
         return out
@@ -229,6 +231,10 @@ class PoolNode:
             if key in self.store:
                 self.store.policy.touch(key)
                 self.store.counters["gets"] += 1
+
+    def report_clients(self, stats: ClientStats) -> None:
+        """Add what a client on this node saw since its last report (lookups, gets) to the node's metrics."""
+        self.client_stats.merge(stats)
 
     def release_batch(self, keys: Sequence[bytes]) -> None:
         for key in keys:

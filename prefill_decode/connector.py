@@ -153,6 +153,7 @@ class PoolConnector:
             if not all(self.client.exists_batch(chunk)):
                 break
             n += 1
+        self.client.count_lookup(len(keys), n)
         return n
 
     def sources(self, keys: Sequence[Sequence[bytes]], chunks: int) -> Counter[tuple[str, str]]:

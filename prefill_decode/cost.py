@@ -12,7 +12,7 @@ tiers' bandwidth on a cluster is done elsewhere and handed in as a :class:`Hardw
 import enum
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -174,9 +174,12 @@ class Hardware:
         given = {t: bw for t, bw in bandwidth.items() if bw is not None}
         if flops is None and not given:
             return self
-        return Hardware(
-            self.flops if flops is None else flops, {**self.bandwidth, **given}, "overridden", self.latency_s
-        )
+        return replace(
+            self,
+            flops=self.flops if flops is None else flops,
+            bandwidth={**self.bandwidth, **given},
+            source="overridden",
+        )  # every other measured figure (latency, forward step) kept
 
 
 #: The figures of the design's reference analysis: 400 TFLOPS, DRAM 64 GB/s, NVMe 14 GB/s, S3 2 GB/s.

@@ -1,18 +1,22 @@
-"""kvpool ls / down against a live pool, run as a user runs them (the installed script, a subprocess)."""
+"""kvpool ls / down / put / get / bench against a live pool, run as a user runs them (the installed script)."""
 
 import hashlib
+import json
 import os
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import numpy as np
 import ray
 
+from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
-from kvpool.pool.config import PoolConfig
+from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.keys import CacheIdentity, chunk_keys
+from kvpool.pool.node import start_pool, stop_pool
 
 KVPOOL = str(Path(sys.executable).with_name("kvpool"))
 
@@ -62,3 +66,40 @@ def test_put_then_get_a_file_through_the_cli(pool: PoolConfig, client: PoolClien
     assert missing.returncode == 1 and "ChunkNotFound" in missing.stderr and "Traceback" not in missing.stderr
     bad = kvpool("get", "not-a-key", *where)
     assert bad.returncode == 1 and "64 hex digits" in bad.stderr
+
+
+def test_bench_on_a_running_pool_writes_table_json_and_plot(
+    ray_cluster: list[str], metadata_config: MetadataConfig, tmp_path: Path
+) -> None:
+    """``kvpool bench`` attached to a running pool: every cell measured, the warm request reuses the cold
+    one's KV and gives the same token, the plot is drawn, and the pool keeps running."""
+    pool = PoolConfig(
+        metadata=metadata_config, dram_bytes=32 * MiB, nvme_bytes=32 * MiB, namespace=f"bench-{uuid.uuid4().hex[:8]}"
+    )  # room for the TTFT workers' calibration and KV: the fixture's 4 MiB pool is not
+    start_pool(pool)
+    try:
+        _bench(pool, tmp_path)
+    finally:
+        stop_pool(pool)
+
+
+def _bench(pool: PoolConfig, tmp_path: Path) -> None:
+    where = [
+        "--etcd", pool.metadata.endpoints[0], "--cluster", pool.metadata.cluster,
+        "--ray-address", ray.get_runtime_context().gcs_address, "--namespace", pool.namespace,
+    ]  # fmt: skip
+    args = ["--size-mib", "1", "--mib-per-cell", "2", "--repeat", "1", "--ttft", "256", "--out", str(tmp_path / "b")]
+    out = kvpool("bench", *where, *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "memcpy (1 thread)" in out.stdout and "TCP loopback" in out.stdout and "O_DIRECT" in out.stdout
+    results = json.loads((tmp_path / "b.json").read_text())
+    n = len(results["nodes"])
+    assert n == 3 and len(results["put"]) == n and all(len(row) == n for row in results["put"])
+    assert set(results["get"]) == {"dram", "nvme"}
+    assert all(v > 0 for grid in [results["put"], *results["get"].values()] for row in grid for v in row)
+    assert [s["readers"] for s in results["scaling"]] == [1, 2, 3]
+    (ttft,) = results["ttft"]
+    assert ttft["same_token"] == 1.0 and ttft["reused_tokens"] > 0
+    assert (tmp_path / "b.png").stat().st_size > 10_000
+    with PoolClient(pool) as client:
+        assert len(client.cache.nodes()) == 3

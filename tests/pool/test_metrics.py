@@ -1,5 +1,6 @@
 """Each PoolNode serves Prometheus metrics on loopback; a scrape sees the pool's work."""
 
+import time
 import urllib.request
 
 import numpy as np
@@ -38,3 +39,26 @@ def test_metrics_endpoint_follows_the_pool(client: PoolClient) -> None:
     assert after[("kvpool_tier_moves_total", moves)] > 0
     assert after[("kvpool_tier_used_bytes", (*node, ("tier", "nvme")))] > 0
     assert after[("kvpool_etcd_errors_total", node)] == 0
+
+
+def test_client_lookups_and_gets_reach_their_nodes_metrics(client: PoolClient) -> None:
+    """Hits and misses of prefix lookups, bytes read by source and the get latency histogram: counted by the
+    client, reported to its node, served there (close() reports what is left)."""
+    [me] = [n for n in client.cache.nodes() if n.node_id == client.node_id]
+    node = (("node", client.node_id),)
+    keys = chunk_keys(CacheIdentity(model="hits", kv_dtype="u8", layout="b", chunk_size=1), range(8))
+    client.put_batch([(k, np.full(4096, 7, dtype=np.uint8)) for k in keys[:5]])
+    assert client.lookup_prefix(keys) == 5  # 5 hits, 3 misses
+    client.get_batch(keys[:5])
+    client._report(force=True)  # what close() does; the periodic report is at most once a second
+
+    hit = ("kvpool_lookup_chunks_total", (*node, ("result", "hit")))
+    deadline = time.monotonic() + 10
+    while (m := scrape(me.metrics)).get(hit) != 5 and time.monotonic() < deadline:
+        time.sleep(0.1)  # the report is a call the client does not wait for
+    assert m.get(hit) == 5
+    assert m[("kvpool_lookup_chunks_total", (*node, ("result", "miss")))] == 3
+    read = sum(m[("kvpool_client_get_bytes_total", (*node, ("source", s)))] for s in ("local", "remote"))
+    assert read == 5 * 4096
+    assert m[("kvpool_client_get_seconds_count", node)] == 1
+    assert m[("kvpool_client_get_seconds_bucket", (("le", "+Inf"), *node))] == 1

@@ -220,8 +220,9 @@ def test_with_overrides() -> None:
         "overridden",
     )
     assert REFERENCE_HARDWARE.bandwidth["nvme"] == 14e9  # the original is untouched
-    added = Hardware(1e12, {"nvme": 1e9}, "measured on this cluster").with_overrides(dram=10e9)
+    added = Hardware(1e12, {"nvme": 1e9}, "measured on this cluster", 0.002, 0.02).with_overrides(dram=10e9)
     assert list(added.bandwidth) == ["dram", "nvme"]
+    assert (added.latency_s, added.step_s) == (0.002, 0.02)  # measured fixed costs survive an override
     with pytest.raises(ConfigError, match="unknown tier"):
         REFERENCE_HARDWARE.with_overrides(tape=1e9)
 

@@ -1,0 +1,390 @@
+"""The multi-node benchmark behind ``kvpool bench`` and ``bench/cluster.py``.
+
+It runs on whatever pool it is given — the embedded default (a local Ray cluster on loopback) or a real
+cluster started with ``ray up cluster.yaml`` — and measures, with one ``PoolClient`` actor pinned to each
+node:
+
+* **matrix**: get (and put) throughput from every node to every node, per tier (DRAM, NVMe): the chunks
+  live on the *holder*, a client on the *reader* fetches them (same node: a local copy; across nodes: a
+  one-sided NIXL/UCX READ);
+* **scaling**: aggregate get throughput as 1, 2, … N nodes read at once, each from its neighbour;
+* **TTFT**: cold (recompute) and warm (reload) time to first token of a prefill worker on the first node
+  and a decode worker on the last.
+
+Beside the figures it prints this machine's own limits measured in the same run: single-thread memcpy, a
+loopback TCP socket, and raw O_DIRECT disk I/O.  Results go to a JSON file and PNG plots.
+"""
+
+import mmap
+import os
+import socket
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from kvpool.metadata.records import Tier
+from kvpool.pool.client import PoolClient
+from kvpool.pool.config import MiB, PoolConfig
+from kvpool.pool.keys import CacheIdentity, chunk_keys
+
+TIERS = (Tier.DRAM, Tier.NVME)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def median_seconds(fn: Callable[[], float], repeat: int) -> float:
+    """Median of ``repeat`` runs of ``fn``, which returns its own elapsed seconds."""
+    return statistics.median(fn() for _ in range(repeat))
+
+
+# -- this machine's limits ------------------------------------------------------------------------------
+
+
+def memcpy_gbps(size: int = 64 * MiB, repeat: int = 5) -> float:
+    """Single-thread copy of ``size`` bytes between two warm buffers."""
+    src, dst = np.ones(size, dtype=np.uint8), np.empty(size, dtype=np.uint8)
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        return time.perf_counter() - t0
+
+    return gbps(size, median_seconds(once, repeat))
+
+
+def socket_gbps(total: int = 256 * MiB, block: int = 4 * MiB, host: str = "127.0.0.1") -> float:
+    """One TCP stream over loopback, ``total`` bytes in ``block``-sized sends, received into one buffer."""
+    with socket.create_server((host, 0)) as server:
+        port = server.getsockname()[1]
+        payload = memoryview(bytearray(os.urandom(block)))
+
+        def send() -> None:
+            with socket.create_connection((host, port)) as s:
+                for _ in range(total // block):
+                    s.sendall(payload)
+
+        sender = threading.Thread(target=send, daemon=True)
+        t0 = time.perf_counter()
+        sender.start()
+        conn, _ = server.accept()
+        with conn:
+            buf, got = memoryview(bytearray(block)), 0
+            while got < total // block * block:
+                n = conn.recv_into(buf)
+                if not n:
+                    break
+                got += n
+        elapsed = time.perf_counter() - t0
+        sender.join()
+    return gbps(got, elapsed)
+
+
+def disk_gbps(directory: str, size: int = 128 * MiB) -> tuple[float, float]:
+    """O_DIRECT write (then fsync) and read of ``size`` bytes in 16 MiB blocks; GB/s each."""
+    block = min(size, 16 * MiB)
+    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT wants
+    buf.write(os.urandom(block))
+    path = os.path.join(directory, f"kvpool-bench-{uuid.uuid4().hex}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
+    try:
+        t0 = time.perf_counter()
+        for off in range(0, size, block):
+            os.pwritev(fd, [buf], off)
+        os.fsync(fd)
+        write_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for off in range(0, size, block):
+            os.preadv(fd, [buf], off)
+        read_s = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+        buf.close()
+    return gbps(size, write_s), gbps(size, read_s)
+
+
+@dataclass
+class Limits:
+    memcpy: float
+    socket: float
+    disk_write: float
+    disk_read: float
+
+
+def measure_limits(disk_dir: str | None = None) -> Limits:
+    directory = disk_dir or tempfile.gettempdir()
+    w, r = disk_gbps(directory)
+    return Limits(memcpy_gbps(), socket_gbps(), w, r)
+
+
+# -- one client per node -----------------------------------------------------------------------------
+
+
+class NodeClient:
+    """A ``PoolClient`` on one node (wrapped as a Ray actor pinned there by :func:`node_clients`)."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        self.client = PoolClient(config)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.bufs: list[np.ndarray] = []
+
+    def put(self, keys: list[bytes], size: int, holder: str) -> float:
+        """Seconds to put ``keys`` (``size`` bytes each) into ``holder``'s DRAM."""
+        data = np.random.default_rng(len(keys)).integers(0, 256, size, dtype=np.uint8)
+        t0 = time.perf_counter()
+        for i in range(0, len(keys), 8):
+            self.client.put_batch([(k, data) for k in keys[i : i + 8]], nodes=[holder])
+        return time.perf_counter() - t0
+
+    def get(self, keys: list[bytes], size: int, tier: str = "", repeat: int = 3) -> float:
+        """Median seconds to read every key into registered buffers (8 at a time, reused, as a serving
+        engine reuses its KV buffers).  With ``tier`` the chunks are moved there before each pass."""
+        if not self.bufs or self.bufs[0].nbytes != size:
+            self._buffers(size)
+
+        def once() -> float:
+            if tier:
+                self.client.move(keys, Tier(tier))
+            t0 = time.perf_counter()
+            for i in range(0, len(keys), len(self.bufs)):
+                batch = keys[i : i + len(self.bufs)]
+                self.client.get_into_batch(batch, self.bufs[: len(batch)])
+            return time.perf_counter() - t0
+
+        return median_seconds(once, repeat)
+
+    def _buffers(self, size: int) -> None:
+        for b in self.bufs:
+            self.client.unregister_buffer(b)
+        self.bufs = [np.empty(size, dtype=np.uint8) for _ in range(8)]
+        for b in self.bufs:
+            self.client.register_buffer(b)
+
+    def remove(self, keys: list[bytes]) -> int:
+        return self.client.remove_batch(keys)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def node_clients(config: PoolConfig, node_ids: Sequence[str]) -> list[Any]:
+    actor: Any = ray.remote(num_cpus=0, max_restarts=0)(NodeClient)
+    clients = [
+        actor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote(config)
+        for nid in node_ids
+    ]
+    ray.get([c.__ray_ready__.remote() for c in clients])
+    return clients
+
+
+# -- the benchmark ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Settings:
+    size: int = 4 * MiB  #: bytes per chunk
+    per_cell: int = 64 * MiB  #: bytes moved per measurement
+    repeat: int = 3
+    tiers: tuple[Tier, ...] = TIERS
+    ttft_tokens: tuple[int, ...] = (1024, 4096)
+    ttft_model: str = "tiny-llama"
+
+
+@dataclass
+class Results:
+    nodes: list[str]  #: node ids, in the order of every matrix
+    hosts: list[str]
+    settings: dict[str, Any]
+    limits: dict[str, float]
+    put: list[list[float]] = field(default_factory=list)  #: put[writer][holder], GB/s
+    get: dict[str, list[list[float]]] = field(default_factory=dict)  #: get[tier][holder][reader], GB/s
+    scaling: list[dict[str, float]] = field(default_factory=list)
+    ttft: list[dict[str, float]] = field(default_factory=list)
+
+
+def _keys(tag: str, n: int) -> list[bytes]:
+    ident = CacheIdentity(model=f"kvpool-bench-{tag}", kv_dtype="uint8", layout="bytes", chunk_size=1)
+    return chunk_keys(ident, np.arange(n))
+
+
+def run(
+    config: PoolConfig,
+    settings: Settings,
+    progress: Callable[[str, int], None] = lambda what, steps: None,
+    disk_dir: str | None = None,
+) -> Results:
+    """Every measurement on the pool of ``config`` (attached: ``ray.init`` done, PoolNodes running).
+
+    ``progress(what, steps)`` is called before each measurement with how many steps it adds."""
+    alive = sorted((n["NodeManagerAddress"], n["NodeID"]) for n in ray.nodes() if n["Alive"])
+    hosts, ids = [h for h, _ in alive], [i for _, i in alive]
+    n = max(1, settings.per_cell // settings.size)
+    progress("limits", 1)
+    results = Results(
+        ids,
+        hosts,
+        {**asdict(settings), "tiers": [t.value for t in settings.tiers], "chunks_per_cell": n},
+        asdict(measure_limits(disk_dir)),
+    )
+    clients = node_clients(config, ids)
+    nbytes = n * settings.size
+    try:
+        warm = [_keys(f"warm-{w}-{uuid.uuid4().hex[:8]}", len(ids)) for w in range(len(ids))]
+        # every client connects to every node once (NIXL peers, registrations) before anything is timed
+        ray.get(
+            [
+                c.put.remote([k], 4096, holder)
+                for c, ks in zip(clients, warm, strict=True)
+                for k, holder in zip(ks, ids, strict=True)
+            ]
+        )
+        ray.get([c.remove.remote(ks) for c, ks in zip(clients, warm, strict=True)])
+        for w, writer in enumerate(clients):
+            row = []
+            for h, holder in enumerate(ids):
+                progress(f"put {hosts[w]} → {hosts[h]}", 1)
+                keys = _keys(f"put-{w}-{h}-{uuid.uuid4().hex[:8]}", n)
+                row.append(gbps(nbytes, ray.get(writer.put.remote(keys, settings.size, holder))))
+                ray.get(writer.remove.remote(keys))
+            results.put.append(row)
+        for tier in settings.tiers:
+            grid = []
+            for h, holder in enumerate(ids):
+                keys = _keys(f"get-{h}-{uuid.uuid4().hex[:8]}", n)
+                ray.get(clients[h].put.remote(keys, settings.size, holder))
+                row = []
+                for r, reader in enumerate(clients):
+                    progress(f"get {tier.value} {hosts[h]} → {hosts[r]}", 1)
+                    move = tier.value if tier is not Tier.DRAM else ""
+                    row.append(gbps(nbytes, ray.get(reader.get.remote(keys, settings.size, move, settings.repeat))))
+                ray.get(clients[h].remove.remote(keys))
+                grid.append(row)
+            results.get[tier.value] = grid
+        results.scaling = _scaling(clients, ids, hosts, settings, n, progress)
+    finally:
+        ray.get([c.close.remote() for c in clients])
+        for c in clients:
+            ray.kill(c)
+    if settings.ttft_tokens:
+        results.ttft = _ttft(config, ids, settings, progress)
+    return results
+
+
+def _scaling(
+    clients: list[Any], ids: list[str], hosts: list[str], settings: Settings, n: int,
+    progress: Callable[[str, int], None],
+) -> list[dict[str, float]]:  # fmt: skip
+    """Aggregate DRAM get GB/s with k = 1..N readers at once, reader i reading chunks held by node i+1."""
+    k_max = len(ids)
+    keys = [_keys(f"scale-{i}-{uuid.uuid4().hex[:8]}", n) for i in range(k_max)]
+    ray.get([clients[i].put.remote(keys[i], settings.size, ids[i]) for i in range(k_max)])
+    out = []
+    try:
+        for k in range(1, k_max + 1):
+            progress(f"scaling: {k} reader(s)", 1)
+            t0 = time.perf_counter()
+            seconds = ray.get([clients[i].get.remote(keys[(i + 1) % k_max], settings.size, "", 1) for i in range(k)])
+            wall = time.perf_counter() - t0
+            out.append({
+                "readers": k,
+                "aggregate_gbps": gbps(k * n * settings.size, wall),
+                "per_reader_gbps": statistics.mean(gbps(n * settings.size, s) for s in seconds),
+                "cross_node": float(k_max > 1),
+            })  # fmt: skip
+    finally:
+        ray.get([clients[i].remove.remote(keys[i]) for i in range(k_max)])
+    return out
+
+
+def _ttft(
+    config: PoolConfig, ids: list[str], settings: Settings, progress: Callable[[str, int], None]
+) -> list[dict[str, float]]:
+    """Cold and warm TTFT of one prompt per length, through a prefill worker (first node) and a decode worker
+    (last node): cold computes the prompt, warm reloads its KV from the pool."""
+    from kvpool.prefill_decode.service import Service
+    from kvpool.prefill_decode.workers import WorkerConfig, start_workers
+
+    progress(f"TTFT: starting {settings.ttft_model} workers", 1)
+    prefill, decode = start_workers(
+        WorkerConfig(pool=config, model=settings.ttft_model, torch_threads=os.cpu_count() or 1), ids[0], ids[-1]
+    )
+    service = Service(prefill, decode, model=settings.ttft_model)
+    out = []
+    try:
+        for tokens in settings.ttft_tokens:
+            progress(f"TTFT: {tokens} tokens cold and warm", 1)
+            prompt = [(uuid.uuid4().int + i * 7919) % 500 for i in range(tokens)]
+            cold = service.complete_sync(prompt, 1)
+            warm = service.complete_sync(prompt, 1)
+            out.append({
+                "tokens": tokens, "cold_s": cold.ttft_s, "warm_s": warm.ttft_s,
+                "speedup": cold.ttft_s / warm.ttft_s, "reused_tokens": warm.prefill.summary.reused_tokens,
+                "same_token": float(cold.tokens == warm.tokens),
+            })  # fmt: skip
+    finally:
+        for h in (prefill, decode):
+            ray.kill(h)
+    return out
+
+
+def steps(n_nodes: int, settings: Settings) -> int:
+    """How many progress steps :func:`run` reports for ``n_nodes`` nodes."""
+    ttft = 1 + len(settings.ttft_tokens) if settings.ttft_tokens else 0
+    return 1 + n_nodes * n_nodes * (1 + len(settings.tiers)) + n_nodes + ttft
+
+
+# -- output -----------------------------------------------------------------------------------------------
+
+
+def plot(results: Results, path: Path) -> Path:
+    """One PNG: the get matrix per tier (heat maps), put matrix, scaling and TTFT."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grids = [("put, writer → holder", results.put)] + [(f"get {t}, holder → reader", g) for t, g in results.get.items()]
+    panels = len(grids) + 1 + bool(results.ttft)
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 4))
+    labels = results.hosts
+    top = max(max(max(r) for r in g) for _, g in grids)
+    for ax, (title, grid) in zip(axes, grids, strict=False):
+        im = ax.imshow(np.array(grid), cmap="viridis", vmin=0, vmax=top)
+        ax.set_title(f"{title}\nGB/s")
+        ax.set_xticks(range(len(labels)), labels, rotation=45, fontsize=7)
+        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+        for (i, j), v in np.ndenumerate(np.array(grid)):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="w", fontsize=8)
+    fig.colorbar(im, ax=axes[: len(grids)], shrink=0.8)
+    ax = axes[len(grids)]
+    ks = [s["readers"] for s in results.scaling]
+    ax.plot(ks, [s["aggregate_gbps"] for s in results.scaling], "o-", label="aggregate get")
+    ax.plot(ks, [s["per_reader_gbps"] for s in results.scaling], "s--", label="per reader")
+    ax.axhline(results.limits["memcpy"], color="grey", ls=":", label="memcpy (1 thread)")
+    ax.axhline(results.limits["socket"], color="grey", ls="-.", label="TCP loopback")
+    ax.set(title="scaling: nodes reading at once", xlabel="readers", ylabel="GB/s", xticks=ks)
+    ax.legend(fontsize=7)
+    if results.ttft:
+        ax = axes[-1]
+        x = np.arange(len(results.ttft))
+        ax.bar(x - 0.2, [t["cold_s"] for t in results.ttft], 0.4, label="cold (recompute)")
+        ax.bar(x + 0.2, [t["warm_s"] for t in results.ttft], 0.4, label="warm (reload)")
+        ax.set_xticks(x, [f"{t['tokens']} tok" for t in results.ttft])
+        ax.set(title=f"TTFT, {results.settings['ttft_model']}", ylabel="s", yscale="log")
+        ax.legend(fontsize=7)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
