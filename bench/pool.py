@@ -9,13 +9,10 @@ and raw O_DIRECT disk I/O.  Cross-node data moves by one-sided NIXL/UCX READ/WRI
 
 import argparse
 import json
-import mmap
 import os
-import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,6 +22,7 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
+from kvpool.bench import disk_gbps, gbps, median_seconds, memcpy_gbps
 from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.etcd_server import EmbeddedEtcd
 from kvpool.pool.client import PoolClient
@@ -34,51 +32,6 @@ from kvpool.pool.local_cluster import LocalRayCluster
 from kvpool.pool.node import start_pool, stop_pool
 
 IDENT = CacheIdentity(model="bench", kv_dtype="uint8", layout="bytes", chunk_size=1)
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
-
-
-def best_of(fn: Callable[[], float], repeat: int = 3) -> float:
-    """Median seconds of ``repeat`` runs of ``fn`` (which returns its own elapsed seconds): steady state,
-    as a serving cluster reading the same segments again and again sees it."""
-    return statistics.median(fn() for _ in range(repeat))
-
-
-def memcpy_gbps(size: int) -> float:
-    src, dst = np.ones(size, dtype=np.uint8), np.empty(size, dtype=np.uint8)
-
-    def once() -> float:
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        return time.perf_counter() - t0
-
-    return gbps(size, best_of(once, 5))
-
-
-def raw_disk_gbps(directory: str, size: int) -> tuple[float, float]:
-    """O_DIRECT write then read of ``size`` bytes in 16 MiB blocks (page-aligned buffer); GB/s each."""
-    block = min(size, 16 * MiB)
-    buf = mmap.mmap(-1, block)
-    buf.write(os.urandom(block))
-    path = os.path.join(directory, f"kvpool-bench-{uuid.uuid4().hex}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
-    try:
-        t0 = time.perf_counter()
-        for off in range(0, size, block):
-            os.pwritev(fd, [buf], off)
-        os.fsync(fd)
-        write_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for off in range(0, size, block):
-            os.preadv(fd, [buf], off)
-        read_s = time.perf_counter() - t0
-    finally:
-        os.close(fd)
-        os.unlink(path)
-        buf.close()
-    return gbps(size, write_s), gbps(size, read_s)
 
 
 def get_all(client: PoolClient, keys: list[bytes], bufs: list[np.ndarray]) -> float:
@@ -158,15 +111,15 @@ def main() -> None:
                     row["put_same"] = gbps(n * size, time.perf_counter() - t0)
                     bufs = [np.empty(size, dtype=np.uint8) for _ in range(min(n, 8))]
 
-                    row["get_same"] = gbps(n * size, best_of(partial(get_all, client, keys, bufs)))
+                    row["get_same"] = gbps(n * size, median_seconds(partial(get_all, client, keys, bufs), 3))
                     for k in keys:
                         client.remove(k)
 
                     row["put_cross"] = gbps(n * size, ray.get(remote.put.remote(keys, size, [head])))
-                    row["get_cross"] = gbps(n * size, best_of(partial(remote_get, remote, keys, size)))
+                    row["get_cross"] = gbps(n * size, median_seconds(partial(remote_get, remote, keys, size), 3))
                     ray.get(remote.remove.remote(keys))
                     row["memcpy"] = memcpy_gbps(size)
-                    row["disk_write"], row["disk_read"] = raw_disk_gbps(nvme_dir, max(size, 64 * MiB))
+                    row["disk_write"], row["disk_read"] = disk_gbps(nvme_dir, max(size, 64 * MiB))
                     rows.append(row)
                     console.print(f"{size // MiB} MiB done")
         finally:

@@ -46,7 +46,7 @@ EtcdOption = typer.Option(
     None,
     "--etcd",
     envvar=ENDPOINTS_ENV,
-    help="etcd endpoints, host:port[,host:port...]. Default: start an embedded etcd.",
+    help="etcd endpoints of the pool, host:port[,host:port...]. Without it, up and bench start an embedded etcd.",
 )
 ClusterOption = typer.Option(
     "default", "--cluster", help="Cluster name: namespaces every key, so pools can share one etcd."
@@ -88,6 +88,14 @@ def _ray_init(address: str, **kwargs: Any) -> None:
         raise KvPoolError(
             f"cannot attach to the Ray cluster at {address}: is it up, and is that its head? ({exc})"
         ) from exc
+
+
+def _pool_etcd(etcd: str | None, cluster: str, command: str) -> MetadataConfig:
+    """The metadata config of a running pool, which ``command`` needs: its etcd must be given."""
+    cfg = _config(etcd, cluster)
+    if not cfg.endpoints:
+        raise ConfigError(f"{command} needs the pool's etcd: pass --etcd host:port or set {ENDPOINTS_ENV}")
+    return cfg
 
 
 def _size(n: int) -> str:
@@ -162,9 +170,7 @@ def render_status(cache: MetadataCache, etcd: EtcdClient, cluster: str) -> None:
 @contextmanager
 def _running_pool(etcd: str | None, cluster: str, command: str) -> Iterator[tuple[MetadataCache, EtcdClient]]:
     """A synced metadata cache of a running pool (the commands that inspect one need its etcd)."""
-    cfg = _config(etcd, cluster)
-    if not cfg.endpoints:
-        raise KvPoolError(f"{command} needs a running pool: pass --etcd host:port or set {ENDPOINTS_ENV}")
+    cfg = _pool_etcd(etcd, cluster, command)
     client = EtcdClient(cfg)
     try:
         with MetadataCache(client, Namespace(cfg.cluster)) as cache:
@@ -260,9 +266,7 @@ def join(
     from kvpool.pool.node import start_pool
 
     with _errors():
-        cfg = _config(etcd, cluster)
-        if not cfg.endpoints:
-            raise ConfigError(f"join needs the pool's etcd: pass --etcd host:port or set {ENDPOINTS_ENV}")
+        cfg = _pool_etcd(etcd, cluster, "join")
         _ray_init(ray_address)
         try:
             ip = node_ip or ray.util.get_node_ip_address()
@@ -291,16 +295,16 @@ def join(
 
 
 @contextmanager
-def _attached_client(etcd: str | None, cluster: str, ray_address: str, namespace: str) -> Iterator["PoolClient"]:
+def _attached_client(
+    command: str, etcd: str | None, cluster: str, ray_address: str, namespace: str
+) -> Iterator["PoolClient"]:
     """A ``PoolClient`` of a running pool, from a driver attached to its Ray cluster."""
     import ray
 
     from kvpool.pool.client import PoolClient
     from kvpool.pool.config import PoolConfig
 
-    cfg = _config(etcd, cluster)
-    if not cfg.endpoints:
-        raise KvPoolError(f"this command needs a running pool: pass --etcd host:port or set {ENDPOINTS_ENV}")
+    cfg = _pool_etcd(etcd, cluster, command)
     _ray_init(ray_address, namespace=namespace)
     try:
         with PoolClient(PoolConfig(metadata=cfg, namespace=namespace, metrics_port=-1)) as client:
@@ -341,7 +345,7 @@ def put(
         if not data:
             raise ConfigError(f"{path} is empty: a chunk holds at least one byte")
         chunk_key = _key(key) if key else hashlib.sha256(data).digest()
-        with _attached_client(etcd, cluster, ray_address, namespace) as client:
+        with _attached_client("put", etcd, cluster, ray_address, namespace) as client:
             client.put_batch([(chunk_key, data)], replicas=replicas)
             where = _where(client.cache.replicas(chunk_key))
         console.print(f"{chunk_key.hex()}  {len(data)} bytes on {where}")
@@ -361,7 +365,7 @@ def get(
     """Read one chunk from a running pool, checksum verified; say where it came from; optionally save it."""
     with _errors():
         chunk_key = _key(key)
-        with _attached_client(etcd, cluster, ray_address, namespace) as client:
+        with _attached_client("get", etcd, cluster, ray_address, namespace) as client:
             where = _where(client.cache.replicas(chunk_key))
             t0 = time.perf_counter()
             data = client.get(chunk_key)
@@ -610,27 +614,24 @@ def bench_command(
     import json
     from dataclasses import asdict
 
+    import ray
     from rich.progress import Progress
 
     from kvpool import bench
     from kvpool.pool.config import MiB, PoolConfig
 
     with _errors(), ExitStack() as stack:
+        if not all(t.strip().isdigit() and int(t) > 0 for t in ttft.split(",") if t.strip()):
+            raise ConfigError(f"--ttft takes prompt lengths like 1024,4096 (or '' to skip), got {ttft!r}")
         lengths = tuple(int(t) for t in ttft.split(",") if t.strip())
         settings = bench.Settings(size_mib * MiB, mib_per_cell * MiB, repeat, ttft_tokens=lengths, ttft_model=model)
         if ray_address:
-            cfg = _config(etcd, cluster)
-            if not cfg.endpoints:
-                raise ConfigError(f"--ray-address needs the pool's etcd: pass --etcd host:port or set {ENDPOINTS_ENV}")
+            cfg = _pool_etcd(etcd, cluster, "bench --ray-address")
             _ray_init(ray_address, namespace=namespace)
-            import ray
-
             stack.callback(ray.shutdown)
             pool = PoolConfig(metadata=cfg, namespace=namespace, metrics_port=-1)
         else:
             pool = stack.enter_context(_pool_up(stack, etcd, cluster, None, nodes, dram_mib, nvme_mib))
-        import ray
-
         count = sum(n["Alive"] for n in ray.nodes())
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("benchmark", total=bench.steps(count, settings))

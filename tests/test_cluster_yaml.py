@@ -22,3 +22,13 @@ def test_head_runs_etcd_and_every_node_advertises_pool_capacity_and_joins() -> N
         assert "kvpool_dram_mib" in commands and "kvpool_nvme_mib" in commands
         assert "kvpool join" in commands and "ray stop" not in commands
     assert "torch==2.13.0" in " ".join(config["setup_commands"])
+
+
+def test_the_commented_aws_variant_passes_rays_schema_too() -> None:
+    text = CLUSTER_YAML.read_text()
+    block = text[text.index("# provider: {type: aws") : text.index("# (with available_node_types")]
+    aws = yaml.safe_load("\n".join(line[2:] for line in block.splitlines()))
+    config = {**yaml.safe_load(text), **aws}
+    del config["max_workers"]  # per node type now
+    validate_config(prepare_config(config))
+    assert config["provider"]["type"] == "aws" and "kvpool_dram_mib" in str(config["available_node_types"])
