@@ -45,6 +45,7 @@ class PoolConfig:
     namespace: str = "kvpool"  #: the Ray namespace of the PoolNode actors
     metrics_host: str = "127.0.0.1"  #: where each PoolNode serves Prometheus metrics
     metrics_port: int = 0  #: 0: a free port per node (published in its node record); -1: no metrics
+    reservation_ttl_s: float = 30.0  #: room reserved but never committed (its writer died) is reclaimed after this
 
     def __post_init__(self) -> None:
         if not isinstance(self.metadata, MetadataConfig):
@@ -74,6 +75,8 @@ class PoolConfig:
             or not -1 <= self.metrics_port < 65536
         ):
             raise ConfigError(f"metrics_port must be -1 (off), 0 (free port) or a port, got {self.metrics_port!r}")
+        if not _fraction(self.reservation_ttl_s) or self.reservation_ttl_s <= 0:
+            raise ConfigError(f"reservation_ttl_s must be a number of seconds > 0, got {self.reservation_ttl_s!r}")
         if self.alignment < 1 or self.alignment & (self.alignment - 1):
             raise ConfigError(f"alignment must be a power of two, got {self.alignment}")
         if not os.path.isdir(self.shm_dir):

@@ -23,6 +23,7 @@ _COUNTERS = {
     "migrations": ("kvpool_tier_moves", "Chunks moved between tiers", {"from_tier": "dram", "to_tier": "nvme"}),
     "promotions": ("kvpool_tier_moves", "Chunks moved between tiers", {"from_tier": "nvme", "to_tier": "dram"}),
     "drops": ("kvpool_evictions", "Chunks dropped to make room", {}),
+    "reaped": ("kvpool_reservations_reaped", "Reservations never committed (writer died), space reclaimed", {}),
     "corrupt": ("kvpool_corrupt_chunks", "Replicas dropped because their bytes failed the checksum", {}),
     "bytes_via_ray": ("kvpool_ray_bytes", "KV bytes moved as Ray call arguments/results, not one-sided", {}),
 }

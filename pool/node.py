@@ -116,6 +116,9 @@ class PoolNode:
             self._record(), on_new_lease=self._republish
         )
         threading.Thread(target=self._refresh_record, name="kvpool-node-record", daemon=True).start()
+        if ray.is_initialized() and ray.get_runtime_context().get_actor_id():
+            me = ray.get_runtime_context().current_actor  # an actor: reaping is one of its own calls, in turn
+            threading.Thread(target=self._reap_timer, args=(me,), name="kvpool-node-reaper", daemon=True).start()
         log.info("pool node %s up: DRAM %d B at %s, NVMe %d B", node_id, self.dram.capacity, self.dram.path, nvme_bytes)
 
     # -- etcd ------------------------------------------------------------------------------------------
@@ -165,6 +168,11 @@ class PoolNode:
                     self.etcd_errors += 1
                     log.warning("node record not refreshed: %s", exc)
                     self._record_dirty.set()
+
+    def _reap_timer(self, me: Any) -> None:
+        """Thread: ask this actor to reclaim expired reservations every half TTL (queued like any call)."""
+        while not self._closing.wait(self.config.reservation_ttl_s / 2):
+            me.reap.remote()
 
     def _republish(self, lease_id: int) -> None:
         """The lease was lost and replaced: every placement on the old one is gone; publish them again."""
@@ -268,6 +276,10 @@ class PoolNode:
         finally:
             revision = self._publish()
         return revision
+
+    def reap(self) -> int:
+        """Reclaim reservations older than ``reservation_ttl_s`` (see ``ChunkStore.reap``)."""
+        return self.store.reap(self.config.reservation_ttl_s)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -59,6 +59,7 @@ class Reservation:
     offset: int  #: where to write in the DRAM segment
     length: int
     already_stored: bool = False  #: the key is held already (keys name content): nothing to write
+    at: float = 0.0  #: when it was made (the store's monotonic clock): an unpublished one expires
 
 
 def _check_checksum(checksum: int) -> None:
@@ -88,12 +89,13 @@ class ChunkStore:
             self.allocators[Tier.NVME] = OffsetAllocator(nvme.capacity, alignment)
         self.watermarks = watermarks or Watermarks()
         self.promote_on_hit = promote_on_hit
+        self.clock = clock
         self.policy = EvictionPolicy(clock)
         self._chunks: dict[bytes, StoredChunk] = {}
         self._reserved: dict[bytes, Reservation] = {}
         self._changes: list[Change] = []  #: since the last take_changes()
         self.counters = {
-            "puts": 0, "gets": 0, "misses": 0, "migrations": 0, "promotions": 0, "drops": 0, "corrupt": 0,
+            "puts": 0, "gets": 0, "misses": 0, "migrations": 0, "promotions": 0, "drops": 0, "corrupt": 0, "reaped": 0,
             "bytes_via_ray": 0,  #: KV bytes that came or went as Ray call arguments/results, not one-sided
         }  # fmt: skip
 
@@ -109,9 +111,20 @@ class ChunkStore:
         if key in self._reserved:
             raise ConfigError(f"chunk {short(key)} is being written already")
         offset = self._allocate(Tier.DRAM, length)
-        r = Reservation(key, offset, length)
+        r = Reservation(key, offset, length, at=self.clock.monotonic())
         self._reserved[key] = r
         return r
+
+    def reap(self, max_age_s: float) -> int:
+        """Give back the space of reservations older than ``max_age_s`` that were never committed (their
+        writer died between reserve and commit: Mooncake's PutStart without PutEnd); returns how many."""
+        now = self.clock.monotonic()
+        expired = [k for k, r in self._reserved.items() if now - r.at > max_age_s]
+        for key in expired:
+            log.warning("chunk %s reserved %.0f s ago was never committed: space reclaimed", short(key), max_age_s)
+            self.abort(key)
+        self.counters["reaped"] += len(expired)
+        return len(expired)
 
     def commit(self, key: bytes, checksum: int, *, replicated: bool = False) -> StoredChunk:
         """Make a reserved chunk visible (then migrate by watermark)."""

@@ -160,6 +160,24 @@ def test_reserve_then_commit_and_abort(segments: tuple[DramSegment, NvmeSegment]
     assert store.usage()[Tier.DRAM][0] == BLOCK and r2.offset >= 0
 
 
+def test_reservations_never_committed_are_reaped_after_their_ttl(
+    segments: tuple[DramSegment, NvmeSegment],
+) -> None:
+    """A writer that died between reserve and commit leaves no orphan space once the TTL has passed."""
+    clock = ManualClock()
+    store = make(segments, clock)
+    store.reserve(key(1), BLOCK)
+    clock.advance(20)
+    store.reserve(key(2), BLOCK)
+    assert store.reap(30.0) == 0 and store.usage()[Tier.DRAM][0] == 2 * BLOCK
+    clock.advance(11)  # key 1 is 31 s old, key 2 is 11 s old
+    assert store.reap(30.0) == 1 and store.usage()[Tier.DRAM][0] == BLOCK
+    store.commit(key(2), checksum=2)  # its writer was only slow: it still commits
+    clock.advance(60)
+    assert store.reap(30.0) == 0 and key(2) in store and store.counters["reaped"] == 1
+    store.allocators[Tier.DRAM].check_invariants()
+
+
 def test_move_demotes_and_promotes_on_request(segments: tuple[DramSegment, NvmeSegment]) -> None:
     clock = ManualClock()
     store = make(segments, clock)
