@@ -1,0 +1,180 @@
+"""Faults on a real pool (Ray + etcd + NIXL): a cache may miss, it never serves wrong bytes, and it keeps
+working when a node dies, bytes rot or every chunk is pinned.  Each test prints its figures."""
+
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+
+from kvpool.errors import ChunkNotFound, CorruptChunk, KvPoolError, PoolFull
+from kvpool.metadata.config import MetadataConfig
+from kvpool.metadata.records import Tier
+from kvpool.pool.client import PoolClient
+from kvpool.pool.config import MiB, PoolConfig, Watermarks
+from kvpool.pool.keys import CacheIdentity, chunk_keys
+from kvpool.pool.node import actor_name, start_pool, stop_pool
+
+CHUNK = 64 * 1024
+
+
+def blob(i: int, size: int = CHUNK) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def keys_of(tag: str, n: int) -> list[bytes]:
+    return chunk_keys(CacheIdentity(model=f"faults-{tag}", kv_dtype="u8", layout="b", chunk_size=1), range(n))
+
+
+MakePool = Callable[..., PoolConfig]
+
+
+@pytest.fixture
+def make_pool(ray_cluster: list[str], metadata_config: MetadataConfig) -> Iterator[MakePool]:
+    """Start a pool on the given Ray nodes (a fresh namespace each); all of them stop after the test."""
+    started: list[PoolConfig] = []
+
+    def make(nodes: list[str], **kw: Any) -> PoolConfig:
+        config = PoolConfig(metadata=metadata_config, namespace=f"faults-{uuid.uuid4().hex[:8]}", **kw)
+        start_pool(config, nodes)
+        started.append(config)
+        return config
+
+    yield make
+    for config in started:
+        stop_pool(config)
+
+
+def test_bytes_flipped_in_dram_and_nvme_are_always_caught(
+    make_pool: MakePool, ray_cluster: list[str], tmp_path: Path
+) -> None:
+    """One byte flipped in every chunk, half in DRAM (shared memory) and half in NVMe (the segment file):
+    every read is a miss (CorruptChunk), never the wrong bytes, and every corrupt placement is dropped."""
+    pool = make_pool(ray_cluster[:1], dram_bytes=8 * MiB, nvme_bytes=8 * MiB, nvme_dir=str(tmp_path))
+    keys = keys_of("flip", 32)
+    with PoolClient(pool) as client:
+        client.put_batch([(k, blob(i)) for i, k in enumerate(keys)])
+        client.move(keys[16:], Tier.NVME)
+        assert {p.tier for k in keys[16:] for p in client.cache.replicas(k)} == {Tier.NVME}
+        [nvme_file] = [p for p in tmp_path.iterdir() if p.is_file()]
+        rng = random.Random(7)
+        assert client._segment is not None
+        for key in keys:
+            [p] = client.cache.replicas(key)
+            at = p.offset + rng.randrange(p.length)
+            if p.tier is Tier.DRAM:
+                old = client._segment.view(at, 1)[0]
+                client._segment.write(at, bytes([old ^ 0xFF]))
+            else:
+                with open(nvme_file, "r+b") as f:  # behind the node's back; O_DIRECT reads see it after fsync
+                    f.seek(at)
+                    old = f.read(1)[0]
+                    f.seek(at)
+                    f.write(bytes([old ^ 0xFF]))
+                    f.flush()
+                    os.fsync(f.fileno())
+        caught = 0
+        for key in keys:
+            with pytest.raises(CorruptChunk):
+                client.get(key)
+            caught += 1
+            assert not client.exists(key)  # placement dropped
+        node = client.stats()["nodes"][client.node_id]
+        print(f"\nbyte flips: {len(keys)} injected (16 DRAM, 16 NVMe), {caught} caught, 0 served")
+        assert node["corrupt"] == len(keys)
+        client.put(keys[0], blob(0))  # the node keeps working
+        assert client.get(keys[0]) == blob(0)
+
+
+def test_a_full_pool_with_every_chunk_pinned_refuses_puts_and_keeps_serving_reads(
+    make_pool: MakePool, ray_cluster: list[str]
+) -> None:
+    """DRAM (and NVMe) full of chunks a reader has pinned: a put is PoolFull with nothing published, the
+    pinned chunks still read, and once released the put goes through (LRU chunks make room)."""
+    # no NVMe and no watermark migration: full means full
+    pool = make_pool(ray_cluster[:1], dram_bytes=2 * MiB, nvme_bytes=-1, watermarks=Watermarks(high=1.0, low=0.95))
+    keys = keys_of("pinned", 40)
+    with PoolClient(pool) as client:
+        client.put_batch([(k, blob(i)) for i, k in enumerate(keys[:30])])  # 1.9 MiB of 2
+        node = ray.get_actor(actor_name(client.node_id), namespace=pool.namespace)
+        held = [k for k in keys[:30] if client.exists(k)]
+        ray.get(node.locate_batch.remote(held))  # a reader pins every chunk
+        try:
+            with pytest.raises(PoolFull):
+                client.put_batch([(k, blob(i)) for i, k in enumerate(keys[30:], start=30)])
+            assert not any(client.exists(k) for k in keys[30:])  # no partial placement
+            assert client.get_batch(held[:5]) == [blob(keys.index(k)) for k in held[:5]]
+        finally:
+            ray.get(node.release_batch.remote(held))
+        client.put_batch([(k, blob(i)) for i, k in enumerate(keys[30:], start=30)])
+        assert client.get(keys[-1]) == blob(len(keys) - 1)
+        ray.get(node.stats.remote())  # still answering
+
+
+def test_a_pool_node_killed_during_traffic_loses_no_acknowledged_chunk(
+    make_pool: MakePool, ray_cluster: list[str]
+) -> None:
+    """Puts (replicas=2) and verified gets run while one PoolNode is killed: no get ever returns other
+    bytes, every acknowledged chunk stays readable, the dead node's placements vanish within lease TTL
+    + 1 s, and the survivors accept new puts."""
+    pool = make_pool(ray_cluster, dram_bytes=16 * MiB, nvme_bytes=16 * MiB)
+    ttl = pool.metadata.lease_ttl_s
+    keys = keys_of("kill", 300)
+    acked: dict[bytes, int] = {}
+    counts = {"puts": 0, "put_failures": 0, "gets": 0, "get_misses": 0, "mismatches": 0}
+    with PoolClient(pool) as client:
+        victim = ray_cluster[2]
+        killed_at: list[float] = []
+
+        def kill() -> None:
+            ray.kill(ray.get_actor(actor_name(victim), namespace=pool.namespace))  # no cleanup runs
+            killed_at.append(time.monotonic())
+
+        timer = threading.Timer(1.0, kill)
+        timer.start()
+        rng = random.Random(3)
+        gone_after: float | None = None
+        deadline = time.monotonic() + 1.0 + ttl + 6
+        i = 0
+        while time.monotonic() < deadline and i < len(keys):
+            try:
+                client.put(keys[i], blob(i), replicas=2)
+                acked[keys[i]] = i
+                counts["puts"] += 1
+            except KvPoolError:
+                counts["put_failures"] += 1  # not acknowledged: allowed while the dead node is still listed
+            i += 1
+            for key in rng.sample(list(acked), min(3, len(acked))):
+                counts["gets"] += 1
+                try:
+                    if client.get(key) != blob(acked[key]):
+                        counts["mismatches"] += 1
+                except ChunkNotFound:
+                    counts["get_misses"] += 1
+            if killed_at and gone_after is None and not _still_listed(client, victim, acked):
+                gone_after = time.monotonic() - killed_at[0]
+        timer.join()
+        lost = [k for k in acked if client.get(k) != blob(acked[k])]
+        print(
+            f"\nnode killed during traffic: {counts}; acknowledged {len(acked)}, lost {len(lost)}; "
+            f"placements gone {gone_after if gone_after is None else round(gone_after, 2)} s after the kill"
+        )
+        assert counts["mismatches"] == 0 and counts["get_misses"] == 0 and not lost
+        assert gone_after is not None and gone_after <= ttl + 1
+        fresh = keys_of("after", 4)
+        client.put_batch([(k, blob(100 + j)) for j, k in enumerate(fresh)], replicas=2)
+        assert all(victim not in {p.node for p in client.cache.replicas(k)} for k in fresh)
+
+
+def _still_listed(client: PoolClient, node: str, keys: dict[bytes, int]) -> bool:
+    """Whether the metadata still names ``node``: as a live node, or as the holder of any of ``keys``."""
+    if node in {n.node_id for n in client.cache.nodes()}:
+        return True
+    return any(p.node == node for k in keys for p in client.cache.replicas(k))
