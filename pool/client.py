@@ -193,7 +193,9 @@ class PoolClient:
         """Reserve on the holder, WRITE from the staging buffer, commit; in rounds that fit the staging
         buffer and a quarter of the holder's DRAM (reserved space cannot be evicted)."""
         actor, peer = self._actor(node_id), self._peer(node_id)
-        record = next(n for n in self.cache.nodes() if n.node_id == node_id)
+        record = next((n for n in self.cache.nodes() if n.node_id == node_id), None)
+        if record is None:  # it left the pool since the put chose it
+            raise ChunkNotFound(f"pool node {node_id[:12]} left the pool during the put; put again")
         budget = max(record.capacity(Tier.DRAM) // 4, 1)
         revision, start = 0, 0
         while start < len(views):

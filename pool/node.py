@@ -31,7 +31,7 @@ from kvpool.metadata.registry import NodeRegistry
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.metrics import ClientStats, StoreCollector, serve_metrics
 from kvpool.pool.segment import DramSegment, NvmeSegment
-from kvpool.pool.store import SEGMENT_NAMES, ChangeKind, ChunkStore, Reservation, StoredChunk
+from kvpool.pool.store import SEGMENT_NAMES, Change, ChangeKind, ChunkStore, Reservation, StoredChunk
 from kvpool.transport.nixl import NixlTransport
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,7 @@ class PoolNode:
             promote_on_hit=config.promote_on_hit, alignment=config.alignment,
         )  # fmt: skip
         self.etcd_errors = 0
+        self._unpublished: list[Change] = []  #: changes a failed publish still owes etcd, oldest first
         self.client_stats = ClientStats()  #: reported by the clients on this node (see PoolClient)
         self._metrics_server, self.metrics_address = None, ""
         if config.metrics_port >= 0:
@@ -138,9 +139,13 @@ class PoolNode:
         )  # fmt: skip
 
     def _publish(self) -> int:
-        """Publish what the store changed; returns the etcd revision a reader must reach to see it."""
+        """Publish what the store changed (and what an earlier publish failed to); returns the etcd revision a
+        reader must reach to see it.  If etcd is unreachable the changes are kept for the next publish —
+        every call that changes the store publishes, and so does the reaper — and the caller gets
+        ``MetadataUnavailable``, so nothing is acknowledged that etcd does not show."""
+        changes, self._unpublished = [*self._unpublished, *self.store.take_changes()], []
         final: dict[bytes, tuple[ChangeKind, StoredChunk]] = {}
-        for change in self.store.take_changes():
+        for change in changes:
             final[change.chunk.key] = (change.kind, change.chunk)
         puts = [self._placement(c) for kind, c in final.values() if kind is not ChangeKind.DROPPED]
         drops = [self._placement(c) for kind, c in final.values() if kind is ChangeKind.DROPPED]
@@ -152,6 +157,7 @@ class PoolNode:
                 self.placements.delete(drops)
         except MetadataUnavailable:
             self.etcd_errors += 1
+            self._unpublished = changes  # publishing is idempotent: all of them again next time
             raise
         if final:
             self._record_dirty.set()
@@ -230,7 +236,8 @@ class PoolNode:
             except ChunkNotFound:
                 self.store.counters["misses"] += 1
                 out.append(None)
-        self._publish()
+        with contextlib.suppress(MetadataUnavailable):  # promotions: a read does not fail for etcd; kept for later
+            self._publish()
         return out
 
     def touch_batch(self, keys: Sequence[bytes]) -> None:
@@ -278,8 +285,12 @@ class PoolNode:
         return revision
 
     def reap(self) -> int:
-        """Reclaim reservations older than ``reservation_ttl_s`` (see ``ChunkStore.reap``)."""
-        return self.store.reap(self.config.reservation_ttl_s)
+        """Reclaim reservations older than ``reservation_ttl_s`` (see ``ChunkStore.reap``), and retry a
+        publish that etcd refused earlier."""
+        reaped = self.store.reap(self.config.reservation_ttl_s)
+        with contextlib.suppress(MetadataUnavailable):
+            self._publish()
+        return reaped
 
     def stats(self) -> dict[str, Any]:
         return {
