@@ -24,6 +24,7 @@ from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig
 from kvpool.metadata.etcd_server import EmbeddedEtcd
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.records import Placement, Tier
+from kvpool.pool.keys import parse_key
 from kvpool.prefill_decode.cost import KNOWN_MODELS, REFERENCE_HARDWARE, Action, CostModel, model_spec
 
 if TYPE_CHECKING:
@@ -313,16 +314,6 @@ def _attached_client(
         ray.shutdown()
 
 
-def _key(text: str) -> bytes:
-    try:
-        key = bytes.fromhex(text)
-    except ValueError:
-        key = b""
-    if len(key) != 32:
-        raise ConfigError(f"a chunk key is 64 hex digits (kvpool ls shows them), got {text!r}")
-    return key
-
-
 def _where(replicas: list[Placement]) -> str:
     return ", ".join(f"{p.node[:12]} ({p.tier.value})" for p in replicas)
 
@@ -344,7 +335,7 @@ def put(
         data = path.read_bytes()
         if not data:
             raise ConfigError(f"{path} is empty: a chunk holds at least one byte")
-        chunk_key = _key(key) if key else hashlib.sha256(data).digest()
+        chunk_key = parse_key(key, "--key") if key else hashlib.sha256(data).digest()
         with _attached_client("put", etcd, cluster, ray_address, namespace) as client:
             client.put_batch([(chunk_key, data)], replicas=replicas)
             where = _where(client.cache.replicas(chunk_key))
@@ -364,7 +355,7 @@ def get(
 ) -> None:
     """Read one chunk from a running pool, checksum verified; say where it came from; optionally save it."""
     with _errors():
-        chunk_key = _key(key)
+        chunk_key = parse_key(key)
         with _attached_client("get", etcd, cluster, ray_address, namespace) as client:
             where = _where(client.cache.replicas(chunk_key))
             t0 = time.perf_counter()

@@ -32,10 +32,11 @@ import ray
 from kvpool.errors import ChunkNotFound, ConfigError, CorruptChunk, KvPoolError, PoolFull, TransferError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
-from kvpool.metadata.namespace import KEY_BYTES, Namespace
+from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.records import Placement, Tier
 from kvpool.pool.buffers import byte_view
 from kvpool.pool.config import PoolConfig
+from kvpool.pool.keys import check_key
 from kvpool.pool.metrics import ClientStats
 from kvpool.pool.node import NodeInfo, actor_name
 from kvpool.pool.segment import DramSegment
@@ -73,12 +74,6 @@ def _buffer_region(buffer: Any) -> tuple[str, int, int]:
 
 def _at(fn: Callable[[int], None], index: list[int], j: int) -> None:
     fn(index[j])
-
-
-def _check_key(key: bytes) -> bytes:
-    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-        raise ValueError(f"a chunk key is {KEY_BYTES} bytes (kvpool.pool.keys.chunk_keys), got {key!r:.60}")
-    return key
 
 
 class PoolClient:
@@ -137,7 +132,7 @@ class PoolClient:
         """Store each ``(key, data)`` on ``replicas`` distinct nodes: this node first when it has a pool
         node, then those with the most free space; or exactly on ``nodes`` when given.  Keys name
         content: a key already held by a target is not written again."""
-        views = [(_check_key(k), byte_view(d)) for k, d in items]
+        views = [(check_key(k), byte_view(d)) for k, d in items]
         if not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
         live = {n.node_id for n in self.cache.nodes()}
@@ -447,7 +442,7 @@ class PoolClient:
 
     def _replicas(self, key: bytes) -> list[Placement]:
         """Nearest first: this node, then DRAM before NVMe before remote."""
-        replicas = self.cache.replicas(_check_key(key))
+        replicas = self.cache.replicas(check_key(key))
         if not replicas:
             raise ChunkNotFound(f"chunk {short(key)} is not in the pool; recompute it")
         return sorted(replicas, key=lambda p: (p.node != self.node_id, p.tier.rank))
@@ -473,14 +468,14 @@ class PoolClient:
     # -- lookups, removal, stats ----------------------------------------------------------------------
 
     def exists(self, key: bytes) -> bool:
-        return bool(self.cache.replicas(_check_key(key)))
+        return bool(self.cache.replicas(check_key(key)))
 
     def exists_batch(self, keys: Sequence[bytes]) -> list[bool]:
         return [self.exists(k) for k in keys]
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading chunks of a hash chain the pool holds (no etcd round trip)."""
-        held = self.cache.lookup_prefix([_check_key(k) for k in keys])
+        held = self.cache.lookup_prefix([check_key(k) for k in keys])
         self.count_lookup(len(keys), held)
         return held
 
@@ -518,7 +513,7 @@ class PoolClient:
         by_node: dict[str, list[bytes]] = {}
         held = 0
         for key in keys:
-            replicas = self.cache.replicas(_check_key(key))
+            replicas = self.cache.replicas(check_key(key))
             held += bool(replicas)
             for p in replicas:
                 by_node.setdefault(p.node, []).append(key)

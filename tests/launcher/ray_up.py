@@ -17,6 +17,7 @@ Needs root (``sshd -i`` logs in as the current user and must own its host key), 
 """
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
@@ -45,14 +46,14 @@ def log(msg: str) -> None:
     print(f"[ray_up {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def _which(tool: str) -> str | None:
+    return shutil.which(tool, path=f"{os.environ.get('PATH', '')}:/usr/sbin")  # sshd lives in sbin
+
+
 def missing_prerequisites() -> str:
     if os.geteuid() != 0:
         return "needs root: sshd -i must read its host key and log in as this user"
-    tools = [
-        t
-        for t in ("sshd", "ssh", "ssh-keygen", "rsync")
-        if not shutil.which(t, path=f"{os.environ.get('PATH', '')}:/usr/sbin")
-    ]
+    tools = [t for t in ("sshd", "ssh", "ssh-keygen", "rsync") if not _which(t)]
     return f"missing {', '.join(tools)} (Debian: apt-get install openssh-server rsync)" if tools else ""
 
 
@@ -98,7 +99,7 @@ class Run:
             "StrictModes no\nUsePAM no\nPermitRootLogin prohibit-password\nPasswordAuthentication no\n"
             "KbdInteractiveAuthentication no\nPidFile none\nLogLevel ERROR\n"
         )
-        sshd = shutil.which("sshd", path=f"{os.environ.get('PATH', '')}:/usr/sbin")
+        sshd = _which("sshd")
         bin_dir = self.dir / "bin"
         env = f"HOME={self.home} KVPOOL_NODE_IP=%h {MARK}={self.id} RAY_USAGE_STATS_ENABLED=0"
         proxy = f"{sshd} -i -f {self.dir / 'sshd_config'} -o 'SetEnv={env}'"
@@ -199,25 +200,15 @@ class Run:
         mine = [p for p in psutil.process_iter() if _marked(p, self.id)]
         log(f"stopping {len(mine)} processes started by this run (never `ray stop`)")
         for p in mine:
-            with _gone():
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):  # ended meanwhile
                 p.send_signal(signal.SIGTERM)
         _, alive = psutil.wait_procs(mine, timeout=15)
         for p in alive:
-            with _gone():
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):  # ended meanwhile
                 p.kill()
         for suffix in ("state", "lock"):
             Path(tempfile.gettempdir(), "ray", f"cluster-{self.name}.{suffix}").unlink(missing_ok=True)
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-class _gone:
-    """Ignore processes that ended on their own meanwhile."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, et: object, ev: object, tb: object) -> bool:
-        return et is not None and issubclass(et, psutil.NoSuchProcess | psutil.AccessDenied)  # type: ignore[arg-type]
 
 
 def _marked(p: psutil.Process, run_id: str) -> bool:
