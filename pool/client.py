@@ -22,34 +22,46 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-import crc32c
 import numpy as np
 import ray
+import torch
 
-from kvpool.errors import ChunkNotFound, ConfigError, CorruptChunk, KvPoolError, PoolFull, TransferError
+from kvpool.errors import (
+    ChunkNotFound,
+    ConfigError,
+    CorruptChunk,
+    KvPoolError,
+    PoolFull,
+    RemoteUnavailable,
+    TransferError,
+    UndecodableChunk,
+)
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import Namespace
+from kvpool.metadata.placement import PlacementStore
 from kvpool.metadata.records import Placement, Tier
 from kvpool.pool.buffers import byte_view
+from kvpool.pool.codecs import TensorFormat, decode
 from kvpool.pool.config import PoolConfig
+from kvpool.pool.gds import DeviceIO
 from kvpool.pool.keys import check_key
-from kvpool.pool.metrics import ClientStats
+from kvpool.pool.metrics import SOURCES, ClientStats
 from kvpool.pool.node import NodeInfo, actor_name
-from kvpool.pool.segment import DramSegment
-from kvpool.pool.store import SEGMENT_NAMES, Reservation, StoredChunk, short
+from kvpool.pool.remote import RemoteStore, collect_garbage
+from kvpool.pool.segment import DramSegment, NvmeSegment
+from kvpool.pool.store import SEGMENT_NAMES, Reservation, StoredChunk, checksum, short
 from kvpool.transport.base import Op
 from kvpool.transport.nixl import NixlTransport
 
 log = logging.getLogger(__name__)
 STAGING_BYTES = 64 << 20  #: cross-node transfers through the staging buffer move at most this much per round
-
-
-def checksum(view: memoryview) -> int:
-    return int(crc32c.crc32c(view))
+REMOTE_THREADS = 8  #: concurrent GETs from the remote tier in one batch
+Summary = tuple[int, TensorFormat | None]  #: what a commit says of a chunk: its checksum and its tensor format
 
 
 def _get(ref: Any, timeout: float | None = 60) -> Any:
@@ -63,6 +75,38 @@ def _get(ref: Any, timeout: float | None = 60) -> Any:
         raise
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
         raise ChunkNotFound(f"pool node unreachable: {type(exc).__name__}") from exc
+
+
+def _fill(dest: memoryview, data: Any, codec: str, expected: int) -> bool:
+    """Put a chunk's stored bytes (encoded with ``codec``) into ``dest`` if they match their checksum and
+    decode to exactly ``dest``'s size; whether they did."""
+    if codec == "raw":
+        dest[:] = data
+        return checksum(dest) == expected
+    if checksum(data) != expected:
+        return False
+    try:
+        flat = byte_view(decode(data))
+    except UndecodableChunk:
+        return False
+    if flat.nbytes != dest.nbytes:
+        return False
+    dest[:] = flat
+    return True
+
+
+def _device_bytes(t: Any, field: str) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor on any device."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{field} must be a torch tensor, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise ValueError(f"{field} is a non-contiguous tensor; call .contiguous() first")
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _host_like(t: torch.Tensor) -> torch.Tensor:
+    """A host buffer for ``t``'s bytes: page-locked when CUDA is there, so the copy to the device is a DMA."""
+    return torch.empty(t.numel(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
 
 def _buffer_region(buffer: Any) -> tuple[str, int, int]:
@@ -84,6 +128,11 @@ class PoolClient:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.etcd = EtcdClient(config.metadata)
         self.cache = MetadataCache(self.etcd, Namespace(config.metadata.cluster)).start()
+        self.placements = PlacementStore(self.etcd, Namespace(config.metadata.cluster))
+        self._remote: RemoteStore | None = None  #: made on first use of the remote tier
+        self._device_io: DeviceIO | None = None  #: this node's NVMe segment, for get_into_device
+        self._info: NodeInfo | None = None
+        self.device_reads = {"direct": 0, "direct_bytes": 0, "via_host": 0, "via_host_bytes": 0}
         self._actors: dict[str, Any] = {}
         self._segment: DramSegment | None = None
         self._local: Any = None
@@ -97,6 +146,7 @@ class PoolClient:
             self._local = self._actor(self.node_id)
             info: NodeInfo = _get(self._local.info.remote())
             self._segment = DramSegment.attach(info.dram_path, info.dram_capacity)
+            self._info = info
         except ChunkNotFound:
             log.info("no pool node on this Ray node (%s): every transfer goes remote", self.node_id[:12])
 
@@ -104,6 +154,11 @@ class PoolClient:
         self._report(force=True)
         if self._transport is not None:
             self._transport.close()
+        if self._remote is not None:
+            self._remote.close()
+        if self._device_io is not None:
+            self._device_io.close()
+            self._device_io.segment.close()
         self.cache.close()
         self.etcd.close()
         if self._segment is not None:
@@ -131,7 +186,8 @@ class PoolClient:
     def put_batch(self, items: Sequence[tuple[bytes, Any]], replicas: int = 1, nodes: Sequence[str] = ()) -> None:
         """Store each ``(key, data)`` on ``replicas`` distinct nodes: this node first when it has a pool
         node, then those with the most free space; or exactly on ``nodes`` when given.  Keys name
-        content: a key already held by a target is not written again."""
+        content: a key already held by a target is not written again.  A chunk given as a float tensor
+        carries its format, so tiers with a codec can encode it; bytes are stored raw everywhere."""
         views = [(check_key(k), byte_view(d)) for k, d in items]
         if not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
@@ -139,7 +195,7 @@ class PoolClient:
         if unknown := [n for n in nodes if n not in live]:
             raise ChunkNotFound(f"no live pool node {', '.join(u[:12] for u in unknown)}: pick from kvpool status")
         targets = list(dict.fromkeys(nodes)) or self._targets(replicas)
-        sums = [checksum(v) for _, v in views]
+        sums = [(checksum(v), TensorFormat.of(d)) for (_, v), (_, d) in zip(views, items, strict=True)]
         revision, replicated = 0, len(targets) > 1
         for node_id in targets:
             if node_id == self.node_id and self._segment is not None:
@@ -156,7 +212,7 @@ class PoolClient:
         ordered = sorted(free, key=lambda nid: (nid != self.node_id or self._segment is None, -free[nid]))
         return ordered[:replicas]
 
-    def _local_put(self, views: list[tuple[bytes, memoryview]], sums: list[int], replicated: bool) -> int:
+    def _local_put(self, views: list[tuple[bytes, memoryview]], sums: list[Summary], replicated: bool) -> int:
         """Reserve, write into the shared segment, commit; in rounds of at most a quarter of the segment,
         since space reserved but not yet committed cannot be evicted to make room."""
         assert self._segment is not None
@@ -170,7 +226,7 @@ class PoolClient:
             start = end
         return revision
 
-    def _local_put_round(self, views: list[tuple[bytes, memoryview]], sums: list[int], replicated: bool) -> int:
+    def _local_put_round(self, views: list[tuple[bytes, memoryview]], sums: list[Summary], replicated: bool) -> int:
         assert self._segment is not None
         reservations: list[Reservation] = _get(self._local.reserve_batch.remote([(k, v.nbytes) for k, v in views]))
         fresh = [(r, v, s) for r, (_, v), s in zip(reservations, views, sums, strict=True) if not r.already_stored]
@@ -180,10 +236,10 @@ class PoolClient:
         except BaseException:
             _get(self._local.abort_batch.remote([r.key for r, _, _ in fresh]))
             raise
-        return int(_get(self._local.commit_batch.remote([(r.key, s) for r, _, s in fresh], replicated)))
+        return int(_get(self._local.commit_batch.remote([(r.key, *s) for r, _, s in fresh], replicated)))
 
     def _remote_put(
-        self, node_id: str, views: list[tuple[bytes, memoryview]], sums: list[int], replicated: bool
+        self, node_id: str, views: list[tuple[bytes, memoryview]], sums: list[Summary], replicated: bool
     ) -> int:
         """Reserve on the holder, WRITE from the staging buffer, commit; in rounds that fit the staging
         buffer and a quarter of the holder's DRAM (reserved space cannot be evicted)."""
@@ -208,12 +264,12 @@ class PoolClient:
                     continue
                 staging[at : at + view.nbytes] = view
                 ops.append(Op(SEGMENT_NAMES[Tier.DRAM], r.offset, staging.ctypes.data + at, view.nbytes))
-                fresh.append((key, s))
+                fresh.append((key, *s))
                 at += view.nbytes
             try:
                 self._transport_().write(peer, ops, timeout_s=self.transfer_timeout_s)
             except BaseException:
-                _get(actor.abort_batch.remote([k for k, _ in fresh]))
+                _get(actor.abort_batch.remote([f[0] for f in fresh]))
                 raise
             revision = max(revision, int(_get(actor.commit_batch.remote(fresh, replicated))))
             start = end
@@ -286,7 +342,7 @@ class PoolClient:
         return self.get_batch([key])[0]
 
     def get_batch(self, keys: Sequence[bytes]) -> list[bytes]:
-        buffers = [bytearray(self._replicas(k)[0].length) for k in keys]
+        buffers = [bytearray(self._replicas(k)[0].raw_size) for k in keys]
         self.get_into_batch(keys, buffers)
         return [bytes(b) for b in buffers]
 
@@ -295,12 +351,16 @@ class PoolClient:
         dest = byte_view(buffer, writable=True, field="buffer")
         corrupt: list[Placement] = []
         for replica in self._replicas(key):
-            if replica.length != dest.nbytes:
+            if replica.raw_size != dest.nbytes:
                 raise ValueError(
-                    f"buffer holds {dest.nbytes} bytes, chunk {short(key)} is {replica.length}: pass a buffer of its size"
+                    f"buffer holds {dest.nbytes} bytes, chunk {short(key)} is {replica.raw_size}: pass a buffer of "
+                    "its size"
                 )
             try:
-                [intact] = self._read_group(replica.node, [key], [dest])
+                if replica.tier is Tier.REMOTE:
+                    [intact] = self._read_remote([replica], [dest])
+                else:
+                    [intact] = self._read_group(replica.node, [key], [dest])
             except ChunkNotFound:
                 continue  # that node is gone
             if intact is None:
@@ -330,11 +390,20 @@ class PoolClient:
         by_node: dict[str, list[int]] = {}
         nearest = [self._replicas(key)[0] for key in keys]
         optimistic = self._read_local_unpinned(nearest, dests, on_done)
+        in_remote_tier: list[int] = []
         for i, replica in enumerate(nearest):
             if i in optimistic:
                 done[i] = True
+            elif replica.tier is Tier.REMOTE:
+                in_remote_tier.append(i)
             else:
                 by_node.setdefault(replica.node, []).append(i)
+        if in_remote_tier:
+            got = self._read_remote([nearest[i] for i in in_remote_tier], [dests[i] for i in in_remote_tier])
+            for i, intact in zip(in_remote_tier, got, strict=True):
+                done[i] = intact is True
+                if done[i] and on_done is not None:
+                    on_done(i)
         for node_id, idx in by_node.items():
             with contextlib.suppress(ChunkNotFound):  # the holder is gone: get_into tries the next replica
                 notify = None if on_done is None else partial(_at, on_done, idx)
@@ -346,10 +415,67 @@ class PoolClient:
                 self.get_into(key, dests[i])
                 if on_done is not None:
                     on_done(i)
-        local = sum(d.nbytes for d, p in zip(dests, nearest, strict=True) if p.node == self.node_id)
-        self._seen.get(time.perf_counter() - started, local, sum(d.nbytes for d in dests) - local)
+        by_source = dict.fromkeys(SOURCES, 0)
+        for d, p in zip(dests, nearest, strict=True):
+            by_source[self._source(p)] += d.nbytes
+        self._seen.get(time.perf_counter() - started, by_source)
         self._report()
         return [d.nbytes for d in dests]
+
+    def get_into_device(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor]) -> list[int]:
+        """``get_into_batch`` for tensors in device (GPU) memory, each exactly its chunk's size.
+
+        Chunks this node holds raw on NVMe go straight from the segment file into the tensor, pinned on the
+        node and not promoted: by GPUDirect Storage where the host has it (``nvme_io_path()``: ``gds``, else
+        kvikio's compatibility mode, else O_DIRECT and a host-to-device copy).  Each is verified by its
+        checksum over a host copy of what landed; one that fails, and every other chunk, is read into host
+        memory the usual way (other replicas, corrupt ones dropped) and copied over.  CPU tensors work too:
+        the direct path is then the O_DIRECT read into their memory.  ``device_reads`` counts both paths.
+        """
+        if len(keys) != len(tensors):
+            raise ValueError(f"{len(keys)} keys but {len(tensors)} tensors")
+        flats = [_device_bytes(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
+        nearest = [self._replicas(k)[0] for k in keys]
+        direct = [
+            i for i, p in enumerate(nearest)
+            if p.node == self.node_id and p.tier is Tier.NVME and p.codec == "raw" and p.length == flats[i].numel()
+        ]  # fmt: skip
+        landed: set[int] = set()
+        io = self._device_nvme() if direct else None
+        if io is not None:
+            chunks: list[StoredChunk | None] = _get(self._local.locate_batch.remote([keys[i] for i in direct], False))
+            try:
+                for i, c in zip(direct, chunks, strict=True):
+                    if c is None or c.tier is not Tier.NVME or c.codec != "raw" or c.length != flats[i].numel():
+                        continue  # moved since the placement was read: the host path finds it
+                    io.read_into_device(c.offset, flats[i])
+                    if checksum(byte_view(flats[i].cpu())) == c.checksum:
+                        landed.add(i)
+                        self.device_reads["direct"] += 1
+                        self.device_reads["direct_bytes"] += c.length
+            finally:
+                self._local.release_batch.remote([keys[i] for i in direct])
+        rest = [i for i in range(len(keys)) if i not in landed]
+        if rest:
+            hosts = [flats[i] if flats[i].device.type == "cpu" else _host_like(flats[i]) for i in rest]
+            self.get_into_batch([keys[i] for i in rest], hosts)
+            for i, host in zip(rest, hosts, strict=True):
+                if host is not flats[i]:
+                    flats[i].copy_(host)
+                self.device_reads["via_host"] += 1
+                self.device_reads["via_host_bytes"] += host.numel()
+        return [f.numel() for f in flats]
+
+    def _device_nvme(self) -> DeviceIO | None:
+        """This node's NVMe segment, opened read-only for get_into_device (None: no pool node or no NVMe here)."""
+        if self._device_io is None and self._info is not None and self._info.nvme_path:
+            segment = NvmeSegment.attach(self._info.nvme_path, self._info.nvme_capacity)
+            self._device_io = DeviceIO(segment)
+        return self._device_io
+
+    def _source(self, p: Placement) -> str:
+        """Where a read comes from, as the metrics name it: this node, another node, or the remote tier."""
+        return "remote_tier" if p.tier is Tier.REMOTE else "local" if p.node == self.node_id else "remote"
 
     def _read_local_unpinned(
         self, nearest: list[Placement], dests: list[memoryview], on_done: Callable[[int], None] | None
@@ -395,19 +521,18 @@ class PoolClient:
                 on_done(j)
 
         try:
-            usable = [(j, c) for j, c in enumerate(chunks) if c is not None and c.length == dests[j].nbytes]
+            usable = [(j, c) for j, c in enumerate(chunks) if c is not None and c.raw_size == dests[j].nbytes]
             if local:
                 for j, c in usable:
                     with contextlib.suppress(ChunkNotFound):
-                        mark(j, self._copy_local(c, dests[j]) == c.checksum)
+                        mark(j, self._copy_local(c, dests[j]))
                 return result
             on_nvme = [(j, c) for j, c in usable if c.tier is not Tier.DRAM]  # the transport reaches DRAM only
             if on_nvme:
                 copies = _get(actor.read_batch.remote([c.key for _, c in on_nvme]))
                 for (j, c), data in zip(on_nvme, copies, strict=True):
                     if data is not None:
-                        dests[j][:] = data
-                        mark(j, checksum(dests[j]) == c.checksum)
+                        mark(j, _fill(dests[j], data, c.codec, c.checksum))
             in_dram = [(j, c) for j, c in usable if c.tier is Tier.DRAM]
             addresses = {j: self._registered_address(dests[j]) for j, _ in in_dram}
             direct = [(j, c, a) for j, c in in_dram if (a := addresses[j]) is not None]
@@ -447,18 +572,85 @@ class PoolClient:
             raise ChunkNotFound(f"chunk {short(key)} is not in the pool; recompute it")
         return sorted(replicas, key=lambda p: (p.node != self.node_id, p.tier.rank))
 
-    def _copy_local(self, chunk: StoredChunk, dest: memoryview) -> int:
+    def _copy_local(self, chunk: StoredChunk, dest: memoryview) -> bool:
+        """Copy a pinned chunk of this node into ``dest``; whether it came out intact."""
         assert self._segment is not None
         if chunk.tier is not Tier.DRAM:  # not promoted (promote_on_hit off, or DRAM full): read via the node
             [data] = _get(self._local.read_batch.remote([chunk.key]))
             if data is None:
                 raise ChunkNotFound(f"chunk {short(chunk.key)} left this node")
-            dest[:] = data
-        else:
-            self._segment.read_into(chunk.offset, dest)
-        return checksum(dest)
+            return _fill(dest, data, chunk.codec, chunk.checksum)
+        self._segment.read_into(chunk.offset, dest)
+        return checksum(dest) == chunk.checksum
+
+    # -- the remote (S3) tier --------------------------------------------------------------------------
+
+    def _remote_store(self) -> RemoteStore | None:
+        if self._remote is None and self.config.remote.enabled:
+            self._remote = RemoteStore(self.config.remote, self.config.metadata.cluster)
+        return self._remote
+
+    def _read_remote(self, replicas: list[Placement], dests: list[memoryview]) -> list[bool | None]:
+        """Fetch chunks from the remote tier (concurrently), verify and decode them into ``dests``; per chunk
+        True (intact), False (corrupt) or None (not read: the object is gone — its placement is dropped — or
+        the remote tier is unavailable, or not configured in this client).  Intact chunks are put back into
+        the pool when ``remote.promote_on_hit``."""
+        remote = self._remote_store()
+        if remote is None:
+            log.warning("%d chunks are only in the remote tier, which this client has no config for", len(replicas))
+            return [None] * len(replicas)
+        with ThreadPoolExecutor(REMOTE_THREADS, thread_name_prefix="kvpool-remote") as pool:
+            fetches = [pool.submit(remote.get, p.key, p.codec) for p in replicas]
+        out: list[bool | None] = []
+        gone: list[Placement] = []
+        promote: list[tuple[bytes, Any]] = []
+        for p, dest, fetch in zip(replicas, dests, fetches, strict=True):
+            try:
+                data = fetch.result()
+            except ChunkNotFound:
+                gone.append(p)
+                out.append(None)
+                continue
+            except RemoteUnavailable as exc:
+                log.warning("chunk %s: remote tier unavailable, a miss: %s", short(p.key), exc)
+                out.append(None)
+                continue
+            out.append(_fill(dest, data, p.codec, p.checksum))
+            if out[-1] and self.config.remote.promote_on_hit:
+                fmt = TensorFormat.of_encoded(data) if p.codec != "raw" else None
+                promote.append((p.key, fmt.view(dest) if fmt is not None else dest))
+        if gone:
+            log.warning("%d remote placements named objects that are gone: dropping them", len(gone))
+            self._drop_remote(gone, delete_objects=False)
+        if promote and self.cache.nodes():
+            try:
+                self.put_batch(promote)
+            except KvPoolError as exc:  # the read succeeded; only the promotion did not
+                log.info("could not promote %d chunks from the remote tier: %s", len(promote), exc)
+        return out
+
+    def _drop_remote(self, replicas: Sequence[Placement], *, delete_objects: bool = True) -> None:
+        """Delete remote-tier copies: their objects, then their placements (a placement left behind by a
+        failure names a missing object, which the next reader drops; an object left behind is ``remote_gc``'s)."""
+        if delete_objects and (remote := self._remote_store()) is not None:
+            remote.delete([(p.key, p.codec) for p in replicas])
+        self.placements.delete(replicas)
+        self.cache.wait_until(
+            lambda c: c.revision >= self.etcd.revision(), timeout_s=self.config.metadata.retry_deadline_s
+        )
+
+    def remote_gc(self, grace_s: float = 3600.0) -> tuple[int, int]:
+        """Reconcile the remote tier with etcd (see :func:`collect_garbage`)."""
+        remote = self._remote_store()
+        if remote is None:
+            raise ConfigError("no remote tier configured: set remote.bucket")
+        return collect_garbage(remote, self.cache, self.placements, grace_s)
 
     def _drop_corrupt(self, replica: Placement) -> None:
+        if replica.tier is Tier.REMOTE:
+            with contextlib.suppress(RemoteUnavailable):
+                self._drop_remote([replica])
+            return
         try:
             revision = _get(self._actor(replica.node).remove_batch.remote([replica.key], True))
             self.cache.wait_until(lambda c: c.revision >= revision, timeout_s=self.config.metadata.retry_deadline_s)
@@ -498,12 +690,17 @@ class PoolClient:
         return self.remove_batch([key]) == 1
 
     def remove_batch(self, keys: Sequence[bytes]) -> int:
-        """Remove every replica of ``keys`` (one call per holding node); returns how many the pool held."""
-        return self._per_holder(keys, lambda actor, node_keys: actor.remove_batch.remote(node_keys))
+        """Remove every replica of ``keys`` (one call per holding node, and the remote tier's objects);
+        returns how many the pool held."""
+        in_remote_tier = [p for key in keys for p in self.cache.replicas(check_key(key)) if p.tier is Tier.REMOTE]
+        held = self._per_holder(keys, lambda actor, node_keys: actor.remove_batch.remote(node_keys))
+        if in_remote_tier:
+            self._drop_remote(in_remote_tier)
+        return held
 
     def move(self, keys: Sequence[bytes], tier: Tier) -> None:
         """Move every replica of ``keys`` to ``tier`` on its node (e.g. demote to NVMe); returns once the
-        local placement cache shows it."""
+        local placement cache shows it.  Copies in the remote tier stay where they are."""
         self._per_holder(keys, lambda actor, node_keys: actor.move_batch.remote(node_keys, tier))
 
     def _per_holder(self, keys: Sequence[bytes], call: Callable[[Any, list[bytes]], Any]) -> int:
@@ -516,13 +713,19 @@ class PoolClient:
             replicas = self.cache.replicas(check_key(key))
             held += bool(replicas)
             for p in replicas:
-                by_node.setdefault(p.node, []).append(key)
+                if p.tier is not Tier.REMOTE:
+                    by_node.setdefault(p.node, []).append(key)
         revision = 0
         for node_id, node_keys in by_node.items():
             with contextlib.suppress(ChunkNotFound):
                 revision = max(revision, int(_get(call(self._actor(node_id), node_keys))))
         self.cache.wait_until(lambda c: c.revision >= revision, timeout_s=self.config.metadata.retry_deadline_s)
         return held
+
+    @property
+    def registrations(self) -> int:
+        """Memory regions this client has registered with the transport (staging, caller buffers)."""
+        return 0 if self._transport is None else self._transport.registrations
 
     def stats(self) -> dict[str, Any]:
         nodes = {}

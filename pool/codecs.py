@@ -51,6 +51,7 @@ import hashlib
 import math
 import struct
 import threading
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import lru_cache
@@ -68,6 +69,7 @@ ZSTD_LEVEL = 1  # levels 3 and 6 gain under 0.5 % on KV, at half and a quarter o
 MAX_NDIM = 16
 DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
 _DTYPE_CODE = {dtype: i + 1 for i, dtype in enumerate(DTYPES)}
+_DTYPE_NAMES = {str(dtype).removeprefix("torch."): dtype for dtype in DTYPES}
 _KEY_BYTES = hashlib.sha256().digest_size  # chunk keys are SHA-256 digests (pool/keys.py)
 _FP16_SAFE = 60000.0  # int4 parameters are float16 while every |x| is below this
 _GRAMMAR = "raw | fp8-e4m3[/channel] | fp8-e5m2[/channel] | int4[:gN], then nothing, +zstd or +delta+zstd"
@@ -413,6 +415,74 @@ class Codec:
         if self.delta:
             codes = _undelta(codes, q.bits(dtype))
         return q.dequantize(body[:n_params], codes, shape, dtype)
+
+
+@dataclass(frozen=True)
+class TensorFormat:
+    """The dtype and shape of a chunk the pool holds as plain bytes: what a tier's codec needs to encode it.
+
+    A chunk put as a tensor carries its format; one put as bytes has none and is stored raw on every tier.
+    """
+
+    dtype: str  #: "float16", "bfloat16" or "float32"
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPE_NAMES:
+            raise ConfigError(f"tensor format: dtype must be one of {sorted(_DTYPE_NAMES)}, got {self.dtype!r:.40}")
+        if not (
+            isinstance(self.shape, tuple)
+            and 1 <= len(self.shape) <= MAX_NDIM
+            and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.shape)
+        ):
+            raise ConfigError(f"tensor format: shape must be 1 to {MAX_NDIM} ints > 0, got {self.shape!r:.80}")
+
+    @classmethod
+    def of(cls, data: object) -> "TensorFormat | None":
+        """The format of a CPU tensor a codec can encode; None for anything else (bytes, arrays, int tensors)."""
+        if not isinstance(data, torch.Tensor) or data.dtype not in _DTYPE_CODE or data.dim() == 0:
+            return None
+        return cls(str(data.dtype).removeprefix("torch."), tuple(data.shape))
+
+    @classmethod
+    def of_encoded(cls, data: Buffer) -> "TensorFormat":
+        """The format of the chunk that encoded bytes hold (from their header; ``UndecodableChunk`` if none)."""
+        header = read_header(data)
+        return cls(str(header.dtype).removeprefix("torch."), header.shape)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPE_NAMES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.torch_dtype.itemsize
+
+    def view(self, data: Buffer) -> torch.Tensor:
+        """The bytes as a tensor of this format (no copy)."""
+        view = memoryview(data).cast("B")
+        if view.nbytes != self.nbytes:
+            raise UndecodableChunk(f"{view.nbytes} bytes are not a {self.dtype} tensor of shape {list(self.shape)}")
+        with warnings.catch_warnings():  # read-only bytes: the tensor is only read (encoded)
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(view, dtype=torch.uint8).view(self.torch_dtype).view(self.shape)
+
+
+def transcode(data: Buffer, source: str, target: str, fmt: TensorFormat | None) -> tuple[Buffer, TensorFormat | None]:
+    """Chunk bytes stored with codec ``source`` re-stored with codec ``target``, and the chunk's format.
+
+    ``raw`` means the plain bytes (no header).  A chunk with no format (put as bytes) only goes raw → raw;
+    a coded chunk knows its format from its header.  ``data`` is returned as it is when nothing changes.
+    """
+    if source == target:
+        return data, fmt
+    tensor = decode(data) if source != "raw" else (fmt.view(data) if fmt is not None else None)
+    if tensor is None:
+        raise UnencodableTensor(f"chunk stored as plain bytes (no tensor format) cannot be encoded with {target}")
+    fmt = TensorFormat.of(tensor)
+    if target == "raw":
+        return tensor.contiguous().view(torch.uint8).numpy().tobytes(), fmt
+    return parse_codec(target).encode(tensor), fmt
 
 
 def parse_codec(spec: str) -> Codec:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from kvpool.errors import ConfigError
 from kvpool.metadata.config import MetadataConfig
+from kvpool.pool.codecs import parse_codec
+from kvpool.pool.remote import RemoteConfig
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -46,12 +48,20 @@ class PoolConfig:
     metrics_host: str = "127.0.0.1"  #: where each PoolNode serves Prometheus metrics
     metrics_port: int = 0  #: 0: a free port per node (published in its node record); -1: no metrics
     reservation_ttl_s: float = 30.0  #: room reserved but never committed (its writer died) is reclaimed after this
+    nvme_codec: str = "raw"  #: how chunks put as tensors are stored on NVMe (pool/codecs.py), e.g. "fp8-e4m3"
+    remote: RemoteConfig = field(default_factory=RemoteConfig)  #: the S3 tier; off until ``remote.bucket`` is set
 
     def __post_init__(self) -> None:
         if not isinstance(self.metadata, MetadataConfig):
             raise ConfigError(f"metadata must be a MetadataConfig, got {type(self.metadata).__name__}")
         if not isinstance(self.watermarks, Watermarks):
             raise ConfigError(f"watermarks must be a Watermarks, got {type(self.watermarks).__name__}")
+        if not isinstance(self.remote, RemoteConfig):
+            raise ConfigError(f"remote must be a RemoteConfig, got {type(self.remote).__name__}")
+        try:
+            parse_codec(self.nvme_codec)
+        except ConfigError as exc:
+            raise ConfigError(f"nvme_codec: {exc}") from None
         for name in ("shm_dir", "nvme_dir", "namespace", "metrics_host"):
             value = getattr(self, name)
             if not isinstance(value, str) or (not value and name != "nvme_dir"):

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvpool.pool.gds import nvme_io_path
 from kvpool.pool.store import ChunkStore
 
 #: store counter → (metric name, help, labels): migrations and promotions are moves between tiers
@@ -26,12 +27,17 @@ _COUNTERS = {
     "reaped": ("kvpool_reservations_reaped", "Reservations never committed (writer died), space reclaimed", {}),
     "corrupt": ("kvpool_corrupt_chunks", "Replicas dropped because their bytes failed the checksum", {}),
     "bytes_via_ray": ("kvpool_ray_bytes", "KV bytes moved as Ray call arguments/results, not one-sided", {}),
+    "encoded": ("kvpool_codec_chunks", "Chunks re-stored with another codec on a move", {"direction": "encode"}),
+    "decoded": ("kvpool_codec_chunks", "Chunks re-stored with another codec on a move", {"direction": "decode"}),
+    "flushed": ("kvpool_remote_flushed_chunks", "NVMe chunks copied to the remote (S3) tier", {}),
+    "flushed_bytes": ("kvpool_remote_flushed_bytes", "Bytes uploaded to the remote tier (after its codec)", {}),
+    "remote_errors": ("kvpool_remote_errors", "Flush turns or checks the remote tier refused (endpoint, 403)", {}),
 }
 
 
 #: upper bounds (seconds) of the client get latency histogram; one batched get is one observation
 GET_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-SOURCES = ("local", "remote")
+SOURCES = ("local", "remote", "remote_tier")  #: this node, another node, the S3 tier
 
 
 @dataclass
@@ -50,9 +56,9 @@ class ClientStats:
         self.lookup_hits += held
         self.lookup_misses += asked - held
 
-    def get(self, seconds: float, local_bytes: int, remote_bytes: int) -> None:
-        self.get_bytes["local"] += local_bytes
-        self.get_bytes["remote"] += remote_bytes
+    def get(self, seconds: float, by_source: dict[str, int]) -> None:
+        for source, n in by_source.items():
+            self.get_bytes[source] += n
         self.get_buckets[bisect.bisect_left(GET_SECONDS_BUCKETS, seconds)] += 1
         self.get_seconds += seconds
 
@@ -60,7 +66,7 @@ class ClientStats:
         self.lookup_hits += other.lookup_hits
         self.lookup_misses += other.lookup_misses
         for source in SOURCES:
-            self.get_bytes[source] += other.get_bytes.get(source, 0)
+            self.get_bytes[source] = self.get_bytes.get(source, 0) + other.get_bytes.get(source, 0)
         self.get_buckets = [a + b for a, b in zip(self.get_buckets, other.get_buckets, strict=True)]
         self.get_seconds += other.get_seconds
 
@@ -122,10 +128,12 @@ class StoreCollector(Collector):
         families: dict[str, CounterMetricFamily] = {}
         for key, (name, doc, labels) in _COUNTERS.items():
             fam = families.setdefault(name, CounterMetricFamily(name, doc, labels=["node", *labels]))
-            fam.add_metric([self.node_id, *labels.values()], self.store.counters[key])
+            fam.add_metric([self.node_id, *labels.values()], self.store.counters.get(key, 0))
         errors = CounterMetricFamily("kvpool_etcd_errors", "etcd requests that failed after retries", labels=["node"])
         errors.add_metric([self.node_id], self.etcd_errors())
-        yield from (*families.values(), errors)
+        io = GaugeMetricFamily("kvpool_nvme_io_path", "How NVMe reaches GPU memory (1 on the path in use)", labels=["node", "path"])  # fmt: skip
+        io.add_metric([self.node_id, nvme_io_path().name], 1)
+        yield from (*families.values(), errors, io)
         yield from self.clients.collect(self.node_id)
 
 

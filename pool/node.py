@@ -2,7 +2,9 @@
 
 A thin shell around :class:`ChunkStore`: it creates the segments, joins the node registry on a lease,
 and publishes every change of the store as placement records in etcd (bound to its lease, so they vanish
-with the node).  It is named ``kvpool-node-<ray node id>`` in the pool's Ray namespace, detached, and
+with the node).  With a remote tier configured it also flushes NVMe chunks that have been idle for
+``remote.flush_after_s`` to S3, publishing their remote placements on no lease (they outlive the node);
+the chunk stays on NVMe, marked as having a copy, so a full NVMe drops it first.  It is named ``kvpool-node-<ray node id>`` in the pool's Ray namespace, detached, and
 pinned to its node with ``NodeAffinitySchedulingStrategy``.
 """
 
@@ -16,26 +18,32 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvpool.errors import ChunkNotFound, MetadataUnavailable
+from kvpool.errors import ChunkNotFound, CorruptChunk, MetadataUnavailable, RemoteUnavailable
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.metadata.records import NodeRecord, Placement, SegmentInfo, Tier
 from kvpool.metadata.registry import NodeRegistry
+from kvpool.pool.codecs import TensorFormat
 from kvpool.pool.config import PoolConfig
+from kvpool.pool.gds import nvme_io_path
 from kvpool.pool.metrics import ClientStats, StoreCollector, serve_metrics
+from kvpool.pool.remote import RemoteStore
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import SEGMENT_NAMES, Change, ChangeKind, ChunkStore, Reservation, StoredChunk
 from kvpool.transport.nixl import NixlTransport
 
 log = logging.getLogger(__name__)
 RECORD_REFRESH_S = 1.0  #: the node record's usage figures lag by at most this
+FLUSH_BYTES = 64 << 20  #: one flush turn uploads at most this much (the node serves no call meanwhile)
+FLUSH_THREADS = 4  #: concurrent uploads in a flush turn
 
 
 _SEGMENT_FILE = re.compile(r"^kvpool-(?:nvme-)?[0-9a-f]{16}-(\d+)(?:\.seg|\.nvme|-\w+)$")
@@ -78,6 +86,7 @@ class NodeInfo:
     dram_capacity: int
     nvme_capacity: int
     nvme_direct: bool  #: O_DIRECT in use on the NVMe segment
+    nvme_path: str  #: the NVMe segment's file ("" without one), which a same-node client reads into device memory
     metrics_address: str  #: host:port of its Prometheus endpoint ("" if off)
 
 
@@ -98,8 +107,17 @@ class PoolNode:
         self.transport.register(SEGMENT_NAMES[Tier.DRAM], self.dram.base_address, self.dram.capacity)
         self.store = ChunkStore(
             self.dram, self.nvme, watermarks=config.watermarks,
-            promote_on_hit=config.promote_on_hit, alignment=config.alignment,
+            promote_on_hit=config.promote_on_hit, alignment=config.alignment, codecs={Tier.NVME: config.nvme_codec},
         )  # fmt: skip
+        self.store.counters.update(flushed=0, flushed_bytes=0, remote_errors=0)
+        self._flush_pause, self._flush_not_before = 0.0, 0.0  #: back-off after a refused flush (1 s .. 60 s)
+        self.remote = RemoteStore(config.remote, config.metadata.cluster) if config.remote.enabled else None
+        if self.remote is not None:
+            try:
+                self.remote.check()
+            except RemoteUnavailable as exc:  # the pool runs without it; flushes retry every turn
+                self.store.counters["remote_errors"] += 1
+                log.warning("remote tier not usable yet: %s", exc)
         self.etcd_errors = 0
         self._unpublished: list[Change] = []  #: changes a failed publish still owes etcd, oldest first
         self.client_stats = ClientStats()  #: reported by the clients on this node (see PoolClient)
@@ -119,7 +137,7 @@ class PoolNode:
         threading.Thread(target=self._refresh_record, name="kvpool-node-record", daemon=True).start()
         if ray.is_initialized() and ray.get_runtime_context().get_actor_id():
             me = ray.get_runtime_context().current_actor  # an actor: reaping is one of its own calls, in turn
-            threading.Thread(target=self._reap_timer, args=(me,), name="kvpool-node-reaper", daemon=True).start()
+            threading.Thread(target=self._timer, args=(me,), name="kvpool-node-timer", daemon=True).start()
         log.info("pool node %s up: DRAM %d B at %s, NVMe %d B", node_id, self.dram.capacity, self.dram.path, nvme_bytes)
 
     # -- etcd ------------------------------------------------------------------------------------------
@@ -135,7 +153,8 @@ class PoolNode:
         now = time.time()
         return Placement(
             key=chunk.key, node=self.node_id, tier=chunk.tier, segment=chunk.segment, offset=chunk.offset,
-            length=chunk.length, checksum=chunk.checksum, created=now, last_access=now,
+            length=chunk.length, checksum=chunk.checksum, codec=chunk.codec, created=now, last_access=now,
+            size=chunk.raw_size,
         )  # fmt: skip
 
     def _publish(self) -> int:
@@ -175,10 +194,21 @@ class PoolNode:
                     log.warning("node record not refreshed: %s", exc)
                     self._record_dirty.set()
 
-    def _reap_timer(self, me: Any) -> None:
-        """Thread: ask this actor to reclaim expired reservations every half TTL (queued like any call)."""
-        while not self._closing.wait(self.config.reservation_ttl_s / 2):
-            me.reap.remote()
+    def _timer(self, me: Any) -> None:
+        """Thread: ask this actor (queued like any call) to reclaim expired reservations every half TTL, and to
+        flush idle NVMe chunks to the remote tier every quarter of ``flush_after_s`` (at least every 0.1 s,
+        at most every half TTL), one turn at a time."""
+        period = self.config.reservation_ttl_s / 2
+        if self.remote is not None:
+            period = min(period, max(self.config.remote.flush_after_s / 4, 0.1))
+        reaped_at = time.monotonic()
+        while not self._closing.wait(period):
+            if time.monotonic() - reaped_at >= self.config.reservation_ttl_s / 2:
+                me.reap.remote()
+                reaped_at = time.monotonic()
+            if self.remote is not None:
+                with contextlib.suppress(Exception):  # the actor is going away
+                    ray.get(me.flush.remote(), timeout=max(60.0, 4 * self.config.remote.timeout_s))
 
     def _republish(self, lease_id: int) -> None:
         """The lease was lost and replaced: every placement on the old one is gone; publish them again."""
@@ -190,7 +220,7 @@ class PoolNode:
     def info(self) -> NodeInfo:
         return NodeInfo(
             self.node_id, self.dram.path, self.dram.capacity, self.nvme.capacity if self.nvme else 0,
-            bool(self.nvme and self.nvme.direct), self.metrics_address,
+            bool(self.nvme and self.nvme.direct), self.nvme.path if self.nvme else "", self.metrics_address,
         )  # fmt: skip
 
     def reserve_batch(self, items: Sequence[tuple[bytes, int]]) -> list[Reservation]:
@@ -208,10 +238,14 @@ class PoolNode:
             self._publish()  # migrations made to find room
         return out
 
-    def commit_batch(self, items: Sequence[tuple[bytes, int]], replicated: bool = False) -> int:
-        for key, checksum in items:
-            self.store.commit(key, checksum, replicated=replicated)
-        return self._publish()
+    def commit_batch(self, items: Sequence[tuple[bytes, int, TensorFormat | None]], replicated: bool = False) -> int:
+        """Make reserved chunks visible: ``(key, checksum, tensor format or None)`` each."""
+        try:
+            for key, checksum, fmt in items:
+                self.store.commit(key, checksum, replicated=replicated, fmt=fmt)
+        finally:
+            revision = self._publish()
+        return revision
 
     def abort_batch(self, keys: Sequence[bytes]) -> None:
         for key in keys:
@@ -227,12 +261,13 @@ class PoolNode:
             revision = self._publish()
         return revision
 
-    def locate_batch(self, keys: Sequence[bytes]) -> list[StoredChunk | None]:
-        """Pin each held chunk for a same-node reader (None: not held here); release with release_batch."""
+    def locate_batch(self, keys: Sequence[bytes], promote: bool | None = None) -> list[StoredChunk | None]:
+        """Pin each held chunk for a reader (None: not held here), promoting NVMe hits to DRAM if ``promote``
+        (default: ``promote_on_hit``); release with release_batch."""
         out: list[StoredChunk | None] = []
         for key in keys:
             try:
-                out.append(self.store.locate(key))
+                out.append(self.store.locate(key, promote))
             except ChunkNotFound:
                 self.store.counters["misses"] += 1
                 out.append(None)
@@ -292,6 +327,51 @@ class PoolNode:
             self._publish()
         return reaped
 
+    def flush(self, max_bytes: int = FLUSH_BYTES) -> int:
+        """Upload NVMe chunks idle for ``remote.flush_after_s`` to the remote tier (least recently used first,
+        at most ``max_bytes`` a turn), encoded with ``remote.codec``, and publish their remote placements on
+        no lease.  Returns how many were flushed.  A remote error leaves the chunks on NVMe, unflushed: the
+        next turn tries again; nothing is lost."""
+        if self.remote is None or time.monotonic() < self._flush_not_before:
+            return 0
+        rc = self.config.remote
+        ready = []
+        for chunk in self.store.idle(Tier.NVME, rc.flush_after_s, max_bytes):
+            with contextlib.suppress(CorruptChunk):  # dropped, and published below
+                ready.append((chunk, self.store.encoded(chunk.key, rc.codec)))
+        remote = self.remote
+        with ThreadPoolExecutor(FLUSH_THREADS, thread_name_prefix="kvpool-flush") as pool:
+            uploads = [(c, r, pool.submit(remote.put, c.key, r.codec, r.data)) for c, r in ready]
+        now, placements, error = time.time(), [], None
+        for chunk, recoded, upload in uploads:
+            try:
+                upload.result()
+            except RemoteUnavailable as exc:
+                error = exc
+                continue
+            placement = Placement(
+                key=chunk.key, node=rc.name, tier=Tier.REMOTE, segment=rc.bucket, offset=0, length=len(recoded.data),
+                checksum=recoded.checksum, codec=recoded.codec, created=now, last_access=now, size=chunk.raw_size,
+            )  # fmt: skip
+            placements.append(placement)
+        self._flush_pause = 0.0 if error is None else min(max(2 * self._flush_pause, 1.0), 60.0)
+        self._flush_not_before = time.monotonic() + self._flush_pause  # the node serves no call during a turn
+        if error is not None:
+            self.store.counters["remote_errors"] += 1
+            log.warning("flush to the remote tier: %d of %d chunks not uploaded: %s", len(uploads) - len(placements), len(uploads), error)  # fmt: skip
+        with contextlib.suppress(MetadataUnavailable):
+            self._publish()  # chunks found corrupt
+        try:
+            self.placements.publish(placements, 0, if_absent=False)  # no lease: the copy outlives this node
+        except MetadataUnavailable as exc:
+            self.etcd_errors += 1
+            log.warning("flushed %d chunks but could not publish them (retried next turn): %s", len(placements), exc)
+            return 0
+        self.store.mark_remote(p.key for p in placements)
+        self.store.counters["flushed"] += len(placements)
+        self.store.counters["flushed_bytes"] += sum(p.length for p in placements)
+        return len(placements)
+
     def stats(self) -> dict[str, Any]:
         return {
             "node_id": self.node_id,
@@ -307,6 +387,11 @@ class PoolNode:
             },
             "watermarks": {"high": self.config.watermarks.high, "low": self.config.watermarks.low},
             "nvme_direct": bool(self.nvme and self.nvme.direct),
+            "registrations": self.transport.registrations,
+            "nvme_io": nvme_io_path().name,  #: NVMe <-> GPU: gds (cuFile), kvikio-compat or posix (see pool/gds.py)
+            "nvme_io_reason": nvme_io_path().reason,
+            "codecs": {Tier.DRAM.value: "raw", Tier.NVME.value: self.config.nvme_codec}
+            | ({Tier.REMOTE.value: self.config.remote.codec} if self.remote else {}),
             **self.store.counters,
         }
 
@@ -316,6 +401,8 @@ class PoolNode:
         self.registration.close(revoke=True)
         self.etcd.close()
         self.transport.close()
+        if self.remote is not None:
+            self.remote.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()

@@ -193,6 +193,11 @@ class NvmeSegment(_Segment):
         self._bounce = mmap.mmap(-1, CHUNK) if direct else None
         self._lock = threading.Lock()
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (then every read and write raises ``ValueError``)."""
+        return self._fd is None
+
     @classmethod
     def create(cls, capacity: int, directory: str, name: str | None = None, direct: bool | None = None) -> Self:
         """Create ``kvpool-<name>.nvme`` in ``directory``, reserve its space, and open it.
@@ -220,6 +225,18 @@ class NvmeSegment(_Segment):
             os.close(fd)
             os.unlink(path)
             raise
+
+    @classmethod
+    def attach(cls, path: str, capacity: int) -> Self:
+        """Open another process's segment file (a pool node's) read-only, to read chunks that node has pinned;
+        ``O_DIRECT`` where the filesystem allows it.  Closing it never removes the file."""
+        try:
+            fd, direct = os.open(path, os.O_RDONLY | os.O_DIRECT), True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            fd, direct = os.open(path, os.O_RDONLY), False
+        return cls(path, capacity, fd, direct, owner=False)
 
     def _fd_for(self, offset: int, length: int) -> int:
         if self._fd is None:

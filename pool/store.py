@@ -8,16 +8,26 @@ Life of a chunk: ``reserve`` (DRAM space, not yet visible) → bytes written (by
 by a same-node client straight into the mapped segment) → ``commit`` (visible) → maybe migrated to NVMe
 when DRAM passes its high watermark, promoted back on a hit → dropped when a full tier needs room or on
 ``remove``.  A chunk pinned by a reader is never moved or dropped.
+
+Tiers below DRAM may store chunks with a codec (``codecs``, e.g. NVMe ``fp8-e4m3``): a chunk put as a tensor
+(it carries a :class:`~kvpool.pool.codecs.TensorFormat`) is encoded when it moves down and decoded when it is
+promoted; its checksum is verified before either, so a corrupt chunk is dropped, never re-encoded into
+"valid" bytes.  A chunk put as plain bytes stays raw everywhere.  DRAM is always raw: readers copy it
+one-sided, straight into their buffers.
 """
 
 import enum
 import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
+import crc32c
+
 from kvpool.clock import SYSTEM_CLOCK, Clock
-from kvpool.errors import ChunkNotFound, ConfigError, PoolFull
+from kvpool.errors import ChunkNotFound, ConfigError, CorruptChunk, KvPoolError, PoolFull
 from kvpool.metadata.records import Tier
 from kvpool.pool.allocator import OffsetAllocator
+from kvpool.pool.codecs import Buffer, TensorFormat, parse_codec, transcode
 from kvpool.pool.config import Watermarks
 from kvpool.pool.eviction import EvictionPolicy
 from kvpool.pool.keys import check_key
@@ -28,17 +38,40 @@ log = logging.getLogger(__name__)
 SEGMENT_NAMES = {Tier.DRAM: "dram0", Tier.NVME: "nvme0"}
 
 
+def checksum(data: Buffer) -> int:
+    """The checksum of stored bytes, as placements record it (crc32c)."""
+    return int(crc32c.crc32c(data))
+
+
 @dataclass(frozen=True)
 class StoredChunk:
     key: bytes
     tier: Tier
     offset: int
-    length: int
-    checksum: int
+    length: int  #: bytes stored (after the codec)
+    checksum: int  #: of the stored bytes
+    codec: str = "raw"  #: how the stored bytes encode the chunk ("raw": they are the chunk)
+    size: int = 0  #: bytes of the chunk itself, what a reader gets (0: ``length``)
+    fmt: TensorFormat | None = None  #: the chunk's tensor format, if it was put as a tensor
+    remote: bool = False  #: a copy is in the remote tier (flushed), so dropping this one loses nothing
 
     @property
     def segment(self) -> str:
         return SEGMENT_NAMES[self.tier]
+
+    @property
+    def raw_size(self) -> int:
+        return self.size or self.length
+
+
+@dataclass(frozen=True)
+class Recoded:
+    """A chunk's bytes under some codec (see :meth:`ChunkStore.encoded`)."""
+
+    data: Buffer
+    codec: str
+    fmt: TensorFormat | None
+    checksum: int
 
 
 class ChangeKind(enum.Enum):
@@ -81,12 +114,18 @@ class ChunkStore:
         promote_on_hit: bool = True,
         alignment: int = 4096,
         clock: Clock = SYSTEM_CLOCK,
+        codecs: Mapping[Tier, str] | None = None,
     ) -> None:
         self.segments: dict[Tier, DramSegment | NvmeSegment] = {Tier.DRAM: dram}
         self.allocators = {Tier.DRAM: OffsetAllocator(dram.capacity, alignment)}
         if nvme is not None and nvme.capacity >= alignment:
             self.segments[Tier.NVME] = nvme
             self.allocators[Tier.NVME] = OffsetAllocator(nvme.capacity, alignment)
+        self.codecs = {t: parse_codec(c).name for t, c in (codecs or {}).items()}
+        if self.codecs.get(Tier.DRAM, "raw") != "raw":
+            raise ConfigError(
+                "the DRAM tier stores chunks raw (readers copy them one-sided); put codecs on NVMe or remote"
+            )
         self.watermarks = watermarks or Watermarks()
         self.promote_on_hit = promote_on_hit
         self.clock = clock
@@ -96,6 +135,7 @@ class ChunkStore:
         self._changes: list[Change] = []  #: since the last take_changes()
         self.counters = {
             "puts": 0, "gets": 0, "misses": 0, "migrations": 0, "promotions": 0, "drops": 0, "corrupt": 0, "reaped": 0,
+            "encoded": 0, "decoded": 0,  #: chunks re-stored with another codec on a move (down, up)
             "bytes_via_ray": 0,  #: KV bytes that came or went as Ray call arguments/results, not one-sided
         }  # fmt: skip
 
@@ -126,13 +166,21 @@ class ChunkStore:
         self.counters["reaped"] += len(expired)
         return len(expired)
 
-    def commit(self, key: bytes, checksum: int, *, replicated: bool = False) -> StoredChunk:
-        """Make a reserved chunk visible (then migrate by watermark)."""
+    def commit(
+        self, key: bytes, checksum: int, *, replicated: bool = False, fmt: TensorFormat | None = None
+    ) -> StoredChunk:
+        """Make a reserved chunk visible (then migrate by watermark); ``fmt``: its tensor format, if any."""
         _check_checksum(checksum)
-        r = self._reserved.pop(check_key(key), None)
+        if fmt is not None and not isinstance(fmt, TensorFormat):
+            raise ConfigError(f"fmt must be a TensorFormat or None, got {type(fmt).__name__}")
+        r = self._reserved.get(check_key(key))
         if r is None:
             raise ConfigError(f"chunk {short(key)} was not reserved")
-        chunk = StoredChunk(key, Tier.DRAM, r.offset, r.length, checksum)
+        if fmt is not None and fmt.nbytes != r.length:
+            self.abort(key)
+            raise ConfigError(f"chunk {short(key)}: {r.length} bytes reserved, its format {fmt} has {fmt.nbytes}")
+        del self._reserved[key]
+        chunk = StoredChunk(key, Tier.DRAM, r.offset, r.length, checksum, size=r.length, fmt=fmt)
         self._chunks[key] = chunk
         self.policy.add(key, Tier.DRAM, self.allocators[Tier.DRAM].size_of(r.offset), replicated=replicated)
         self.counters["puts"] += 1
@@ -147,7 +195,9 @@ class ChunkStore:
         if r is not None:
             self.allocators[Tier.DRAM].free(r.offset)
 
-    def put(self, key: bytes, data: memoryview, checksum: int, *, replicated: bool = False) -> StoredChunk:
+    def put(
+        self, key: bytes, data: memoryview, checksum: int, *, replicated: bool = False, fmt: TensorFormat | None = None
+    ) -> StoredChunk:
         _check_checksum(checksum)
         r = self.reserve(key, data.nbytes)
         if r.already_stored:
@@ -157,7 +207,7 @@ class ChunkStore:
         except BaseException:
             self.abort(key)
             raise
-        return self.commit(key, checksum, replicated=replicated)
+        return self.commit(key, checksum, replicated=replicated, fmt=fmt)
 
     def take_changes(self) -> list[Change]:
         """Every change since the last call, in order."""
@@ -166,11 +216,11 @@ class ChunkStore:
 
     # -- reading ---------------------------------------------------------------------------------------
 
-    def locate(self, key: bytes) -> StoredChunk:
+    def locate(self, key: bytes, promote: bool | None = None) -> StoredChunk:
         """Pin a chunk for a reader (release it with :meth:`release`); a hit on NVMe is promoted to
-        DRAM first when ``promote_on_hit``."""
+        DRAM first when ``promote`` (default: ``promote_on_hit``)."""
         chunk = self._require(key)
-        if chunk.tier is Tier.NVME and self.promote_on_hit:
+        if chunk.tier is Tier.NVME and (self.promote_on_hit if promote is None else promote):
             try:
                 chunk = self._move(chunk, Tier.DRAM)
                 self.counters["promotions"] += 1
@@ -255,23 +305,32 @@ class ChunkStore:
                 self._move(chunk, Tier.NVME)
                 self.counters["migrations"] += 1
                 return
+            except CorruptChunk:
+                return  # dropped: that made the room
             except PoolFull as exc:
                 log.info("NVMe cannot take %s (%s); dropping it from DRAM", short(chunk.key), exc)
         self._drop(chunk)
         self.counters["drops"] += 1
 
     def _move(self, chunk: StoredChunk, tier: Tier) -> StoredChunk:
+        """Re-store ``chunk`` in ``tier``, with that tier's codec; ``CorruptChunk`` (and the chunk dropped) if
+        it has to be re-encoded and its bytes fail their checksum."""
+        target = self.codecs.get(tier, "raw") if chunk.fmt is not None else "raw"
+        recoded = self.encoded(chunk.key, target) if target != chunk.codec else None
+        length = chunk.length if recoded is None else len(recoded.data)
         self.policy.pin(chunk.key)  # not a victim of the room we make for it
         try:
-            offset = self._allocate(tier, chunk.length)
+            offset = self._allocate(tier, length)
         finally:
             self.policy.unpin(chunk.key)
         src, dst = self.segments[chunk.tier], self.segments[tier]
-        data = (
-            src.view(chunk.offset, chunk.length)
-            if isinstance(src, DramSegment)
-            else src.read(chunk.offset, chunk.length)
-        )
+        data: Buffer
+        if recoded is not None:
+            data = recoded.data
+        elif isinstance(src, DramSegment):
+            data = src.view(chunk.offset, chunk.length)
+        else:
+            data = src.read(chunk.offset, chunk.length)
         try:
             dst.write(offset, data)
         finally:
@@ -279,10 +338,33 @@ class ChunkStore:
                 data.release()
         self.allocators[chunk.tier].free(chunk.offset)
         moved = replace(chunk, tier=tier, offset=offset)
+        if recoded is not None:
+            moved = replace(moved, length=length, checksum=recoded.checksum, codec=recoded.codec, fmt=recoded.fmt)
+            if recoded.codec != chunk.codec:
+                self.counters["encoded" if recoded.codec != "raw" else "decoded"] += 1
         self._chunks[chunk.key] = moved
         self.policy.move(chunk.key, tier)
         self._changes.append(Change(ChangeKind.MOVED, moved))
         return moved
+
+    def encoded(self, key: bytes, codec: str) -> "Recoded":
+        """A held chunk's bytes as ``codec`` would store them (for a move to a tier with that codec, or the
+        remote tier).  The stored bytes are checked first: a chunk failing its checksum is dropped and
+        ``CorruptChunk`` raised.  A chunk ``codec`` cannot encode (NaN in a quantized codec's input) keeps
+        the codec it has."""
+        chunk = self._require(key)
+        stored = self.read(key)
+        if checksum(stored) != chunk.checksum:
+            log.warning("chunk %s fails its checksum in %s: dropped", short(key), chunk.tier.value)
+            self._drop(chunk)
+            self.counters["corrupt"] += 1
+            raise CorruptChunk(f"chunk {short(key)} was corrupt in {chunk.tier.value} and has been dropped")
+        try:
+            data, fmt = transcode(stored, chunk.codec, codec, chunk.fmt)
+        except KvPoolError as exc:  # UnencodableTensor (NaN/inf), UndecodableChunk
+            log.info("chunk %s stays %s: %s", short(key), chunk.codec, exc)
+            return Recoded(stored, chunk.codec, chunk.fmt, chunk.checksum)
+        return Recoded(data, codec, fmt, chunk.checksum if data is stored else checksum(data))
 
     def move(self, key: bytes, tier: Tier) -> StoredChunk:
         """Move a chunk to ``tier`` now (an operator's or a benchmark's demotion; eviction does it by itself)."""
@@ -307,10 +389,38 @@ class ChunkStore:
                 break
             try:
                 self._move(self._chunks[key], Tier.NVME)
+            except CorruptChunk:
+                continue
             except PoolFull as exc:
                 log.warning("DRAM above its high watermark but NVMe cannot take more: %s", exc)
                 break
             self.counters["migrations"] += 1
+
+    # -- the remote tier: which chunks to flush there, and which already are -----------------------
+
+    def idle(self, tier: Tier, idle_s: float, max_bytes: int) -> list[StoredChunk]:
+        """Unpinned chunks of ``tier`` with no remote copy, not read for ``idle_s`` seconds, least recently
+        used first, at most ``max_bytes`` of them (at least one, if there is one)."""
+        now, total = self.clock.time(), 0
+        out: list[StoredChunk] = []
+        for key in self.policy.lru(tier):
+            chunk = self._chunks[key]
+            if now - self.policy.state(key).last_access < idle_s:
+                break
+            if chunk.remote:
+                continue
+            if out and total + chunk.length > max_bytes:
+                break
+            out.append(chunk)
+            total += chunk.length
+        return out
+
+    def mark_remote(self, keys: Iterable[bytes]) -> None:
+        """These chunks have a copy in the remote tier now: a full tier drops them first."""
+        for key in keys:
+            if (chunk := self._chunks.get(key)) is not None:
+                self._chunks[key] = replace(chunk, remote=True)
+                self.policy.state(key).replicated = True
 
     # -- state -----------------------------------------------------------------------------------------
 

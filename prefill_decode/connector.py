@@ -163,7 +163,7 @@ class PoolConnector:
             for key in chunk:
                 nearest = self._nearest(key)
                 if nearest is not None:
-                    out[(nearest.tier.value, nearest.node)] += nearest.length
+                    out[(nearest.tier.value, nearest.node)] += nearest.raw_size
         return out
 
     def _nearest(self, key: bytes) -> Placement | None:

