@@ -1,8 +1,12 @@
 """Faults on a real pool (Ray + etcd + NIXL): a cache may miss, it never serves wrong bytes, and it keeps
 working when a node dies, bytes rot or every chunk is pinned.  Each test prints its figures."""
 
+import contextlib
 import os
 import random
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -16,10 +20,12 @@ import ray
 
 from kvpool.errors import ChunkNotFound, CorruptChunk, KvPoolError, PoolFull
 from kvpool.metadata.config import MetadataConfig
+from kvpool.metadata.etcd_server import free_port
 from kvpool.metadata.records import Tier
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig, Watermarks
 from kvpool.pool.keys import CacheIdentity, chunk_keys
+from kvpool.pool.local_cluster import RAY_ENV
 from kvpool.pool.node import actor_name, start_pool, stop_pool
 
 CHUNK = 64 * 1024
@@ -121,26 +127,96 @@ def test_a_full_pool_with_every_chunk_pinned_refuses_puts_and_keeps_serving_read
 def test_a_pool_node_killed_during_traffic_loses_no_acknowledged_chunk(
     make_pool: MakePool, ray_cluster: list[str]
 ) -> None:
-    """Puts (replicas=2) and verified gets run while one PoolNode is killed: no get ever returns other
+    """Puts (replicas=2) and verified gets run while one PoolNode actor is killed: no get ever returns other
     bytes, every acknowledged chunk stays readable, the dead node's placements vanish within lease TTL
     + 1 s, and the survivors accept new puts."""
     pool = make_pool(ray_cluster, dram_bytes=16 * MiB, nvme_bytes=16 * MiB)
+    victim = ray_cluster[2]
+    _traffic_through_a_death(
+        pool,
+        victim,
+        "PoolNode actor killed",
+        lambda: ray.kill(ray.get_actor(actor_name(victim), namespace=pool.namespace)),
+    )
+
+
+def test_a_whole_ray_node_killed_during_traffic_loses_no_acknowledged_chunk(
+    make_pool: MakePool, ray_cluster: list[str]
+) -> None:
+    """The same with a whole Ray node gone at once (raylet, object store, workers, the PoolNode: a power
+    cut): every process started by that node's ``ray start`` is SIGKILLed."""
+    with _extra_ray_node("127.0.0.9") as (node_id, kill):
+        pool = make_pool([*ray_cluster[:2], node_id], dram_bytes=16 * MiB, nvme_bytes=16 * MiB)
+        _traffic_through_a_death(pool, node_id, "whole Ray node killed", kill)
+
+
+@contextlib.contextmanager
+def _extra_ray_node(ip: str) -> Iterator[tuple[str, Callable[[], None]]]:
+    """A Ray node on ``ip`` joined to the session's cluster, and a function that kills it whole: every
+    process carrying its environment marker (``ray start``, raylet, object store, workers)."""
+    marker = uuid.uuid4().hex
+    gcs = ray.get_runtime_context().gcs_address
+    args = [
+        str(Path(sys.executable).with_name("ray")), "start", f"--address={gcs}", f"--node-ip-address={ip}",
+        "--num-cpus=1", f"--object-store-memory={96 * MiB}", f"--dashboard-agent-listen-port={free_port(ip)}",
+        "--disable-usage-stats", "--block",
+    ]  # fmt: skip
+    env = {**os.environ, **RAY_ENV, "KVPOOL_FAULT_NODE": marker}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def kill() -> None:
+        for pid in _pids_with(f"KVPOOL_FAULT_NODE={marker}"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    try:
+        deadline = time.monotonic() + 120
+        while not (node := next((n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == ip), None)):
+            assert proc.poll() is None and time.monotonic() < deadline, f"Ray node {ip} did not join"
+            time.sleep(0.2)
+        yield node["NodeID"], kill
+    finally:
+        kill()
+        proc.wait(timeout=30)
+
+
+def _pids_with(entry: str) -> list[int]:
+    """Processes whose environment holds ``entry`` (``NAME=value``)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                if entry.encode() in (proc / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(proc.name))
+    return pids
+
+
+def _traffic_through_a_death(pool: PoolConfig, victim: str, what: str, kill: Callable[[], None]) -> None:
+    """Puts (replicas=2) and verified gets from the head node while ``kill`` runs 1 s in; prints the figures
+    and checks: no mismatch, no miss, no acknowledged chunk lost, the victim's placements gone within
+    lease TTL + 1 s, and new puts land on the survivors."""
     ttl = pool.metadata.lease_ttl_s
-    keys = keys_of("kill", 300)
+    keys = keys_of(f"kill-{uuid.uuid4().hex[:6]}", 300)
     acked: dict[bytes, int] = {}
     counts = {"puts": 0, "put_failures": 0, "gets": 0, "get_misses": 0, "mismatches": 0}
     with PoolClient(pool) as client:
-        victim = ray_cluster[2]
         killed_at: list[float] = []
+        gone_after: list[float] = []
 
-        def kill() -> None:
-            ray.kill(ray.get_actor(actor_name(victim), namespace=pool.namespace))  # no cleanup runs
+        def kill_then_watch() -> None:
+            """Kill, then time how long the metadata keeps naming the victim (polled apart from the traffic,
+            whose calls to the dead node may block for a while)."""
+            kill()
             killed_at.append(time.monotonic())
+            while time.monotonic() - killed_at[0] < 4 * ttl + 10:
+                if not _still_listed(client, victim, dict(acked)):
+                    gone_after.append(time.monotonic() - killed_at[0])
+                    return
+                time.sleep(0.02)
 
-        timer = threading.Timer(1.0, kill)
+        timer = threading.Timer(1.0, kill_then_watch)
         timer.start()
         rng = random.Random(3)
-        gone_after: float | None = None
         deadline = time.monotonic() + 1.0 + ttl + 6
         i = 0
         while time.monotonic() < deadline and i < len(keys):
@@ -158,16 +234,14 @@ def test_a_pool_node_killed_during_traffic_loses_no_acknowledged_chunk(
                         counts["mismatches"] += 1
                 except ChunkNotFound:
                     counts["get_misses"] += 1
-            if killed_at and gone_after is None and not _still_listed(client, victim, acked):
-                gone_after = time.monotonic() - killed_at[0]
         timer.join()
         lost = [k for k in acked if client.get(k) != blob(acked[k])]
         print(
-            f"\nnode killed during traffic: {counts}; acknowledged {len(acked)}, lost {len(lost)}; "
-            f"placements gone {gone_after if gone_after is None else round(gone_after, 2)} s after the kill"
+            f"\n{what} during traffic: {counts}; acknowledged {len(acked)}, lost {len(lost)}; "
+            f"placements gone {round(gone_after[0], 2) if gone_after else None} s after the kill"
         )
         assert counts["mismatches"] == 0 and counts["get_misses"] == 0 and not lost
-        assert gone_after is not None and gone_after <= ttl + 1
+        assert gone_after and gone_after[0] <= ttl + 1
         fresh = keys_of("after", 4)
         client.put_batch([(k, blob(100 + j)) for j, k in enumerate(fresh)], replicas=2)
         assert all(victim not in {p.node for p in client.cache.replicas(k)} for k in fresh)
