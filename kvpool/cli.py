@@ -8,7 +8,7 @@ shows the traceback.
 import logging
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -525,7 +525,8 @@ def up(
                 f"pool up. In another shell: kvpool status --etcd {pool.metadata.endpoints[0]} "
                 f"--cluster {pool.metadata.cluster}"
             )
-            console.print("Ctrl-C stops it.")
+            console.print("Ctrl-C (or kill) stops it.")
+            signal.signal(signal.SIGTERM, _interrupt)
             try:
                 while True:
                     time.sleep(3600)
@@ -737,6 +738,24 @@ def render_bench(r: "BenchResults") -> None:
         console.print(table)
 
 
+@contextmanager
+def _in_foreground(
+    what: str, running: Callable[[], bool], stop: Callable[[], None], died: type[KvPoolError], log: Path
+) -> Iterator[None]:
+    """Run the ``with`` body, then wait while a server runs; Ctrl-C or ``kill`` (SIGTERM) stops it, and so
+    does an error; a server that exits by itself is ``died``, pointing at its log."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+        while running():
+            time.sleep(1)
+        raise died(f"{what} exited; see {log}")
+    except KeyboardInterrupt:
+        console.print(f"stopping {what}")
+    finally:
+        stop()
+
+
 @app.command("gc")
 def remote_gc(
     s3_bucket: str = S3BucketOption,
@@ -782,8 +801,7 @@ def s3_server(
         key_id, secret = SeaweedServer.generate_credentials()
         with console.status("starting SeaweedFS"):
             server = SeaweedServer(access_key_id=key_id, secret_access_key=secret).start()
-        signal.signal(signal.SIGTERM, _interrupt)
-        try:
+        with _in_foreground("SeaweedFS", server.running, server.stop, RemoteUnavailable, server.log_path):
             server.create_bucket(bucket)
             console.print(f"S3 serving on {server.endpoint_url}, bucket {bucket}; Ctrl-C stops it and removes its data")
             console.print(
@@ -791,13 +809,6 @@ def s3_server(
                 f"  kvpool up --s3-endpoint {server.endpoint_url} --s3-bucket {bucket} --hold",
                 soft_wrap=True,
             )
-            while server.running():
-                time.sleep(1)
-            raise RemoteUnavailable(f"SeaweedFS exited; see {server.log_path}")
-        except KeyboardInterrupt:
-            console.print("stopping SeaweedFS")
-        finally:
-            server.stop()
 
 
 @app.command("etcd")
@@ -817,16 +828,8 @@ def etcd_server(
         if host == "0.0.0.0" and not advertise:
             raise ConfigError("--advertise: with --host 0.0.0.0, say which address clients reach etcd at")
         server = EmbeddedEtcd(host, data_dir, client_port=port, peer_port=peer_port, advertise_host=advertise).start()
-        signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops etcd too, not only Ctrl-C
-        console.print(f"etcd serving on {server.endpoint} (data in {server.data_dir}); Ctrl-C stops it")
-        try:
-            while server.running():
-                time.sleep(1)
-            raise MetadataUnavailable(f"etcd exited; see {server.base_dir / 'etcd.log'}")
-        except KeyboardInterrupt:
-            console.print("stopping etcd")
-        finally:
-            server.stop()
+        with _in_foreground("etcd", server.running, server.stop, MetadataUnavailable, server.base_dir / "etcd.log"):
+            console.print(f"etcd serving on {server.endpoint} (data in {server.data_dir}); Ctrl-C stops it")
 
 
 def _fig(x: float) -> str:

@@ -82,6 +82,15 @@ class PlacementStore:
         """Every replica of one chunk, straight from etcd (malformed ones logged and skipped)."""
         return [p for kv in self.etcd.get_prefix(self.namespace.chunk(key)) if (p := self._decode(kv.key, kv.value))]
 
+    def held_by(self, node: str) -> list[Placement]:
+        """Every replica ``node`` holds, straight from etcd (one range read of every placement)."""
+        out = []
+        for kv in self.etcd.get_prefix(self.namespace.chunks):
+            p = self._decode(kv.key, kv.value)
+            if p is not None and p.node == node:
+                out.append(p)
+        return out
+
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading chunks of ``keys`` have at least one replica, asking etcd (one round trip per
         ``txn_max_ops`` keys).  :class:`MetadataCache` answers the same question without etcd."""

@@ -25,7 +25,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvpool.errors import ChunkNotFound, CorruptChunk, MetadataUnavailable, RemoteUnavailable
+from kvpool.errors import ChunkNotFound, ConfigError, CorruptChunk, MetadataUnavailable, RemoteUnavailable
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
@@ -37,7 +37,7 @@ from kvpool.pool.gds import nvme_io_path
 from kvpool.pool.metrics import ClientStats, StoreCollector, serve_metrics
 from kvpool.pool.remote import RemoteStore
 from kvpool.pool.segment import DramSegment, NvmeSegment
-from kvpool.pool.store import SEGMENT_NAMES, Change, ChangeKind, ChunkStore, Reservation, StoredChunk
+from kvpool.pool.store import SEGMENT_NAMES, Change, ChangeKind, ChunkStore, Reservation, StoredChunk, short
 from kvpool.transport.nixl import NixlTransport
 
 log = logging.getLogger(__name__)
@@ -255,6 +255,8 @@ class PoolNode:
         """Store bytes sent as call arguments (small values, tests; clients write through the transport)."""
         try:
             for key, data, checksum in items:
+                if not isinstance(data, (bytes, bytearray, memoryview)):
+                    raise ConfigError(f"put_batch takes bytes, got {type(data).__name__}")
                 self.store.put(key, memoryview(data), checksum, replicated=replicated)
                 self.store.counters["bytes_via_ray"] += len(data)
         finally:
@@ -278,7 +280,7 @@ class PoolNode:
     def touch_batch(self, keys: Sequence[bytes]) -> None:
         """Hits a same-node client read without pinning (see ``PoolClient``): count them, refresh their LRU place."""
         for key in keys:
-            if key in self.store:
+            if key in self.store:  # anything but a held key (a stale hit, a malformed key) is passed over
                 self.store.policy.touch(key)
                 self.store.counters["gets"] += 1
 
@@ -371,6 +373,27 @@ class PoolNode:
         self.store.counters["flushed"] += len(placements)
         self.store.counters["flushed_bytes"] += sum(p.length for p in placements)
         return len(placements)
+
+    def audit(self) -> list[str]:
+        """What disagrees in this node (empty: nothing): its allocators against its chunks and reservations
+        (``ChunkStore.audit``), and its chunks against the placements etcd shows for it, after publishing
+        what is pending."""
+        problems = self.store.audit()
+        try:
+            self._publish()
+            published = {p.key: p for p in self.placements.held_by(self.node_id)}
+        except MetadataUnavailable as exc:
+            return [*problems, f"etcd not reachable, placements not compared: {exc}"]
+        held = {c.key: c for c in self.store.chunks()}
+        for key in held.keys() - published.keys():
+            problems.append(f"chunk {short(key)} is held but has no placement")
+        for key in published.keys() - held.keys():
+            problems.append(f"placement of {short(key)} names a chunk this node does not hold")
+        for key in held.keys() & published.keys():
+            c, p = held[key], published[key]
+            if (c.tier, c.offset, c.length, c.checksum, c.codec) != (p.tier, p.offset, p.length, p.checksum, p.codec):
+                problems.append(f"chunk {short(key)}: held as {c}, published as {p}")
+        return problems
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -254,7 +254,7 @@ class ChunkStore:
     def remove(self, key: bytes, *, corrupt: bool = False) -> None:
         chunk = self._require(key)
         if self.policy.state(key).pins and not corrupt:
-            raise ValueError(f"chunk {short(key)} is being read; remove it after the read")
+            raise ConfigError(f"chunk {short(key)} is being read; remove it after the read")
         self._drop(chunk)
         if corrupt:
             self.counters["corrupt"] += 1
@@ -370,11 +370,15 @@ class ChunkStore:
         """Move a chunk to ``tier`` now (an operator's or a benchmark's demotion; eviction does it by itself)."""
         chunk = self._require(key)
         if tier not in self.segments:
-            raise ValueError(f"this node has no {tier.value} tier")
+            raise ConfigError(
+                f"this node has no {tier.value} tier"
+                if isinstance(tier, Tier)
+                else f"tier must be a Tier, got {tier!r:.40}"
+            )
         if chunk.tier is tier:
             return chunk
         if self.policy.state(key).pins:
-            raise ValueError(f"chunk {short(key)} is being read; move it after the read")
+            raise ConfigError(f"chunk {short(key)} is being read; move it after the read")
         moved = self._move(chunk, tier)
         self.counters["migrations" if tier is Tier.NVME else "promotions"] += 1
         return moved
@@ -424,8 +428,34 @@ class ChunkStore:
 
     # -- state -----------------------------------------------------------------------------------------
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._chunks
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and key in self._chunks
+
+    def audit(self) -> list[str]:
+        """What disagrees between the allocators and the chunks and reservations they hold (empty: nothing):
+        every allocation belongs to exactly one chunk or reservation, and the eviction policy tracks every
+        chunk in its tier."""
+        problems = []
+        for tier, alloc in self.allocators.items():
+            try:
+                alloc.check_invariants()
+            except AssertionError as exc:
+                problems.append(f"{tier.value} allocator: {exc}")
+            owners = [c.offset for c in self._chunks.values() if c.tier is tier]
+            if tier is Tier.DRAM:
+                owners += [r.offset for r in self._reserved.values()]
+            if len(set(owners)) != len(owners):
+                problems.append(f"{tier.value}: two chunks or reservations share an offset")
+            try:
+                held = sum(alloc.size_of(o) for o in set(owners))
+            except ConfigError as exc:
+                problems.append(f"{tier.value}: a chunk or reservation is not allocated: {exc}")
+                continue
+            if held != alloc.used:
+                problems.append(f"{tier.value}: {alloc.used} bytes allocated, chunks and reservations hold {held}")
+            if self.policy.count(tier) != sum(1 for c in self._chunks.values() if c.tier is tier):
+                problems.append(f"{tier.value}: the eviction policy tracks other chunks than the store holds")
+        return problems
 
     def chunks(self) -> list[StoredChunk]:
         return list(self._chunks.values())
