@@ -12,6 +12,11 @@ replicas of a chunk) are answered by a local watch-synced copy of etcd, without 
   the holder (one actor call), WRITEs the bytes and commits (one call); a get pins the chunk (one call,
   promoting it from NVMe), READs it and unpins.  No KV byte passes through Ray or etcd, except a chunk
   left on a remote NVMe tier (``promote_on_hit`` off, or DRAM full), which comes back as a call result.
+- **the remote (S3) tier**: a chunk whose only copies are there is fetched by the client itself (boto3,
+  several GETs at once), verified, decoded and, with ``remote.promote_on_hit``, put back into the pool.
+
+A chunk stored with a codec (NVMe ``nvme_codec``, remote ``remote.codec``) is verified on its stored bytes
+and then decoded into the caller's buffer; what a reader gets has the placement's ``size``.
 
 Every read is checked against the checksum stored in its placement: a mismatch drops that replica
 (everywhere) and tries the next; if none is intact the caller gets :class:`CorruptChunk`, a kind of

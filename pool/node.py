@@ -4,8 +4,9 @@ A thin shell around :class:`ChunkStore`: it creates the segments, joins the node
 and publishes every change of the store as placement records in etcd (bound to its lease, so they vanish
 with the node).  With a remote tier configured it also flushes NVMe chunks that have been idle for
 ``remote.flush_after_s`` to S3, publishing their remote placements on no lease (they outlive the node);
-the chunk stays on NVMe, marked as having a copy, so a full NVMe drops it first.  It is named ``kvpool-node-<ray node id>`` in the pool's Ray namespace, detached, and
-pinned to its node with ``NodeAffinitySchedulingStrategy``.
+the chunk stays on NVMe, marked as having a copy, so a full NVMe drops it first.  It is named
+``kvpool-node-<ray node id>`` in the pool's Ray namespace, detached, and pinned to its node with
+``NodeAffinitySchedulingStrategy``.
 """
 
 import contextlib
@@ -207,8 +208,11 @@ class PoolNode:
                 me.reap.remote()
                 reaped_at = time.monotonic()
             if self.remote is not None:
-                with contextlib.suppress(Exception):  # the actor is going away
+                try:
                     ray.get(me.flush.remote(), timeout=max(60.0, 4 * self.config.remote.timeout_s))
+                except Exception as exc:  # a flush that failed is retried next turn; one during shutdown is moot
+                    if not self._closing.is_set():
+                        log.warning("flush turn failed: %s", exc)
 
     def _republish(self, lease_id: int) -> None:
         """The lease was lost and replaced: every placement on the old one is gone; publish them again."""
