@@ -40,6 +40,7 @@ from kvpool.errors import (
     ConfigError,
     CorruptChunk,
     KvPoolError,
+    MetadataUnavailable,
     PoolFull,
     RemoteUnavailable,
     TransferError,
@@ -453,7 +454,11 @@ class PoolClient:
                 for i, c in zip(direct, chunks, strict=True):
                     if c is None or c.tier is not Tier.NVME or c.codec != "raw" or c.length != flats[i].numel():
                         continue  # moved since the placement was read: the host path finds it
-                    io.read_into_device(c.offset, flats[i])
+                    try:
+                        io.read_into_device(c.offset, flats[i])
+                    except (OSError, KvPoolError) as exc:  # the host path reads it instead
+                        log.warning("direct NVMe read of %s failed: %s", short(c.key), exc)
+                        continue
                     if checksum(byte_view(flats[i].cpu())) == c.checksum:
                         landed.add(i)
                         self.device_reads["direct"] += 1
@@ -626,7 +631,8 @@ class PoolClient:
                 promote.append((p.key, fmt.view(dest) if fmt is not None else dest))
         if gone:
             log.warning("%d remote placements named objects that are gone: dropping them", len(gone))
-            self._drop_remote(gone, delete_objects=False)
+            with contextlib.suppress(MetadataUnavailable):  # a read does not fail for etcd; the next reader drops them
+                self._drop_remote(gone, delete_objects=False)
         if promote and self.cache.nodes():
             try:
                 self.put_batch(promote)
@@ -640,9 +646,8 @@ class PoolClient:
         if delete_objects and (remote := self._remote_store()) is not None:
             remote.delete([(p.key, p.codec) for p in replicas])
         self.placements.delete(replicas)
-        self.cache.wait_until(
-            lambda c: c.revision >= self.etcd.revision(), timeout_s=self.config.metadata.retry_deadline_s
-        )
+        revision = self.etcd.revision()
+        self.cache.wait_until(lambda c: c.revision >= revision, timeout_s=self.config.metadata.retry_deadline_s)
 
     def remote_gc(self, grace_s: float = 3600.0) -> tuple[int, int]:
         """Reconcile the remote tier with etcd (see :func:`collect_garbage`)."""
