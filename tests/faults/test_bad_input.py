@@ -39,6 +39,7 @@ from kvpool.metadata.records import NodeRecord, Placement, SegmentInfo, Tier
 from kvpool.pool.allocator import OffsetAllocator
 from kvpool.pool.config import PoolConfig, Watermarks
 from kvpool.pool.keys import CacheIdentity, check_key, chunk_keys, layer_key, parse_key, token_array
+from kvpool.pool.remote import RemoteConfig
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import ChangeKind, ChunkStore
 from kvpool.prefill_decode.workers import WorkerConfig
@@ -747,6 +748,31 @@ POOL_FIELDS: dict[str, tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]] = 
         st.integers(-1, 65535),
         st.one_of(st.integers(-(2**20), -2), st.integers(65536, 2**40), st.sampled_from([True, 80.0, "9100"])),
     ),
+    "nvme_codec": (
+        st.sampled_from(["raw", "fp8-e4m3", "fp8-e5m2/channel", "int4+zstd", "int4:g64+delta+zstd"]),
+        st.one_of(st.sampled_from(["fp7", "", "int4+delta", "raw+delta+zstd", "int4:g3"]), st.none(), st.integers()),
+    ),
+    "remote": (st.just(RemoteConfig()), st.one_of(st.none(), st.text(max_size=4), st.just({"bucket": "kvpool"}))),
+}
+not_seconds = st.sampled_from([0, -1.0, math.nan, math.inf, "5s", None, True])
+REMOTE_FIELDS: dict[str, tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]] = {
+    "bucket": (
+        st.sampled_from(["", "kvpool", "my.bucket-1"]),
+        st.sampled_from(["AB", "a", "a..b", "-ab", "192.168.1.1", "x" * 64, None, 3]),
+    ),
+    "endpoint_url": (
+        st.sampled_from(["", "http://127.0.0.1:8333", "https://s3.example.com"]),
+        st.sampled_from(["ftp://host", "127.0.0.1:8333", "http://", None, 8333]),
+    ),
+    "prefix": (st.sampled_from(["kvpool", "a/b.c_d-e"]), st.sampled_from(["", "/a", "a//b", "a/..", "a b", None])),
+    "region": (st.sampled_from(["", "eu-west-1"]), st.sampled_from(["us east", None, 1])),
+    "access_key_id": (st.just(""), st.one_of(st.none(), st.integers(), st.text(min_size=1, max_size=4))),
+    "secret_access_key": (st.just(""), st.one_of(st.none(), st.integers(), st.text(min_size=1, max_size=4))),
+    "codec": (st.sampled_from(["raw", "int4+zstd"]), st.sampled_from(["fp7", "", None, 4])),
+    "flush_after_s": (st.floats(0.001, 1e6), not_seconds),
+    "promote_on_hit": (st.booleans(), st.sampled_from(["yes", 1, None])),
+    "timeout_s": (st.floats(0.01, 100), not_seconds),
+    "name": (st.sampled_from(["s3", "remote-1"]), st.sampled_from(["", "a/b", None, "x" * 64])),
 }
 WATERMARK_FIELDS: dict[str, tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]] = {
     "high": (
@@ -822,6 +848,7 @@ CONFIGS: dict[str, tuple[Any, dict[str, tuple[st.SearchStrategy[Any], st.SearchS
     # name -> (a good example, its fields)
     "MetadataConfig": (MetadataConfig(), METADATA_FIELDS),
     "PoolConfig": (PoolConfig(), POOL_FIELDS),
+    "RemoteConfig": (RemoteConfig(), REMOTE_FIELDS),
     "Watermarks": (Watermarks(), WATERMARK_FIELDS),
     "WorkerConfig": (WorkerConfig(pool=PoolConfig()), WORKER_FIELDS),
 }
