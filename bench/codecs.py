@@ -39,7 +39,7 @@ from transformers import DynamicCache
 
 from kvpool.pool.codecs import ZSTD_LEVEL, Codec, Int4, Quantizer, parse_codec
 from kvpool.prefill_decode.demo import demo_prompt
-from kvpool.prefill_decode.model import LoadedModel, load_model
+from kvpool.prefill_decode.model import LoadedModel, forward, kv_cache, load_model
 
 console = Console(width=170)
 
@@ -90,7 +90,7 @@ def greedy(
     token, tokens, logits = first, [], []
     for i in range(steps):
         ids = torch.tensor([[forced[i] if forced else token]], device=loaded.device)
-        out = loaded.model(ids, cache=cache, use_cache=True).logits[0, -1].float()
+        out = forward(loaded.model, ids, cache).logits[0, -1].float()
         token = int(out.argmax())
         tokens.append(token)
         logits.append(out)
@@ -114,7 +114,7 @@ def bench_model(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any
     ids = prompt_ids(loaded, args.tiny_tokens)
     with torch.no_grad():
         out = loaded.model(ids, use_cache=True, logits_to_keep=1)
-    objects = to_objects(out.cache, args.chunk)
+    objects = to_objects(kv_cache(out), args.chunk)
     flat = [o for layer in objects for o in layer]
     nbytes = sum(o.numel() * o.element_size() for o in flat)
     first = int(out.logits[0, -1].argmax())

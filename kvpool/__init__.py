@@ -7,6 +7,7 @@ and the clock.
 """
 
 from kvpool.errors import (
+    ChunkBusy,
     ChunkNotFound,
     ConfigError,
     CorruptChunk,
@@ -20,6 +21,7 @@ from kvpool.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ChunkBusy",
     "ChunkNotFound",
     "ConfigError",
     "CorruptChunk",

@@ -34,6 +34,12 @@ class PoolFull(KvPoolError):
     """The pool cannot hold the data, even after eviction."""
 
 
+class ChunkBusy(KvPoolError):
+    """A chunk is pinned by a read in flight (this client's or another's), so it cannot be moved or removed
+    now.  Reads are short: ``PoolClient`` waits up to ``PoolConfig.busy_wait_s`` for them before raising this;
+    retry later, or find the reader that holds it (a reader that died keeps its pins until its node restarts)."""
+
+
 class CorruptChunk(ChunkNotFound):
     """Stored bytes did not match their checksum and no intact replica was left; the corrupt replicas have
     been dropped.  A ``ChunkNotFound``: callers treat it as a miss and recompute."""

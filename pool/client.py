@@ -36,6 +36,7 @@ import ray
 import torch
 
 from kvpool.errors import (
+    ChunkBusy,
     ChunkNotFound,
     ConfigError,
     CorruptChunk,
@@ -57,7 +58,7 @@ from kvpool.pool.config import PoolConfig
 from kvpool.pool.gds import DeviceIO
 from kvpool.pool.keys import check_key
 from kvpool.pool.metrics import SOURCES, ClientStats
-from kvpool.pool.node import NodeInfo, actor_name
+from kvpool.pool.node import NodeInfo, Settled, actor_name
 from kvpool.pool.remote import RemoteStore, collect_garbage
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import SEGMENT_NAMES, Reservation, StoredChunk, checksum, short
@@ -662,7 +663,7 @@ class PoolClient:
                 self._drop_remote([replica])
             return
         try:
-            revision = _get(self._actor(replica.node).remove_batch.remote([replica.key], True))
+            revision = _get(self._actor(replica.node).remove_batch.remote([replica.key], True)).revision
             self.cache.wait_until(lambda c: c.revision >= revision, timeout_s=self.config.metadata.retry_deadline_s)
         except ChunkNotFound:
             pass
@@ -695,6 +696,12 @@ class PoolClient:
         self._local.report_clients.remote(self._seen)
         self._seen, self._reported_at = ClientStats(), time.monotonic()
 
+    def record_engine(self, counts: dict[str, float]) -> None:
+        """Add an inference engine connector's counts (see ``ClientStats.engine``) to what this client reports."""
+        for name, n in counts.items():
+            self._seen.engine[name] = self._seen.engine.get(name, 0) + n
+        self._report()
+
     def remove(self, key: bytes) -> bool:
         """Remove every replica; False if the pool did not hold the chunk."""
         return self.remove_batch([key]) == 1
@@ -703,10 +710,11 @@ class PoolClient:
         """Remove every replica of ``keys`` (one call per holding node, and the remote tier's objects);
         returns how many the pool held."""
         in_remote_tier = [p for key in keys for p in self.cache.replicas(check_key(key)) if p.tier is Tier.REMOTE]
-        held = self._per_holder(keys, lambda actor, node_keys: actor.remove_batch.remote(node_keys))
-        if in_remote_tier:
-            self._drop_remote(in_remote_tier)
-        return held
+        try:
+            return self._per_holder(keys, lambda actor, node_keys: actor.remove_batch.remote(node_keys))
+        finally:  # even when some node copies are still being read (ChunkBusy): the caller wants them all gone
+            if in_remote_tier:
+                self._drop_remote(in_remote_tier)
 
     def move(self, keys: Sequence[bytes], tier: Tier) -> None:
         """Move every replica of ``keys`` to ``tier`` on its node (e.g. demote to NVMe); returns once the
@@ -716,7 +724,13 @@ class PoolClient:
     def _per_holder(self, keys: Sequence[bytes], call: Callable[[Any, list[bytes]], Any]) -> int:
         """``call(actor, keys it holds)`` once per node holding a replica of any of ``keys`` (a node gone
         meanwhile is skipped), then wait until the local placement cache shows the etcd revision the calls
-        returned.  Returns how many of ``keys`` had a replica."""
+        returned.  Returns how many of ``keys`` had a replica.
+
+        A node leaves a chunk that a reader has pinned as it is and names it (:class:`Settled`); those keys
+        are asked again, with back-off, until ``config.busy_wait_s`` has passed — then :class:`ChunkBusy`.
+        Reads hold their pins only for one transfer, and this client's own releases always reach a node
+        before its next call there (Ray runs one caller's calls to an actor in order), so the wait is for
+        *other* clients' reads: one that released its pins without waiting, or one still in flight."""
         by_node: dict[str, list[bytes]] = {}
         held = 0
         for key in keys:
@@ -725,10 +739,26 @@ class PoolClient:
             for p in replicas:
                 if p.tier is not Tier.REMOTE:
                     by_node.setdefault(p.node, []).append(key)
-        revision = 0
-        for node_id, node_keys in by_node.items():
-            with contextlib.suppress(ChunkNotFound):
-                revision = max(revision, int(_get(call(self._actor(node_id), node_keys))))
+        revision, pause = 0, 0.005
+        deadline = time.monotonic() + self.config.busy_wait_s
+        while by_node:
+            busy: dict[str, list[bytes]] = {}
+            for node_id, node_keys in by_node.items():
+                with contextlib.suppress(ChunkNotFound):
+                    settled: Settled = _get(call(self._actor(node_id), node_keys))
+                    revision = max(revision, settled.revision)
+                    if settled.busy:
+                        busy[node_id] = settled.busy
+            by_node = busy
+            if by_node and time.monotonic() + pause > deadline:
+                keys_left = [k for ks in by_node.values() for k in ks]
+                raise ChunkBusy(
+                    f"{len(keys_left)} chunks (first {short(keys_left[0])}) were still being read after "
+                    f"{self.config.busy_wait_s:g} s (busy_wait_s): retry once those reads end; the rest are done"
+                )
+            if by_node:
+                time.sleep(pause)
+                pause = min(pause * 2, 0.5)
         self.cache.wait_until(lambda c: c.revision >= revision, timeout_s=self.config.metadata.retry_deadline_s)
         return held
 

@@ -48,6 +48,7 @@ class PoolConfig:
     metrics_host: str = "127.0.0.1"  #: where each PoolNode serves Prometheus metrics
     metrics_port: int = 0  #: 0: a free port per node (published in its node record); -1: no metrics
     reservation_ttl_s: float = 30.0  #: room reserved but never committed (its writer died) is reclaimed after this
+    busy_wait_s: float = 10.0  #: a move or remove of a chunk being read waits this long for the read, then ChunkBusy
     nvme_codec: str = "raw"  #: how chunks put as tensors are stored on NVMe (pool/codecs.py), e.g. "fp8-e4m3"
     remote: RemoteConfig = field(default_factory=RemoteConfig)  #: the S3 tier; off until ``remote.bucket`` is set
 
@@ -87,6 +88,8 @@ class PoolConfig:
             raise ConfigError(f"metrics_port must be -1 (off), 0 (free port) or a port, got {self.metrics_port!r}")
         if not _fraction(self.reservation_ttl_s) or self.reservation_ttl_s <= 0:
             raise ConfigError(f"reservation_ttl_s must be a number of seconds > 0, got {self.reservation_ttl_s!r}")
+        if not _fraction(self.busy_wait_s) or self.busy_wait_s < 0:
+            raise ConfigError(f"busy_wait_s must be a number of seconds >= 0, got {self.busy_wait_s!r}")
         if self.alignment < 1 or self.alignment & (self.alignment - 1):
             raise ConfigError(f"alignment must be a power of two, got {self.alignment}")
         if not os.path.isdir(self.shm_dir):

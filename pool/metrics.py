@@ -25,6 +25,7 @@ _COUNTERS = {
     "promotions": ("kvpool_tier_moves", "Chunks moved between tiers", {"from_tier": "nvme", "to_tier": "dram"}),
     "drops": ("kvpool_evictions", "Chunks dropped to make room", {}),
     "reaped": ("kvpool_reservations_reaped", "Reservations never committed (writer died), space reclaimed", {}),
+    "busy": ("kvpool_busy_refusals", "Moves and removes put off because a reader had the chunk pinned", {}),
     "corrupt": ("kvpool_corrupt_chunks", "Replicas dropped because their bytes failed the checksum", {}),
     "bytes_via_ray": ("kvpool_ray_bytes", "KV bytes moved as Ray call arguments/results, not one-sided", {}),
     "encoded": ("kvpool_codec_chunks", "Chunks re-stored with another codec on a move", {"direction": "encode"}),
@@ -51,6 +52,9 @@ class ClientStats:
     get_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
     get_buckets: list[int] = field(default_factory=lambda: [0] * (len(GET_SECONDS_BUCKETS) + 1))
     get_seconds: float = 0.0
+    #: what an inference engine's connector on this node did (``prefill_decode/vllm_connector.py``): tokens looked
+    #: up / hit / loaded / saved, bytes loaded / saved, seconds spent loading / saving, load / save errors
+    engine: dict[str, float] = field(default_factory=dict)
 
     def lookup(self, asked: int, held: int) -> None:
         self.lookup_hits += held
@@ -69,9 +73,11 @@ class ClientStats:
             self.get_bytes[source] = self.get_bytes.get(source, 0) + other.get_bytes.get(source, 0)
         self.get_buckets = [a + b for a, b in zip(self.get_buckets, other.get_buckets, strict=True)]
         self.get_seconds += other.get_seconds
+        for name, n in other.engine.items():
+            self.engine[name] = self.engine.get(name, 0) + n
 
     def __bool__(self) -> bool:
-        return bool(self.lookup_hits or self.lookup_misses or sum(self.get_buckets))
+        return bool(self.lookup_hits or self.lookup_misses or sum(self.get_buckets) or self.engine)
 
     def collect(self, node_id: str) -> Iterator[Metric]:
         lookups = CounterMetricFamily(
@@ -97,6 +103,29 @@ class ClientStats:
             buckets.append((bound, cumulative))
         latency.add_metric([node_id], buckets, sum_value=self.get_seconds)
         yield from (lookups, moved, latency)
+        yield from self._engine_metrics(node_id)
+
+    def _engine_metrics(self, node_id: str) -> Iterator[Metric]:
+        tokens = CounterMetricFamily(
+            "kvpool_engine_tokens", "Prompt tokens an engine's KV connector on this node looked up, hit, loaded or saved",
+            labels=["node", "kind"],
+        )  # fmt: skip
+        for kind in ("lookup", "hit", "loaded", "saved"):
+            tokens.add_metric([node_id, kind], self.engine.get(f"{kind}_tokens", 0))
+        moved = CounterMetricFamily(
+            "kvpool_engine_bytes", "KV bytes an engine's connector moved into or out of its paged cache", labels=["node", "direction"]
+        )  # fmt: skip
+        seconds = CounterMetricFamily(
+            "kvpool_engine_seconds", "Seconds an engine's connector spent loading or saving (its I/O thread)", labels=["node", "direction"]
+        )  # fmt: skip
+        errors = CounterMetricFamily(
+            "kvpool_engine_errors", "Chunks an engine's connector could not load (recomputed) or save batches it dropped", labels=["node", "direction"]
+        )  # fmt: skip
+        for direction, past in (("load", "loaded"), ("save", "saved")):
+            moved.add_metric([node_id, direction], self.engine.get(f"{past}_bytes", 0))
+            seconds.add_metric([node_id, direction], self.engine.get(f"{direction}_seconds", 0))
+            errors.add_metric([node_id, direction], self.engine.get(f"{direction}_errors", 0))
+        yield from (tokens, moved, seconds, errors)
 
 
 class StoreCollector(Collector):

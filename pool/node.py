@@ -18,7 +18,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +26,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvpool.errors import ChunkNotFound, ConfigError, CorruptChunk, MetadataUnavailable, RemoteUnavailable
+from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, CorruptChunk, MetadataUnavailable, RemoteUnavailable
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
@@ -89,6 +89,15 @@ class NodeInfo:
     nvme_direct: bool  #: O_DIRECT in use on the NVMe segment
     nvme_path: str  #: the NVMe segment's file ("" without one), which a same-node client reads into device memory
     metrics_address: str  #: host:port of its Prometheus endpoint ("" if off)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What a batch of moves or removes left behind: the etcd revision that shows it, and the keys left as
+    they were because a reader had them pinned (the caller waits for the read and asks again)."""
+
+    revision: int
+    busy: list[bytes]
 
 
 class PoolNode:
@@ -309,21 +318,28 @@ class PoolNode:
                 out.append(None)
         return out
 
-    def remove_batch(self, keys: Sequence[bytes], corrupt: bool = False) -> int:
-        for key in keys:
-            if key in self.store:
-                self.store.remove(key, corrupt=corrupt)
-        return self._publish()
+    def remove_batch(self, keys: Sequence[bytes], corrupt: bool = False) -> Settled:
+        """Remove held chunks (``corrupt``: even if pinned, counted as corrupt); see :class:`Settled`."""
+        return self._each(keys, lambda key: self.store.remove(key, corrupt=corrupt))
 
-    def move_batch(self, keys: Sequence[bytes], tier: Tier) -> int:
-        """Move held chunks to ``tier``; returns the etcd revision that shows it."""
+    def move_batch(self, keys: Sequence[bytes], tier: Tier) -> Settled:
+        """Move held chunks to ``tier``; see :class:`Settled`."""
+        return self._each(keys, lambda key: self.store.move(key, tier))
+
+    def _each(self, keys: Sequence[bytes], change: Callable[[bytes], object]) -> Settled:
+        """``change`` each held key; a key a reader has pinned is left as it is and named in the result, the
+        rest of the batch goes on.  Published whatever happens."""
+        busy: list[bytes] = []
         try:
             for key in keys:
                 if key in self.store:
-                    self.store.move(key, tier)
+                    try:
+                        change(key)
+                    except ChunkBusy:
+                        busy.append(key)
         finally:
             revision = self._publish()
-        return revision
+        return Settled(revision, busy)
 
     def reap(self) -> int:
         """Reclaim reservations older than ``reservation_ttl_s`` (see ``ChunkStore.reap``), and retry a

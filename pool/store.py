@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import crc32c
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
-from kvpool.errors import ChunkNotFound, ConfigError, CorruptChunk, KvPoolError, PoolFull
+from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, CorruptChunk, KvPoolError, PoolFull
 from kvpool.metadata.records import Tier
 from kvpool.pool.allocator import OffsetAllocator
 from kvpool.pool.codecs import Buffer, TensorFormat, parse_codec, transcode
@@ -135,6 +135,7 @@ class ChunkStore:
         self._changes: list[Change] = []  #: since the last take_changes()
         self.counters = {
             "puts": 0, "gets": 0, "misses": 0, "migrations": 0, "promotions": 0, "drops": 0, "corrupt": 0, "reaped": 0,
+            "busy": 0,  #: moves and removes refused because a reader had the chunk pinned
             "encoded": 0, "decoded": 0,  #: chunks re-stored with another codec on a move (down, up)
             "bytes_via_ray": 0,  #: KV bytes that came or went as Ray call arguments/results, not one-sided
         }  # fmt: skip
@@ -254,7 +255,8 @@ class ChunkStore:
     def remove(self, key: bytes, *, corrupt: bool = False) -> None:
         chunk = self._require(key)
         if self.policy.state(key).pins and not corrupt:
-            raise ConfigError(f"chunk {short(key)} is being read; remove it after the read")
+            self.counters["busy"] += 1
+            raise ChunkBusy(f"chunk {short(key)} is being read; remove it after the read")
         self._drop(chunk)
         if corrupt:
             self.counters["corrupt"] += 1
@@ -378,7 +380,8 @@ class ChunkStore:
         if chunk.tier is tier:
             return chunk
         if self.policy.state(key).pins:
-            raise ConfigError(f"chunk {short(key)} is being read; move it after the read")
+            self.counters["busy"] += 1
+            raise ChunkBusy(f"chunk {short(key)} is being read; move it after the read")
         moved = self._move(chunk, tier)
         self.counters["migrations" if tier is Tier.NVME else "promotions"] += 1
         return moved

@@ -11,7 +11,7 @@ import torch
 from kvpool.metadata.records import Tier
 from kvpool.pool.client import PoolClient
 from kvpool.prefill_decode.cost import CostModel, Hardware, ModelSpec
-from kvpool.prefill_decode.model import LoadedModel
+from kvpool.prefill_decode.model import LoadedModel, forward, kv_cache
 
 
 def spec_of(loaded: LoadedModel) -> ModelSpec:
@@ -84,9 +84,9 @@ def measure_step(loaded: LoadedModel, repeats: int = 5) -> float:
     ids = torch.arange(9, device=loaded.device).unsqueeze(0) % loaded.model.config.vocab_size
     times = []
     for _ in range(repeats + 1):
-        cache = loaded.model(ids[:, :8], use_cache=True).cache
+        cache = kv_cache(forward(loaded.model, ids[:, :8]))
         t0 = time.perf_counter()
-        loaded.model(ids[:, 8:], cache=cache, use_cache=True, logits_to_keep=1)
+        forward(loaded.model, ids[:, 8:], cache, logits_to_keep=1)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 

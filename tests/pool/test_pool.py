@@ -1,5 +1,8 @@
 """The pool on a real multi-node Ray cluster and a real etcd: PoolNode actors, PoolClient, faults."""
 
+import dataclasses
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -8,7 +11,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvpool.errors import ChunkNotFound, CorruptChunk, PoolFull
+from kvpool.errors import ChunkBusy, ChunkNotFound, CorruptChunk, PoolFull
 from kvpool.metadata.records import Tier
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
@@ -166,3 +169,67 @@ def test_corrupt_bytes_on_another_node_are_caught_after_the_transfer(
     with pytest.raises(CorruptChunk):
         client.get(keys[0])
     assert not client.exists(keys[0]) and client.get(keys[1]) == blob(8)
+
+
+def _release_after_a_refusal(node: Any, keys: list[bytes]) -> threading.Thread:
+    """Hold a reader's release of ``keys`` back until ``node`` has put off one more move or remove."""
+    refused = ray.get(node.stats.remote())["busy"]
+
+    def release() -> None:
+        while ray.get(node.stats.remote())["busy"] == refused:
+            time.sleep(0.01)
+        ray.get(node.release_batch.remote(keys))
+
+    thread = threading.Thread(target=release, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_move_or_remove_waits_for_a_read_in_flight(
+    pool: PoolConfig, client: PoolClient, ray_cluster: list[str]
+) -> None:
+    """Issue 14: a read pins its chunks and lets go without waiting; a move or remove that reaches the holder
+    before the release (another client's, ordered only through the caller) waits for it instead of failing.
+    The release is held back until the node has refused once, so the race is taken every run."""
+    keys = chunk_keys(IDENT, range(40))
+    holder = ray_cluster[1]
+    node = ray.get_actor(actor_name(holder), namespace=pool.namespace)
+    client.put_batch([(k, blob(i)) for i, k in enumerate(keys[:3])], nodes=[holder])
+    assert None not in ray.get(
+        node.locate_batch.remote(keys[:2])
+    )  # another reader's pins, as get_into_batch takes them
+    releasing = _release_after_a_refusal(node, keys[:2])
+    client.move(keys[:3], Tier.NVME)
+    releasing.join()
+    assert {p.tier for k in keys[:3] for p in client.cache.replicas(k)} == {Tier.NVME}
+    assert client.get_batch(keys[:3]) == [blob(i) for i in range(3)]  # promoted back, pins released
+    assert None not in ray.get(node.locate_batch.remote(keys[:1]))
+    releasing = _release_after_a_refusal(node, keys[:1])
+    assert client.remove_batch(keys[:3]) == 3
+    releasing.join()
+    assert not any(client.exists_batch(keys[:3])) and ray.get(node.audit.remote()) == []
+    for _ in range(5):  # this client's own releases reach the node before its next call there
+        client.put_batch([(keys[5], blob(5))], nodes=[holder])
+        assert client.get(keys[5]) == blob(5)
+        client.move([keys[5]], Tier.NVME)
+        assert client.remove(keys[5])
+
+
+def test_a_chunk_pinned_past_busy_wait_is_chunk_busy_and_the_rest_is_done(
+    pool: PoolConfig, ray_cluster: list[str]
+) -> None:
+    """A read that never ends (its reader hung) keeps its chunk: after ``busy_wait_s`` the caller gets
+    ChunkBusy naming it, every other chunk of the batch is moved, and the node stays consistent."""
+    keys = chunk_keys(IDENT, range(40))
+    holder = ray_cluster[2]
+    node = ray.get_actor(actor_name(holder), namespace=pool.namespace)
+    with PoolClient(dataclasses.replace(pool, busy_wait_s=0.3)) as client:
+        client.put_batch([(k, blob(i)) for i, k in enumerate(keys[:4])], nodes=[holder])
+        ray.get(node.locate_batch.remote(keys[:1]))
+        with pytest.raises(ChunkBusy, match=r"1 chunks .* still being read after 0.3 s \(busy_wait_s\)"):
+            client.move(keys[:4], Tier.NVME)
+        tiers = [p.tier for k in keys[:4] for p in client.cache.replicas(k)]
+        assert tiers == [Tier.DRAM, Tier.NVME, Tier.NVME, Tier.NVME]
+        assert ray.get(node.audit.remote()) == []
+        ray.get(node.release_batch.remote(keys[:1]))
+        assert client.remove_batch(keys[:4]) == 4 and ray.get(node.audit.remote()) == []

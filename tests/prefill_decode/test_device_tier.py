@@ -12,7 +12,7 @@ from kvpool.pool.client import PoolClient
 from kvpool.prefill_decode.connector import PoolConnector
 from kvpool.prefill_decode.device_tier import DeviceTier, Priority, cache_bytes
 from kvpool.prefill_decode.layout import KVLayout
-from kvpool.prefill_decode.model import LoadedModel, tiny_llama
+from kvpool.prefill_decode.model import LoadedModel, kv_cache, tiny_llama
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 
@@ -35,7 +35,7 @@ def test_offload_at_85_percent_and_drop_scratch_at_95(on_device: LoadedModel, pd
         tokens = torch.randint(0, 512, (70,), generator=torch.Generator().manual_seed(100 + seed)).tolist()
         with torch.no_grad():
             out = model.model(torch.tensor([tokens], device=model.device), use_cache=True)
-        return tokens, out.cache
+        return tokens, kv_cache(out)
 
     runs = [run(i) for i in range(5)]
     one = cache_bytes(runs[0][1])  # type: ignore[arg-type]

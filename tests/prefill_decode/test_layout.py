@@ -5,14 +5,14 @@ import torch
 
 from kvpool.errors import ConfigError
 from kvpool.prefill_decode.layout import KVBuffer, KVLayout
-from kvpool.prefill_decode.model import LoadedModel
+from kvpool.prefill_decode.model import LoadedModel, forward, kv_cache
 
 
 @pytest.mark.parametrize("layout", ["per-layer", "all-layers"])
 def test_objects_laid_end_to_end_are_the_cache(model: LoadedModel, layout: str) -> None:
     lay = KVLayout.of(model.model, chunk_size=16, layout=layout)
     with torch.no_grad():
-        cache = model.model(torch.arange(70).unsqueeze(0), use_cache=True).cache
+        cache = kv_cache(forward(model.model, torch.arange(70).unsqueeze(0)))
     full = KVBuffer(lay, 4)
     full.fill_from(cache)
     part = KVBuffer(lay, 2)  # the first two chunks, object by object, as a load would fetch them
@@ -33,7 +33,7 @@ def test_the_cache_views_the_buffer_until_the_model_appends(model: LoadedModel) 
     buffer.tensor.fill_(1.5)  # bytes arriving after the cache was made show through
     assert cache.get_seq_length() == 63 and bool((cache.layers[3].keys == 1.5).all())
     with torch.no_grad():
-        model.model(torch.tensor([[1, 2]]), cache=cache, use_cache=True)
+        forward(model.model, torch.tensor([[1, 2]]), cache)
     assert cache.get_seq_length() == 65
     buffer.tensor.fill_(0.0)  # the model's append copied: the buffer is free for the next load
     assert bool((cache.layers[3].keys[..., :63, :] == 1.5).all())

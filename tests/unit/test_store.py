@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvpool.clock import ManualClock
-from kvpool.errors import ChunkNotFound, PoolFull
+from kvpool.errors import ChunkBusy, ChunkNotFound, PoolFull
 from kvpool.metadata.records import Tier
 from kvpool.pool.config import Watermarks
 from kvpool.pool.segment import DramSegment, NvmeSegment
@@ -140,8 +140,9 @@ def test_unknown_key_and_remove(segments: tuple[DramSegment, NvmeSegment]) -> No
         store.locate(key(5))
     store.put(key(5), data(5), checksum=5)
     store.locate(key(5))
-    with pytest.raises(ValueError, match="being read"):
+    with pytest.raises(ChunkBusy, match="being read"):
         store.remove(key(5))
+    assert store.counters["busy"] == 1
     store.release(key(5))
     store.remove(key(5))
     assert key(5) not in store and store.usage()[Tier.DRAM][0] == 0
@@ -188,7 +189,7 @@ def test_move_demotes_and_promotes_on_request(segments: tuple[DramSegment, NvmeS
     assert [c.kind for c in store.take_changes()] == [ChangeKind.MOVED]
     assert store.move(key(0), Tier.NVME) is moved  # already there: nothing to do
     store.locate(key(1))
-    with pytest.raises(ValueError, match="being read"):
+    with pytest.raises(ChunkBusy, match="being read"):
         store.move(key(1), Tier.NVME)
     assert store.move(key(0), Tier.DRAM).tier is Tier.DRAM
     with pytest.raises(ChunkNotFound):
