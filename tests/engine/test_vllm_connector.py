@@ -1,0 +1,247 @@
+"""KvPoolConnector on real vLLM engines (CPU) and a real pool: reuse across engines, P/D across Ray nodes, faults."""
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+import torch
+from engines import CHUNK, ENGINE_PROC, Engine, P, Q, R, extra_config
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from kvpool.errors import ConfigError
+from kvpool.metadata.records import Tier
+from kvpool.pool.client import PoolClient
+from kvpool.pool.config import PoolConfig
+from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
+from kvpool.pool.node import actor_name
+from kvpool.pool.segment import DramSegment
+from kvpool.prefill_decode.vllm_connector import ConnectorConfig, KvPoolMetadata, Transfer, WorkerSide
+
+LAYERS = 4
+
+
+def same_answer(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    """Same greedy tokens and the same log-probabilities (to float32 rounding of a differently batched prefill)."""
+    return got["tokens"] == want["tokens"] and all(
+        math.isclose(a, b, abs_tol=1e-3) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)
+    )
+
+
+def pool_keys(identity: dict[str, Any], tokens: list[int]) -> list[list[bytes]]:
+    """The pool keys of a prompt's full chunks, per chunk, per layer."""
+    return [[layer_key(k, layer) for layer in range(LAYERS)] for k in chunk_keys(CacheIdentity(**identity), tokens)]
+
+
+def wait_for(client: PoolClient, keys: list[bytes], timeout_s: float = 120.0) -> None:
+    assert client.cache.wait_until(lambda c: all(c.replicas(k) for k in keys), timeout_s), "saves never arrived"
+
+
+# -- without an engine: the worker side's byte moves, and the extra config ----------------------------------------
+
+
+def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: PoolConfig) -> None:
+    """Save three chunks of paged KV (vLLM's CPU layout, blocks scattered) and load them into other blocks of
+    another cache: byte-exact, layer by layer; blocks of vLLM's own prefix hits are left alone; a chunk missing
+    from the pool is reported as its blocks' load errors."""
+    config = ConnectorConfig.from_extra(extra_config(engine_pool, chunk_size=64))
+    identity = CacheIdentity(model="worker-test", kv_dtype="float32", layout="vllm-test:[B,H,bs,2D]", chunk_size=64)
+    blocks, bs = 16, 32
+    src = {f"layers.{i}.attn": torch.randn(blocks, 2, bs, 128) for i in range(3)}
+    saver = WorkerSide(config, identity, bs, blocks)
+    saver.register(src)
+    tokens = list(range(200))  # 3 full chunks of 64 tokens: 6 blocks
+    meta = KvPoolMetadata(saves=[Transfer("r1", tokens[:192], 0, 3, [5, 2, 9, 11, 0, 7])])
+    saver.start_step(meta)
+    for name in src:
+        saver.wait_layer(name)
+        saver.layer_done(name, meta)
+    saver.end_step(meta)
+    deadline = time.monotonic() + 60
+    while saver.finished({"r1"}) != {"r1"}:
+        assert time.monotonic() < deadline, "saves of r1 never reported done"
+        time.sleep(0.05)
+    assert saver.totals["saved_tokens"] == 3 * 3 * 64 and "save_errors" not in saver.totals
+
+    dst = {name: torch.zeros_like(t) for name, t in src.items()}
+    loader = WorkerSide(config, identity, bs, blocks)
+    loader.register(dst)
+    # chunk 0 is a prefix-cache hit of the engine (blocks 1, 3); chunks 1-2 come from the pool
+    load = KvPoolMetadata(loads=[Transfer("r2", tokens[:192], 1, 3, [1, 3, 4, 6, 8, 10], write_from=2)])
+    loader.start_step(load)
+    for name in dst:
+        loader.wait_layer(name)
+    loader.end_step(load)
+    assert loader.take_load_errors() == set()
+    for name in src:
+        assert torch.equal(dst[name][[4, 6, 8, 10]], src[name][[9, 11, 0, 7]])
+        assert not dst[name][[1, 3]].any()  # never written
+
+    client = saver.client
+    assert client is not None
+    client.remove(layer_key(chunk_keys(identity, tokens)[2], 1))  # chunk 2 of layer 1 is gone
+    loader.start_step(load)
+    for name in dst:
+        loader.wait_layer(name)
+    loader.end_step(load)
+    assert loader.take_load_errors() == {8, 10} and loader.totals["load_errors"] == 2
+    saver.close()
+    loader.close()
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"etcd": 5}, "etcd must be a list"),
+        ({"chunk_size": "256"}, "chunk_size must be an int"),
+        ({"chunck_size": 256}, "unknown keys 'chunck_size'"),
+        ({"replicas": 0}, "replicas must be an int >= 1"),
+        ({"load_failure": "ignore"}, "load_failure must be"),
+        ({"etcd": ["nohost"]}, "not an etcd endpoint"),
+        ("etcd=1", "must be a JSON object"),
+    ],
+)
+def test_malformed_extra_config_is_a_config_error(extra: Any, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        ConnectorConfig.from_extra(extra).metadata()
+
+
+# -- real engines -------------------------------------------------------------------------------------------------
+
+
+def test_a_fresh_engine_answers_from_the_pool_as_if_it_had_computed(
+    engine_pool: PoolConfig, model_dir: str, baseline: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Engine A computes and saves; a fresh engine B (another process, another PYTHONHASHSEED) is given the full
+    chunks by the pool and answers exactly as without the connector.  KV altered in the pool changes B's answer
+    (so the check can fail); a corrupt chunk is a miss that B recomputes, right answer."""
+    settings = {"model": model_dir, "connector": extra_config(engine_pool)}
+    with Engine(settings, tmp_path / "a.log", hash_seed=1) as a:
+        got = a.generate([P, R])
+        assert [g["cached"] for g in got] == [0, 0]
+        assert same_answer(got[0], baseline["P"]) and same_answer(got[1], baseline["R"])
+        identity = a.ask(connector=True)["identity"]
+    with PoolClient(engine_pool) as client:
+        p_keys, r_keys = pool_keys(identity, P), pool_keys(identity, R)
+        wait_for(client, [k for chunk in p_keys + r_keys for k in chunk])
+        with Engine(settings, tmp_path / "b.log", hash_seed=2) as b:
+            got = b.generate([P, Q])
+            assert [g["cached"] for g in got] == [2 * CHUNK, 2 * CHUNK]
+            assert same_answer(got[0], baseline["P"]) and same_answer(got[1], baseline["Q"])
+            totals = b.ask(connector=True)["totals"]
+            assert totals["loaded_tokens"] >= 2 * CHUNK and totals["load_errors"] == 0
+
+            # different KV under P's keys: B now answers differently, from what the pool gave it
+            flat = [k for chunk in p_keys for k in chunk]
+            sizes = [client.cache.replicas(k)[0].size or client.cache.replicas(k)[0].length for k in flat]
+            client.remove_batch(flat)
+            rng = np.random.default_rng(0)
+            client.put_batch(
+                [(k, rng.standard_normal(n // 4).astype(np.float32)) for k, n in zip(flat, sizes, strict=True)]
+            )
+            [altered] = b.generate([P], reset=True)
+            assert altered["cached"] == 2 * CHUNK and not same_answer(altered, baseline["P"])
+
+            # one byte flipped in one of R's chunks: a miss, recomputed, the right answer
+            victim = r_keys[1][2]
+            [p] = client.cache.replicas(victim)
+            info = ray.get(ray.get_actor(actor_name(p.node), namespace=engine_pool.namespace).info.remote())
+            with DramSegment.attach(info.dram_path, info.dram_capacity) as seg:
+                seg.write(p.offset + 100, bytes([seg.view(p.offset + 100, 1)[0] ^ 0xFF]))
+            [recomputed] = b.generate([R], reset=True)
+            assert same_answer(recomputed, baseline["R"])
+            assert b.ask(connector=True)["totals"]["load_errors"] > 0
+            assert client.cache.wait_until(lambda c: not c.replicas(victim), 10)  # the corrupt replica was dropped
+
+
+def test_etcd_unreachable_means_no_hits_and_normal_answers(
+    engine_pool: PoolConfig, model_dir: str, baseline: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    settings = {"model": model_dir, "connector": extra_config(engine_pool, etcd=["127.0.0.1:9"])}
+    with Engine(settings, tmp_path / "etcd-down.log") as e:
+        [got] = e.generate([P])
+    assert got["cached"] == 0 and same_answer(got, baseline["P"])
+
+
+def test_a_malformed_extra_config_stops_the_engine_at_start_with_a_clear_error(
+    engine_pool: PoolConfig, model_dir: str, tmp_path: Path
+) -> None:
+    settings = {"model": model_dir, "connector": extra_config(engine_pool, chunk_size=100)}
+    with pytest.raises(AssertionError, match="engine exited"):
+        Engine(settings, tmp_path / "bad.log")
+    log = (tmp_path / "bad.log").read_text()
+    assert "ConfigError" in log and "must be a multiple of vLLM's block size (32): e.g. 96" in log
+
+
+# -- P/D: a producer engine and a consumer engine on two Ray nodes ------------------------------------------------
+
+
+@ray.remote(num_cpus=0)
+class EngineActor:
+    """A vLLM engine inside a Ray actor pinned to one node (its connector's pool client is on that node)."""
+
+    def __init__(self, settings: dict[str, Any], engine_proc: str) -> None:
+        import importlib.util
+        import os
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        spec = importlib.util.spec_from_file_location("engine_proc", engine_proc)
+        assert spec is not None and spec.loader is not None
+        self.proc = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(self.proc)
+        self.llm = self.proc.engine(settings)
+
+    def generate(self, prompts: list[list[int]], reset: bool = False) -> list[dict[str, Any]]:
+        return self.proc.generate(self.llm, prompts, 8, reset)  # type: ignore[no-any-return]
+
+    def totals(self) -> dict[str, float]:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return dict(get_kv_transfer_group().side.totals)
+
+
+def engine_actor(node_id: str, settings: dict[str, Any]) -> Any:
+    strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    return EngineActor.options(scheduling_strategy=strategy).remote(settings, str(ENGINE_PROC))
+
+
+def test_prefill_on_one_node_decode_on_another_and_the_holder_dying(
+    engine_pool: PoolConfig, model_dir: str, baseline: dict[str, dict[str, Any]], ray_cluster: list[str]
+) -> None:
+    """The producer (kv_producer, 127.0.0.3) prefills; its step ends with the chunks in its node's DRAM.  The
+    consumer (kv_consumer, 127.0.0.4) reads them one-sided from there — no KV byte through Ray — and answers as
+    without the connector.  Then the holder's pool node is killed: the consumer still sees the placements (their
+    lease has not expired), its load fails, vLLM recomputes, right answer, and the engine keeps serving."""
+    producer_node, consumer_node = ray_cluster[1], ray_cluster[2]
+    model = {"model": model_dir}
+    producer = engine_actor(
+        producer_node, {**model, "role": "kv_producer", "connector": extra_config(engine_pool, "127.0.0.3")}
+    )
+    consumer = engine_actor(
+        consumer_node, {**model, "role": "kv_consumer", "connector": extra_config(engine_pool, "127.0.0.4")}
+    )
+    try:
+        [prefilled] = ray.get(producer.generate.remote([P]))
+        assert same_answer(prefilled, baseline["P"])
+        with PoolClient(engine_pool) as client:
+            held = [p for key, replicas in client.cache.chunks() for p in replicas]
+            assert len(held) == 2 * LAYERS and {p.node for p in held} == {producer_node}
+            assert {p.tier for p in held} == {Tier.DRAM}
+            [decoded] = ray.get(consumer.generate.remote([P]))
+            assert decoded["cached"] == 2 * CHUNK and same_answer(decoded, baseline["P"])
+            assert all(s["bytes_via_ray"] == 0 for s in client.stats()["nodes"].values())
+            assert ray.get(consumer.totals.remote())["loaded_bytes"] > 0
+
+            ray.kill(ray.get_actor(actor_name(producer_node), namespace=engine_pool.namespace))
+            assert all(client.exists(p.key) for p in held)  # the lease (30 s) keeps them listed
+            [recomputed] = ray.get(consumer.generate.remote([P], True))
+            assert same_answer(recomputed, baseline["P"])
+            assert ray.get(consumer.totals.remote())["load_errors"] > 0
+            [other] = ray.get(consumer.generate.remote([R]))
+            assert same_answer(other, baseline["R"])
+    finally:
+        for actor in (producer, consumer):
+            ray.kill(actor)
