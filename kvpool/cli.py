@@ -217,6 +217,53 @@ def status(etcd: str | None = EtcdOption, cluster: str = ClusterOption) -> None:
         render_status(cache, client, cluster)
 
 
+@app.command("vllm-config")
+def vllm_config(
+    etcd: str | None = EtcdOption,
+    cluster: str = ClusterOption,
+    namespace: str = NamespaceOption,
+    role: str = typer.Option(
+        "kv_both",
+        "--role",
+        help="kv_both (save and load), kv_producer (a prefill engine) or kv_consumer (a decode engine).",
+    ),
+    ray_address: str = typer.Option(
+        "auto", "--ray-address", help="The pool's Ray cluster as the engine's host reaches it (auto: the local Ray)."
+    ),
+    model_id: str = typer.Option(
+        "",
+        "--model-id",
+        help="The model's name in chunk keys; engines of one model must agree (default: vLLM's served name).",
+    ),
+    chunk_size: int = typer.Option(
+        256, "--chunk-size", min=1, help="Tokens per chunk: a multiple of vLLM's block size."
+    ),
+    replicas: int = typer.Option(1, "--replicas", min=1, help="Distinct nodes each saved chunk is written to."),
+) -> None:
+    """Print vLLM's --kv-transfer-config for this pool: vllm serve MODEL --kv-transfer-config "$(kvpool vllm-config ...)"."""
+    import json
+
+    from kvpool.prefill_decode.engine_config import ConnectorConfig, kv_transfer_config
+
+    with _errors():
+        with _running_pool(etcd, cluster, "vllm-config") as (cache, _):
+            nodes = cache.nodes()
+            endpoints = cache.etcd.config.endpoints
+        if not nodes:
+            raise ConfigError(
+                f"no live pool nodes in cluster '{cluster}': start the pool first (kvpool up / kvpool join)"
+            )
+        config = ConnectorConfig(
+            etcd=tuple(endpoints), cluster=cluster, namespace=namespace, ray_address=ray_address,
+            model_id=model_id, chunk_size=chunk_size, replicas=replicas,
+        )  # fmt: skip
+        print(json.dumps(kv_transfer_config(config, role)))
+        err_console.print(
+            f"[dim]pool '{cluster}': {len(nodes)} live nodes; use it with: "
+            f'vllm serve MODEL --kv-transfer-config "$(kvpool vllm-config --etcd {",".join(endpoints)} ...)"[/dim]'
+        )
+
+
 @app.command("ls")
 def list_chunks(
     etcd: str | None = EtcdOption,

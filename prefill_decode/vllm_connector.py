@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,63 +43,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
-from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.namespace import Namespace
-from kvpool.pool.keys import DEFAULT_CHUNK_SIZE, CacheIdentity, chunk_keys, layer_key
+from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
+from kvpool.prefill_decode.engine_config import ROLES, ConnectorConfig
 
 log = logging.getLogger(__name__)
 
-ROLES = ("kv_both", "kv_producer", "kv_consumer")
 RETRY_S = 5.0  #: a side whose etcd or pool could not be reached tries again after this (meanwhile: 0 hits)
-
-
-@dataclass(frozen=True)
-class ConnectorConfig:
-    """``kv_connector_extra_config``, validated; unknown keys are refused."""
-
-    etcd: tuple[str, ...] = ()  #: etcd endpoints (``host:port``); empty: ``KVPOOL_ETCD_ENDPOINTS``
-    cluster: str = "default"  #: the pool's cluster name (its etcd prefix)
-    namespace: str = "kvpool"  #: the Ray namespace of the pool's PoolNode actors
-    ray_address: str = "auto"  #: the Ray cluster the pool runs on (worker side)
-    node_ip: str = ""  #: this host's Ray node IP, when a machine runs several Ray nodes (tests: 127.0.0.x)
-    model_id: str = ""  #: the model's name in the cache identity; empty: vLLM's served model name
-    chunk_size: int = DEFAULT_CHUNK_SIZE  #: tokens per chunk: a multiple of vLLM's block size
-    replicas: int = 1  #: distinct nodes each saved chunk is written to
-    load_failure: str = "recompute"  #: vLLM's kv_load_failure_policy under this connector ("fail" to keep vLLM's)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.etcd, tuple) or not all(isinstance(e, str) and e for e in self.etcd):
-            raise ConfigError(f"kv_connector_extra_config.etcd must be a list of 'host:port', got {self.etcd!r:.80}")
-        for name in ("cluster", "namespace", "ray_address", "node_ip", "model_id"):
-            if not isinstance(getattr(self, name), str):
-                raise ConfigError(f"kv_connector_extra_config.{name} must be a string, got {getattr(self, name)!r:.60}")
-        for name in ("chunk_size", "replicas"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"kv_connector_extra_config.{name} must be an int >= 1, got {value!r:.60}")
-        if self.load_failure not in ("recompute", "fail"):
-            raise ConfigError(f"kv_connector_extra_config.load_failure must be 'recompute' or 'fail', got {self.load_failure!r:.40}")  # fmt: skip
-
-    @classmethod
-    def from_extra(cls, extra: Any) -> "ConnectorConfig":
-        if not isinstance(extra, dict):
-            raise ConfigError(f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ConfigError(
-                f"kv_connector_extra_config: unknown keys {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}"
-            )
-        values = dict(extra)
-        if isinstance(values.get("etcd"), str):  # "h:p,h:p" as on the command line
-            values["etcd"] = tuple(e.strip() for e in values["etcd"].split(",") if e.strip())
-        elif isinstance(values.get("etcd"), list):
-            values["etcd"] = tuple(values["etcd"])
-        return cls(**values)
-
-    def metadata(self) -> MetadataConfig:
-        base = MetadataConfig.from_env(cluster=self.cluster)
-        return base.with_endpoints(*self.etcd) if self.etcd else base
 
 
 def cache_identity(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig, tp_rank: int) -> CacheIdentity:

@@ -12,6 +12,7 @@ import torch
 from engines import CHUNK, ENGINE_PROC, Engine, P, Q, R, extra_config
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from kvpool.cli import scrape
 from kvpool.errors import ConfigError
 from kvpool.metadata.records import Tier
 from kvpool.pool.client import PoolClient
@@ -19,7 +20,8 @@ from kvpool.pool.config import PoolConfig
 from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.pool.node import actor_name
 from kvpool.pool.segment import DramSegment
-from kvpool.prefill_decode.vllm_connector import ConnectorConfig, KvPoolMetadata, Transfer, WorkerSide
+from kvpool.prefill_decode.engine_config import ConnectorConfig
+from kvpool.prefill_decode.vllm_connector import KvPoolMetadata, Transfer, WorkerSide
 
 LAYERS = 4
 
@@ -242,6 +244,10 @@ def test_prefill_on_one_node_decode_on_another_and_the_holder_dying(
             assert ray.get(consumer.totals.remote())["load_errors"] > 0
             [other] = ray.get(consumer.generate.remote([R]))
             assert same_answer(other, baseline["R"])
+            # what the consumer's connector did reaches its pool node's Prometheus metrics
+            node = ray.get_actor(actor_name(consumer_node), namespace=engine_pool.namespace)
+            metrics = scrape(ray.get(node.info.remote()).metrics_address)
+            assert metrics["kvpool_engine_bytes_total"] > 0 and metrics["kvpool_engine_errors_total"] > 0
     finally:
         for actor in (producer, consumer):
             ray.kill(actor)

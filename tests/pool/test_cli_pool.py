@@ -103,3 +103,25 @@ def _bench(pool: PoolConfig, tmp_path: Path) -> None:
     assert (tmp_path / "b.png").stat().st_size > 10_000
     with PoolClient(pool) as client:
         assert len(client.cache.nodes()) == 3
+
+
+def test_vllm_config_prints_the_kv_transfer_config_of_a_running_pool(pool: PoolConfig) -> None:
+    """The JSON vLLM takes with --kv-transfer-config, checked by the connector's own validation; bad input is one line."""
+    from kvpool.prefill_decode.engine_config import ConnectorConfig
+
+    where = ["--etcd", pool.metadata.endpoints[0], "--cluster", pool.metadata.cluster, "--namespace", pool.namespace]
+    out = kvpool("vllm-config", *where, "--role", "kv_consumer", "--chunk-size", "512")
+    assert out.returncode == 0, out.stderr
+    config = json.loads(out.stdout)
+    assert config["kv_connector"] == "KvPoolConnector" and config["kv_role"] == "kv_consumer"
+    assert config["kv_connector_module_path"] == "kvpool.prefill_decode.vllm_connector"
+    extra = ConnectorConfig.from_extra(config["kv_connector_extra_config"])
+    assert extra.etcd == pool.metadata.endpoints and extra.cluster == pool.metadata.cluster
+    assert extra.namespace == pool.namespace and extra.chunk_size == 512
+    assert "3 live nodes" in out.stderr and "vllm serve MODEL --kv-transfer-config" in out.stderr
+
+    bad = kvpool("vllm-config", *where, "--role", "decoder")
+    assert bad.returncode == 1 and "role must be one of kv_both, kv_producer, kv_consumer" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+    empty = kvpool("vllm-config", "--etcd", pool.metadata.endpoints[0], "--cluster", "nobody-here")
+    assert empty.returncode == 1 and "no live pool nodes in cluster 'nobody-here'" in empty.stderr
