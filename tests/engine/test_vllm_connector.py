@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import ray
 import torch
-from engines import CHUNK, ENGINE_PROC, Engine, P, Q, R, extra_config
+from engines import CHUNK, P, Q, R, engine, extra_config
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvpool.cli import scrape
@@ -121,7 +121,7 @@ def test_a_fresh_engine_answers_from_the_pool_as_if_it_had_computed(
     chunks by the pool and answers exactly as without the connector.  KV altered in the pool changes B's answer
     (so the check can fail); a corrupt chunk is a miss that B recomputes, right answer."""
     settings = {"model": model_dir, "connector": extra_config(engine_pool)}
-    with Engine(settings, tmp_path / "a.log", hash_seed=1) as a:
+    with engine(settings, tmp_path / "a.log", hash_seed=1) as a:
         got = a.generate([P, R])
         assert [g["cached"] for g in got] == [0, 0]
         assert same_answer(got[0], baseline["P"]) and same_answer(got[1], baseline["R"])
@@ -129,7 +129,7 @@ def test_a_fresh_engine_answers_from_the_pool_as_if_it_had_computed(
     with PoolClient(engine_pool) as client:
         p_keys, r_keys = pool_keys(identity, P), pool_keys(identity, R)
         wait_for(client, [k for chunk in p_keys + r_keys for k in chunk])
-        with Engine(settings, tmp_path / "b.log", hash_seed=2) as b:
+        with engine(settings, tmp_path / "b.log", hash_seed=2) as b:
             got = b.generate([P, Q])
             assert [g["cached"] for g in got] == [2 * CHUNK, 2 * CHUNK]
             assert same_answer(got[0], baseline["P"]) and same_answer(got[1], baseline["Q"])
@@ -163,7 +163,7 @@ def test_etcd_unreachable_means_no_hits_and_normal_answers(
     engine_pool: PoolConfig, model_dir: str, baseline: dict[str, dict[str, Any]], tmp_path: Path
 ) -> None:
     settings = {"model": model_dir, "connector": extra_config(engine_pool, etcd=["127.0.0.1:9"])}
-    with Engine(settings, tmp_path / "etcd-down.log") as e:
+    with engine(settings, tmp_path / "etcd-down.log") as e:
         [got] = e.generate([P])
     assert got["cached"] == 0 and same_answer(got, baseline["P"])
 
@@ -172,8 +172,8 @@ def test_a_malformed_extra_config_stops_the_engine_at_start_with_a_clear_error(
     engine_pool: PoolConfig, model_dir: str, tmp_path: Path
 ) -> None:
     settings = {"model": model_dir, "connector": extra_config(engine_pool, chunk_size=100)}
-    with pytest.raises(AssertionError, match="engine exited"):
-        Engine(settings, tmp_path / "bad.log")
+    with pytest.raises(RuntimeError, match="engine exited"):
+        engine(settings, tmp_path / "bad.log")
     log = (tmp_path / "bad.log").read_text()
     assert "ConfigError" in log and "must be a multiple of vLLM's block size (32): e.g. 96" in log
 
@@ -185,29 +185,28 @@ def test_a_malformed_extra_config_stops_the_engine_at_start_with_a_clear_error(
 class EngineActor:
     """A vLLM engine inside a Ray actor pinned to one node (its connector's pool client is on that node)."""
 
-    def __init__(self, settings: dict[str, Any], engine_proc: str) -> None:
-        import importlib.util
+    def __init__(self, settings: dict[str, Any]) -> None:
         import os
 
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        spec = importlib.util.spec_from_file_location("engine_proc", engine_proc)
-        assert spec is not None and spec.loader is not None
-        self.proc = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(self.proc)
-        self.llm = self.proc.engine(settings)
+        from kvpool.prefill_decode.vllm_engine import ENGINE_ENV, start_engine
+
+        os.environ.update({**ENGINE_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"})
+        self.llm = start_engine(settings)
 
     def generate(self, prompts: list[list[int]], reset: bool = False) -> list[dict[str, Any]]:
-        return self.proc.generate(self.llm, prompts, 8, reset)  # type: ignore[no-any-return]
+        from kvpool.prefill_decode.vllm_engine import generate
+
+        return generate(self.llm, prompts, 8, reset)
 
     def totals(self) -> dict[str, float]:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
+        from kvpool.prefill_decode.vllm_engine import connector_state
 
-        return dict(get_kv_transfer_group().side.totals)
+        return connector_state()["totals"]  # type: ignore[no-any-return]
 
 
 def engine_actor(node_id: str, settings: dict[str, Any]) -> Any:
     strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
-    return EngineActor.options(scheduling_strategy=strategy).remote(settings, str(ENGINE_PROC))
+    return EngineActor.options(scheduling_strategy=strategy).remote(settings)
 
 
 def test_prefill_on_one_node_decode_on_another_and_the_holder_dying(

@@ -1,0 +1,148 @@
+"""A vLLM engine in a process of its own, driven by JSON lines: what ``bench/vllm.py`` and the engine tests run.
+
+``python -m kvpool.prefill_decode.vllm_engine '<settings>'`` starts an engine (``LLM``, in this process:
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so a connector's pool client lives here too), prints ``READY``, then answers
+each JSON line on stdin with a line ``RESULT <json>``:
+
+- ``{"generate": [[token ids], ...], "max_tokens": 8, "reset": false}`` → per prompt ``{"tokens", "logprobs",
+  "cached", "seconds"}``: greedy tokens, their log-probabilities, vLLM's ``num_cached_tokens`` and the wall time of
+  the whole call (with ``max_tokens`` 1, the time to first token).  ``reset`` first drops vLLM's own prefix cache,
+  so a repeated prompt is served by the connector, not by the engine;
+- ``{"connector": true}`` → kvpool's worker-side connector: its running ``totals`` and its cache ``identity``;
+- ``{"quit": true}`` → ends the process (queued saves finish first).
+
+Settings: ``model`` (a directory), ``connector`` (kvpool's ``kv_connector_extra_config``; with ``role``) or
+``kv_transfer`` (any vLLM ``KVTransferConfig``, e.g. vLLM's own connectors), ``max_model_len``, ``block_size``.
+:class:`EngineProcess` runs one from Python.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, TextIO
+
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+}  # fmt: skip
+
+
+def start_engine(settings: dict[str, Any]) -> Any:
+    """An ``LLM`` for ``settings`` (see the module's docstring); CPU-friendly defaults, token-id prompts."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from kvpool.prefill_decode.engine_config import ConnectorConfig, kv_transfer_config
+
+    for name, value in ENGINE_ENV.items():
+        os.environ.setdefault(name, value)
+    kw: dict[str, Any] = {}
+    if settings.get("connector") is not None:
+        config = ConnectorConfig.from_extra(settings["connector"])
+        kw["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(config, settings.get("role", "kv_both")))
+    elif settings.get("kv_transfer") is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(**settings["kv_transfer"])
+    return LLM(
+        model=settings["model"], skip_tokenizer_init=True, dtype="float32", block_size=settings.get("block_size", 32),
+        max_model_len=settings.get("max_model_len", 4096), enforce_eager=True, seed=0, **kw,
+    )  # fmt: skip
+
+
+def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 8, reset: bool = False) -> list[dict[str, Any]]:
+    """Greedy completions of token-id prompts (see the module's docstring)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if reset:
+        llm.reset_prefix_cache()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, detokenize=False, logprobs=0)
+    started = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    return [
+        {
+            "tokens": list(o.outputs[0].token_ids),
+            "logprobs": [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)],
+            "cached": o.num_cached_tokens,
+            "seconds": seconds,
+        }
+        for o in outs
+    ]
+
+
+def connector_state() -> dict[str, Any]:
+    """kvpool's worker-side connector in this process: its running totals and cache identity."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    side = get_kv_transfer_group().side
+    return {"totals": dict(side.totals), "identity": asdict(side.identity)}
+
+
+class EngineProcess:
+    """An engine in its own process, answering one command at a time; its stderr goes to ``log``."""
+
+    def __init__(self, settings: dict[str, Any], log: Path, env: dict[str, str] | None = None) -> None:
+        self.log = log
+        self._log: TextIO = log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, json.dumps(settings)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            env={**os.environ, **ENGINE_ENV, **(env or {})},
+        )  # fmt: skip
+        self._expect("READY")
+
+    def _expect(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix) :].strip()
+        code = self.proc.wait()
+        self._log.flush()
+        raise RuntimeError(f"engine exited ({code}) before {prefix.strip()}; its log:\n{self.log.read_text()[-6000:]}")
+
+    def ask(self, **cmd: Any) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._expect("RESULT "))
+
+    def generate(self, prompts: list[list[int]], reset: bool = False, max_tokens: int = 8) -> list[dict[str, Any]]:
+        return self.ask(generate=prompts, reset=reset, max_tokens=max_tokens)
+
+    def close(self) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def main() -> None:
+    llm = start_engine(json.loads(sys.argv[1]))
+    print("READY", flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("quit"):
+            break
+        if cmd.get("connector"):
+            answer: Any = connector_state()
+        else:
+            answer = generate(llm, cmd["generate"], cmd.get("max_tokens", 8), cmd.get("reset", False))
+        print("RESULT " + json.dumps(answer), flush=True)
+
+
+if __name__ == "__main__":
+    main()
