@@ -235,6 +235,9 @@ def vllm_config(
         "--model-id",
         help="The model's name in chunk keys; engines of one model must agree (default: vLLM's served name).",
     ),
+    node_ip: str = typer.Option(
+        "", "--node-ip", help="The engine host's Ray node IP, where one machine runs several (kvpool up: 127.0.0.2)."
+    ),
     chunk_size: int = typer.Option(
         256, "--chunk-size", min=1, help="Tokens per chunk: a multiple of vLLM's block size."
     ),
@@ -254,7 +257,7 @@ def vllm_config(
                 f"no live pool nodes in cluster '{cluster}': start the pool first (kvpool up / kvpool join)"
             )
         config = ConnectorConfig(
-            etcd=tuple(endpoints), cluster=cluster, namespace=namespace, ray_address=ray_address,
+            etcd=tuple(endpoints), cluster=cluster, namespace=namespace, ray_address=ray_address, node_ip=node_ip,
             model_id=model_id, chunk_size=chunk_size, replicas=replicas,
         )  # fmt: skip
         print(json.dumps(kv_transfer_config(config, role)))
@@ -568,9 +571,14 @@ def up(
             assert service is not None
             _serve(service, serve)
         elif hold:
+            import ray
+
+            where = f"--etcd {pool.metadata.endpoints[0]} --cluster {pool.metadata.cluster}"
+            console.print(f"pool up. In another shell: kvpool status {where}")
             console.print(
-                f"pool up. In another shell: kvpool status --etcd {pool.metadata.endpoints[0]} "
-                f"--cluster {pool.metadata.cluster}"
+                f'vLLM on it: vllm serve MODEL --kv-transfer-config "$(kvpool vllm-config {where} '
+                f"--namespace {pool.namespace} --ray-address {ray.get_runtime_context().gcs_address} "
+                f'--node-ip {min(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])})"'
             )
             console.print("Ctrl-C (or kill) stops it.")
             signal.signal(signal.SIGTERM, _interrupt)

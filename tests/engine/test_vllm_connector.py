@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import ray
 import torch
-from engines import CHUNK, P, Q, R, engine, extra_config
+from engines import CHUNK, P, Q, R, S, engine, extra_config
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvpool.cli import scrape
@@ -118,7 +118,7 @@ def test_a_fresh_engine_answers_from_the_pool_as_if_it_had_computed(
     engine_pool: PoolConfig, model_dir: str, baseline: dict[str, dict[str, Any]], tmp_path: Path
 ) -> None:
     """Engine A computes and saves; a fresh engine B (another process, another PYTHONHASHSEED) is given the full
-    chunks by the pool and answers exactly as without the connector.  KV altered in the pool changes B's answer
+    chunks by the pool and answers exactly as without the connector (also for a prompt that ends on a chunk).  KV altered in the pool changes B's answer
     (so the check can fail); a corrupt chunk is a miss that B recomputes, right answer."""
     settings = {"model": model_dir, "connector": extra_config(engine_pool)}
     with engine(settings, tmp_path / "a.log", hash_seed=1) as a:
@@ -133,6 +133,9 @@ def test_a_fresh_engine_answers_from_the_pool_as_if_it_had_computed(
             got = b.generate([P, Q])
             assert [g["cached"] for g in got] == [2 * CHUNK, 2 * CHUNK]
             assert same_answer(got[0], baseline["P"]) and same_answer(got[1], baseline["Q"])
+            # a prompt that is exactly its chunks: all of them load, vLLM computes the last token again
+            [whole] = b.generate([S], reset=True)
+            assert whole["cached"] == 2 * CHUNK - 1 and same_answer(whole, baseline["S"])
             totals = b.ask(connector=True)["totals"]
             assert totals["loaded_tokens"] >= 2 * CHUNK and totals["load_errors"] == 0
 

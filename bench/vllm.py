@@ -1,0 +1,226 @@
+"""Time to first token on a real vLLM engine (CPU): cold, from kvpool, and from vLLM's own caches, in one run.
+
+Starts its own pool (embedded etcd, a 2-node local Ray cluster on 127.0.0.2-3, a PoolNode on each) and vLLM engines
+in processes of their own (``kvpool.prefill_decode.vllm_engine``), then for one long prompt per repeat measures the
+wall time of a 1-token generation (= TTFT):
+
+- cold: no connector, a prompt the engine has never seen;
+- vLLM prefix-cache hit: the same prompt again in the same engine (the upper bound: nothing to move);
+- kvpool, cold + save: engine A with the connector (kv_both) computing and saving the prompt;
+- kvpool, restart: a fresh engine B on the same node answers the prompt from the pool (same-node DRAM);
+- kvpool, P/D: a producer engine on the other node prefills, engine B answers from that node's DRAM (one-sided);
+- vLLM OffloadingConnector (CPU) and SimpleCPUOffloadConnector: the prompt again after ``reset_prefix_cache``,
+  served from their CPU store; ExampleConnector: the same from its disk files — each where it runs on this
+  platform, else the reason it does not.
+
+Beside them: the prompt's KV bytes, the memcpy limit in the same run and the floor it sets for moving that KV.
+
+    python bench/vllm.py [--model smollm2|tiny] [--tokens 4096] [--chunk-size 256] [--repeat 3] [--json ...]
+"""
+
+import argparse
+import json
+import re
+import statistics
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvpool.bench import memcpy_gbps
+from kvpool.metadata.config import MetadataConfig
+from kvpool.metadata.etcd_server import EmbeddedEtcd
+from kvpool.pool.config import MiB, PoolConfig
+from kvpool.pool.local_cluster import LocalRayCluster
+from kvpool.pool.node import start_pool, stop_pool
+from kvpool.prefill_decode.vllm_engine import EngineProcess
+
+console = Console(width=150)
+
+
+def model_dir(name: str, work: Path) -> tuple[Path, int, dict[str, int]]:
+    """The model's directory, its longest context, and what sizes its KV (layers, kv heads, head size)."""
+    if name == "smollm2":
+        from kvpool.prefill_decode.model import converted_smollm2
+
+        path = converted_smollm2()
+    else:
+        from kvpool.prefill_decode.model import tiny_llama
+
+        path = work / "tiny-llama"
+        tiny_llama(layers=8, hidden=512, heads=8, kv_heads=2, vocab=4096, max_positions=8192).model.save_pretrained(
+            path
+        )
+    cfg = json.loads((path / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    shape = {
+        "layers": cfg["num_hidden_layers"], "kv_heads": cfg.get("num_key_value_heads") or heads,
+        "head_size": cfg.get("head_dim") or cfg["hidden_size"] // heads,
+    }  # fmt: skip
+    return path, int(cfg["max_position_embeddings"]), shape
+
+
+def prompt(seed: int, n: int, vocab: int = 4000) -> list[int]:
+    return [(seed * 7919 + i * 104729) % vocab + 1 for i in range(n)]
+
+
+def ttft(engine: EngineProcess, prompts: list[list[int]], reset: bool = False) -> tuple[float, int]:
+    """Median seconds to the first token over ``prompts`` (one generate each), and the tokens the last had cached."""
+    seconds, cached = [], 0
+    for p in prompts:
+        [out] = engine.generate([p], reset=reset, max_tokens=1)
+        seconds.append(out["seconds"])
+        cached = out["cached"]
+    return statistics.median(seconds), cached
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    path, longest, shape = model_dir(args.model, work)
+    tokens = min(args.tokens, longest - 8)
+    kv_bytes = tokens * shape["layers"] * 2 * shape["kv_heads"] * shape["head_size"] * 4  # float32
+    settings = {"model": str(path), "max_model_len": tokens + 8}
+    rows: list[dict[str, Any]] = []
+    seeds = iter(range(1, 1000))
+
+    def fresh() -> list[list[int]]:
+        return [prompt(next(seeds), tokens) for _ in range(args.repeat)]
+
+    def add(name: str, seconds: float | None, cached: int = 0, note: str = "") -> None:
+        rows.append({"case": name, "ttft_s": seconds, "cached_tokens": cached, "note": note})
+        console.print(f"  {name}: " + (f"{seconds:.3f} s" if seconds is not None else note))
+
+    limits = {"memcpy_gbps": memcpy_gbps()}
+    console.print(
+        f"[bold]{args.model}[/]: {tokens} tokens, KV {kv_bytes / MiB:.0f} MiB; memcpy {limits['memcpy_gbps']:.1f} GB/s"
+    )
+
+    with EngineProcess(settings, work / "plain.log") as plain:
+        ttft(plain, [prompt(999, 64)])  # warm-up: the first forward of an engine is slow
+        cold = fresh()
+        add("cold (no connector)", *ttft(plain, cold))
+        add("vLLM prefix-cache hit", *ttft(plain, cold))
+
+    with EmbeddedEtcd() as etcd, LocalRayCluster(nodes=2) as cluster:
+        metadata = MetadataConfig(endpoints=(etcd.endpoint,), cluster=f"bench-{uuid.uuid4().hex[:8]}")
+        pool = PoolConfig(metadata=metadata, dram_bytes=args.dram_mib * MiB, nvme_bytes=args.dram_mib * MiB)
+        start_pool(pool)
+        ids = cluster.node_ids()
+        extra = {
+            "etcd": [etcd.endpoint], "cluster": metadata.cluster, "namespace": pool.namespace,
+            "ray_address": cluster.address, "model_id": f"bench-{args.model}", "chunk_size": args.chunk_size,
+        }  # fmt: skip
+        try:
+            warm = fresh()
+            with EngineProcess({**settings, "connector": {**extra, "node_ip": "127.0.0.2"}}, work / "a.log") as a:
+                ttft(a, [prompt(998, 64)])
+                add("kvpool: cold + save (kv_both)", *ttft(a, warm))
+            with EngineProcess({**settings, "connector": {**extra, "node_ip": "127.0.0.2"}}, work / "b.log") as b:
+                ttft(b, [prompt(997, 64)])
+                add("kvpool: restart, same node", *ttft(b, warm, reset=True))
+                pd = fresh()
+                producer = {**settings, "role": "kv_producer", "connector": {**extra, "node_ip": "127.0.0.3"}}
+                with EngineProcess(producer, work / "producer.log") as p:
+                    ttft(p, pd)
+                add(f"kvpool: P/D (prefill {ids[1][:8]}, decode {ids[0][:8]})", *ttft(b, pd, reset=True))
+                totals = b.ask(connector=True)["totals"]
+                if totals.get("load_errors"):
+                    console.print(
+                        f"[yellow]  {int(totals['load_errors'])} blocks failed to load and were recomputed[/]"
+                    )
+        finally:
+            stop_pool(pool)
+
+    for name, transfer in vllm_connectors(work, kv_bytes, args.repeat).items():
+        try:
+            with EngineProcess({**settings, "kv_transfer": transfer}, work / f"{name}.log") as e:
+                ttft(e, [prompt(996, 64)])
+                prompts = fresh()
+                ttft(e, prompts)  # computes and stores
+                add(f"vLLM {name}", *ttft(e, prompts, reset=True))
+        except RuntimeError as exc:
+            lines = str(exc).splitlines()
+            reason = next((ln for ln in reversed(lines) if re.search(r"(Error|Exception)\b", ln)), lines[0])
+            add(f"vLLM {name}", None, note=f"does not run here: {reason.split(']: ')[-1].strip()[:120]}")
+
+    return {
+        "model": args.model,
+        "tokens": tokens,
+        "kv_bytes": kv_bytes,
+        "repeat": args.repeat,
+        "limits": limits,
+        "rows": rows,
+    }
+
+
+def vllm_connectors(work: Path, kv_bytes: int, repeat: int) -> dict[str, dict[str, Any]]:
+    store = (repeat + 2) * kv_bytes  # room for every prompt a case stores
+    return {
+        "OffloadingConnector (CPU)": {
+            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": store},
+        },
+        "SimpleCPUOffloadConnector": {
+            "kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": store},
+        },
+        "ExampleConnector (disk)": {
+            "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(work / "example-connector")},
+        },
+    }  # fmt: skip
+
+
+def show(result: dict[str, Any]) -> None:
+    rows = result["rows"]
+    cold = next(r["ttft_s"] for r in rows if r["case"].startswith("cold"))
+    hit = next(r["ttft_s"] for r in rows if r["case"] == "vLLM prefix-cache hit")
+    floor = result["kv_bytes"] / (result["limits"]["memcpy_gbps"] * 1e9)
+    table = Table(
+        title=f"TTFT, {result['model']}, {result['tokens']}-token prompt, kvpool chunks of {result['chunk_size']} "
+        f"tokens, median of {result['repeat']} (CPU)"
+    )
+    for col in ("case", "TTFT", "cold / TTFT", "TTFT / prefix hit", "cached tokens", "note"):
+        table.add_column(col, justify="left" if col in ("case", "note") else "right")
+    for r in rows:
+        s = r["ttft_s"]
+        if s is None:
+            table.add_row(r["case"], "-", "-", "-", "-", r["note"])
+            continue
+        table.add_row(
+            r["case"], f"{s * 1e3:.0f} ms", f"{cold / s:.1f}x", f"{s / hit:.2f}", str(r["cached_tokens"]), r["note"]
+        )
+    table.add_row(
+        "limit: move the KV at memcpy speed", f"{floor * 1e3:.0f} ms", "", "", "",
+        f"{result['kv_bytes'] / MiB:.0f} MiB at {result['limits']['memcpy_gbps']:.1f} GB/s (+ one step: the prefix hit)",
+    )  # fmt: skip
+    console.print(table)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--model",
+        choices=("smollm2", "tiny"),
+        default="smollm2",
+        help="SmolLM2-135M (real weights) or a random 8-layer Llama",
+    )
+    ap.add_argument("--tokens", type=int, default=4096, help="prompt length (capped by the model's context)")
+    ap.add_argument("--chunk-size", type=int, default=256, help="kvpool's tokens per chunk (a multiple of 32)")
+    ap.add_argument("--repeat", type=int, default=3, help="prompts per case (median)")
+    ap.add_argument("--dram-mib", type=int, default=2048, help="DRAM (and NVMe) of each pool node")
+    ap.add_argument("--json", default="bench/results/vllm.json", help="where to write the figures")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-vllm-") as work:
+        result = run(args, Path(work))
+    show(result)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    console.print(f"written {out}")
+
+
+if __name__ == "__main__":
+    main()
