@@ -90,7 +90,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     def add(name: str, seconds: float | None, cached: int = 0, note: str = "") -> None:
         rows.append({"case": name, "ttft_s": seconds, "cached_tokens": cached, "note": note})
-        console.print(f"  {name}: " + (f"{seconds:.3f} s" if seconds is not None else note))
+        console.print(f"  {name}: " + (f"{seconds:.3f} s, {cached} tokens cached" if seconds is not None else note))
 
     limits = {"memcpy_gbps": memcpy_gbps()}
     console.print(
@@ -148,6 +148,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {
         "model": args.model,
         "tokens": tokens,
+        "chunk_size": args.chunk_size,
         "kv_bytes": kv_bytes,
         "repeat": args.repeat,
         "limits": limits,
@@ -215,10 +216,10 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-vllm-") as work:
         result = run(args, Path(work))
-    show(result)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
+    show(result)
     console.print(f"written {out}")
 
 
