@@ -97,12 +97,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         f"[bold]{args.model}[/]: {tokens} tokens, KV {kv_bytes / MiB:.0f} MiB; memcpy {limits['memcpy_gbps']:.1f} GB/s"
     )
 
-    with EngineProcess(settings, work / "plain.log") as plain:
-        ttft(plain, [prompt(999, 64)])  # warm-up: the first forward of an engine is slow
-        cold = fresh()
-        add("cold (no connector)", *ttft(plain, cold))
-        add("vLLM prefix-cache hit", *ttft(plain, cold))
-
+    # every case runs while the pool is up, so all of them share the same machine (its processes use some CPU)
     with EmbeddedEtcd() as etcd, LocalRayCluster(nodes=2) as cluster:
         metadata = MetadataConfig(endpoints=(etcd.endpoint,), cluster=f"bench-{uuid.uuid4().hex[:8]}")
         pool = PoolConfig(metadata=metadata, dram_bytes=args.dram_mib * MiB, nvme_bytes=args.dram_mib * MiB)
@@ -113,6 +108,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "ray_address": cluster.address, "model_id": f"bench-{args.model}", "chunk_size": args.chunk_size,
         }  # fmt: skip
         try:
+            with EngineProcess(settings, work / "plain.log") as plain:
+                ttft(plain, [prompt(999, 64)])  # warm-up: the first forward of an engine is slow
+                cold = fresh()
+                add("cold (no connector)", *ttft(plain, cold))
+                add("vLLM prefix-cache hit", *ttft(plain, cold))
             warm = fresh()
             with EngineProcess({**settings, "connector": {**extra, "node_ip": "127.0.0.2"}}, work / "a.log") as a:
                 ttft(a, [prompt(998, 64)])
@@ -123,27 +123,26 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 pd = fresh()
                 producer = {**settings, "role": "kv_producer", "connector": {**extra, "node_ip": "127.0.0.3"}}
                 with EngineProcess(producer, work / "producer.log") as p:
-                    ttft(p, pd)
+                    add("kvpool: P/D producer, cold + save (kv_producer)", *ttft(p, pd))
                 add(f"kvpool: P/D (prefill {ids[1][:8]}, decode {ids[0][:8]})", *ttft(b, pd, reset=True))
                 totals = b.ask(connector=True)["totals"]
                 if totals.get("load_errors"):
                     console.print(
                         f"[yellow]  {int(totals['load_errors'])} blocks failed to load and were recomputed[/]"
                     )
+            for name, transfer in vllm_connectors(work, kv_bytes, args.repeat).items():
+                try:
+                    with EngineProcess({**settings, "kv_transfer": transfer}, work / f"{name}.log") as e:
+                        ttft(e, [prompt(996, 64)])
+                        prompts = fresh()
+                        ttft(e, prompts)  # computes and stores
+                        add(f"vLLM {name}", *ttft(e, prompts, reset=True))
+                except RuntimeError as exc:
+                    lines = str(exc).splitlines()
+                    reason = next((ln for ln in reversed(lines) if re.search(r"(Error|Exception)\b", ln)), lines[0])
+                    add(f"vLLM {name}", None, note=f"does not run here: {reason.split(']: ')[-1].strip()[:120]}")
         finally:
             stop_pool(pool)
-
-    for name, transfer in vllm_connectors(work, kv_bytes, args.repeat).items():
-        try:
-            with EngineProcess({**settings, "kv_transfer": transfer}, work / f"{name}.log") as e:
-                ttft(e, [prompt(996, 64)])
-                prompts = fresh()
-                ttft(e, prompts)  # computes and stores
-                add(f"vLLM {name}", *ttft(e, prompts, reset=True))
-        except RuntimeError as exc:
-            lines = str(exc).splitlines()
-            reason = next((ln for ln in reversed(lines) if re.search(r"(Error|Exception)\b", ln)), lines[0])
-            add(f"vLLM {name}", None, note=f"does not run here: {reason.split(']: ')[-1].strip()[:120]}")
 
     return {
         "model": args.model,

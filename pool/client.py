@@ -698,6 +698,10 @@ class PoolClient:
 
     def record_engine(self, counts: dict[str, float]) -> None:
         """Add an inference engine connector's counts (see ``ClientStats.engine``) to what this client reports."""
+        if not isinstance(counts, dict) or not all(
+            isinstance(k, str) and isinstance(n, (int, float)) and not isinstance(n, bool) for k, n in counts.items()
+        ):
+            raise ConfigError(f"counts must be a dict of names to numbers, got {counts!r:.80}")
         for name, n in counts.items():
             self._seen.engine[name] = self._seen.engine.get(name, 0) + n
         self._report()
