@@ -24,6 +24,8 @@ from kvpool.prefill_decode.engine_config import ConnectorConfig
 from kvpool.prefill_decode.vllm_connector import KvPoolMetadata, Transfer, WorkerSide
 
 LAYERS = 4
+#: each engine test starts vLLM engines (20-60 s each on 2 busy cores): more than the suite's 300 s per test
+pytestmark = pytest.mark.timeout(900)
 
 
 def same_answer(got: dict[str, Any], want: dict[str, Any]) -> bool:
