@@ -1,0 +1,193 @@
+"""The scheduler side of :class:`~kvpool.prefill_decode.vllm_connector.KvPoolConnector`: prefix lookups in the
+etcd watch cache and, each step, the plan of loads and saves it sends the workers (:class:`KvPoolMetadata`)."""
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvpool.errors import KvPoolError
+from kvpool.metadata.cache import MetadataCache
+from kvpool.metadata.client import EtcdClient
+from kvpool.metadata.namespace import Namespace
+from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
+from kvpool.prefill_decode.engine_config import ConnectorConfig
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 5.0  #: a side whose etcd or pool could not be reached tries again after this (meanwhile: 0 hits)
+
+
+# -- what the scheduler tells the workers, each step ------------------------------------------------------------
+
+
+@dataclass
+class Transfer:
+    """Chunks ``[first, end)`` of a request's prompt and the blocks they occupy (``block_ids[i]`` holds tokens
+    ``i * block_size ...``).  A load writes only blocks from ``write_from`` on: those before are vLLM's own
+    prefix-cache hits, shared with other requests."""
+
+    req_id: str
+    tokens: list[int]  #: the prompt's first ``end * chunk_size`` tokens
+    first: int
+    end: int
+    block_ids: list[int]
+    write_from: int = 0
+    #: a load whose last chunk reaches into what vLLM computes this step (the prompt's last token): done before the
+    #: forward starts, so vLLM's own KV write of that token (before attention, not ordered with layer loads) wins
+    whole_before_forward: bool = False
+
+
+@dataclass
+class KvPoolMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+    lookups: tuple[int, int] = (0, 0)  #: prompt tokens asked for and found in the pool since the last step
+
+
+@dataclass
+class _Request:
+    tokens: list[int]
+    block_ids: list[int]
+    saved: int  #: chunks already in the pool or queued for saving
+
+
+class SchedulerSide:
+    """Lookups in the watch cache and the per-step plan of loads and saves."""
+
+    def __init__(
+        self, config: ConnectorConfig, identities: list[CacheIdentity], layers: int, block_size: int,
+        loads_kv: bool = True, saves_kv: bool = True,
+    ) -> None:  # fmt: skip
+        self.config, self.identities, self.layers, self.block_size = config, identities, layers, block_size
+        self.loads_kv, self.saves_kv = loads_kv, saves_kv
+        self.chunk = config.chunk_size
+        self.cache: MetadataCache | None = None
+        self._connecting = threading.Lock()
+        self._next_try = 0.0
+        self._hits: dict[str, tuple[int, int]] = {}  #: req id → (tokens vLLM had computed, tokens the pool has)
+        self._loads: dict[str, tuple[int, int]] = {}  #: req ids that will load, and what
+        self._reqs: dict[str, _Request] = {}
+        self._saving: set[str] = set()  #: requests with saves sent to the workers
+        self._asked = self._found = 0
+        self._connect()
+
+    def _connect(self) -> None:
+        """Start the watch cache on a thread (etcd may be down: until it answers, every lookup is 0 hits)."""
+        if self.cache is not None or time.monotonic() < self._next_try or not self._connecting.acquire(blocking=False):
+            return
+        self._next_try = time.monotonic() + RETRY_S
+
+        def connect() -> None:
+            try:
+                etcd = EtcdClient(self.config.metadata())
+                try:
+                    self.cache = MetadataCache(etcd, Namespace(self.config.cluster)).start()
+                except BaseException:
+                    etcd.close()
+                    raise
+            except KvPoolError as exc:
+                log.warning("kvpool: no pool metadata yet (%s); 0 hits until etcd answers", exc)
+            finally:
+                self._connecting.release()
+
+        threading.Thread(target=connect, name="kvpool-connector-etcd", daemon=True).start()
+
+    def held_chunks(self, tokens: list[int], limit: int) -> int:
+        """Leading chunks of ``tokens`` (at most ``limit``) whose every layer, on every TP rank, the pool holds."""
+        cache = self.cache
+        if cache is None:
+            self._connect()
+            return 0
+        held = limit
+        for identity in self.identities:
+            keys = chunk_keys(identity, tokens[: limit * self.chunk])
+            for layer in range(self.layers):
+                held = min(held, cache.lookup_prefix([layer_key(k, layer) for k in keys[:held]]))
+                if held == 0:
+                    return 0
+        return held
+
+    def matched(self, request: Any, num_computed: int) -> int:
+        tokens = list(request.prompt_token_ids or [])
+        held = self.held_chunks(tokens, len(tokens) // self.chunk)
+        self._hits[request.request_id] = (num_computed, held * self.chunk)
+        if not self.loads_kv:
+            return 0
+        # vLLM computes at least the last prompt token itself: a prompt whose every chunk is held loads them all
+        # and has vLLM compute its last token again (its KV slot is then written twice, with the same values)
+        found = min(held * self.chunk, len(tokens) - 1)
+        self._asked += len(tokens)
+        self._found += found
+        return max(found - num_computed, 0)
+
+    def allocated(self, request: Any, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            computed, _ = self._hits[request.request_id]
+            self._loads[request.request_id] = (computed, computed + num_external_tokens)
+
+    def build(self, out: Any) -> KvPoolMetadata:
+        meta = KvPoolMetadata(preempted=set(getattr(out, "preempted_req_ids", None) or ()))
+        meta.lookups, self._asked, self._found = (self._asked, self._found), 0, 0
+        bpc = self.chunk // self.block_size
+        computed: dict[str, int] = {}
+        for new in out.scheduled_new_reqs:
+            tokens = list(new.prompt_token_ids or [])
+            _, in_pool = self._hits.pop(new.req_id, (0, 0))
+            req = self._reqs[new.req_id] = _Request(tokens, list(new.block_ids[0]), in_pool // self.chunk)
+            computed[new.req_id] = new.num_computed_tokens
+            if (load := self._loads.pop(new.req_id, None)) is not None:
+                meta.loads.append(self._transfer(new.req_id, req, load, bpc))
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            running = self._reqs.get(req_id)
+            if running is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # after a preemption every block is new (its saves were drained)
+                running.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                running.block_ids += new_blocks[0]
+            computed[req_id] = cached.num_computed_tokens[i]
+            if (load := self._loads.pop(req_id, None)) is not None:
+                meta.loads.append(self._transfer(req_id, running, load, bpc))
+        if self.saves_kv:
+            for req_id, done in computed.items():
+                req = self._reqs[req_id]
+                after = min(done + out.num_scheduled_tokens.get(req_id, 0), len(req.tokens))
+                full = min(after // self.chunk, len(req.block_ids) // bpc)
+                if full > req.saved:
+                    meta.saves.append(
+                        Transfer(req_id, req.tokens[: full * self.chunk], req.saved, full, req.block_ids[: full * bpc])
+                    )
+                    req.saved = full
+                    self._saving.add(req_id)
+        self._loads.clear()
+        return meta
+
+    def _transfer(self, req_id: str, req: _Request, load: tuple[int, int], bpc: int) -> Transfer:
+        computed, end_token = load
+        first, end = computed // self.chunk, -(-end_token // self.chunk)  # the last chunk may end 1 token later
+        return Transfer(
+            req_id, req.tokens[: end * self.chunk], first, end, req.block_ids[: end * bpc],
+            write_from=computed // self.block_size, whole_before_forward=end * self.chunk > end_token,
+        )  # fmt: skip
+
+    def finished(self, req_id: str) -> bool:
+        """Whether vLLM must keep the request's blocks until the workers report its saves done."""
+        self._reqs.pop(req_id, None)
+        self._hits.pop(req_id, None)
+        self._loads.pop(req_id, None)
+        if req_id in self._saving:
+            self._saving.discard(req_id)
+            return True
+        return False
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+            self.cache.etcd.close()

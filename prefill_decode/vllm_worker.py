@@ -1,0 +1,306 @@
+"""The worker side of :class:`~kvpool.prefill_decode.vllm_connector.KvPoolConnector`: moves KV bytes between
+vLLM's paged cache and the pool on one I/O thread, as the scheduler side's :class:`KvPoolMetadata` says."""
+
+import contextlib
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvpool.errors import ConfigError, KvPoolError
+from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
+from kvpool.prefill_decode.engine_config import ConnectorConfig
+from kvpool.prefill_decode.vllm_scheduler import RETRY_S, KvPoolMetadata, Transfer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Layer:
+    name: str
+    index: int
+    kv: torch.Tensor
+    block_dim: int  #: the dimension of ``kv`` that indexes blocks
+
+    def blocks(self, ids: list[int], out: torch.Tensor) -> torch.Tensor:
+        """Blocks ``ids`` copied into ``out`` (a host buffer of at least their bytes), block-major:
+        ``[len(ids), *one block]``."""
+        index = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
+        dest = self.view(out, len(ids))
+        if self.block_dim == 0 and self.kv.device == dest.device:
+            torch.index_select(self.kv, 0, index, out=dest)
+        else:
+            dest.copy_(self.kv.index_select(self.block_dim, index).movedim(self.block_dim, 0))
+        return dest
+
+    def view(self, buffer: torch.Tensor, blocks: int) -> torch.Tensor:
+        """The first ``blocks`` blocks' worth of a flat uint8 ``buffer``, as ``[blocks, *one block]`` of our dtype."""
+        return buffer[: blocks * self.block_bytes].view(self.kv.dtype).view(blocks, *self.block_shape)
+
+    def write(self, ids: list[int], data: torch.Tensor) -> None:
+        """Put block-major ``data`` (as :meth:`blocks` gives it) into blocks ``ids``."""
+        index = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
+        self.kv.index_copy_(self.block_dim, index, data.to(self.kv.device).movedim(0, self.block_dim))
+
+    @property
+    def block_shape(self) -> list[int]:
+        return [n for d, n in enumerate(self.kv.shape) if d != self.block_dim]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv.numel() // self.kv.shape[self.block_dim] * self.kv.element_size()
+
+
+class WorkerSide:
+    """Moves bytes between vLLM's paged KV and the pool on one I/O thread (a PoolClient is used by one thread)."""
+
+    def __init__(
+        self, config: ConnectorConfig, identity: CacheIdentity, block_size: int, num_blocks: int, loads_kv: bool = True
+    ) -> None:
+        self.config, self.identity, self.block_size, self.num_blocks = config, identity, block_size, num_blocks
+        self.loads_kv = loads_kv
+        self.bpc = config.chunk_size // block_size  #: blocks per chunk
+        self.layers: dict[str, _Layer] = {}
+        self.client: Any = None
+        self._next_try = 0.0
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="kvpool-connector-io")
+        self._layer_ready: dict[str, threading.Event] = {}
+        self._load: Future[None] | None = None
+        self._load_errors: set[int] = set()
+        self._errors_lock = threading.Lock()
+        self._buffers: dict[str, torch.Tensor] = {}  #: reused host staging ("load", "save"), grown as needed
+        self._queued: list[tuple[_Layer, Transfer]] = []  #: layers to save, taken together by the next _put
+        self._unsaved: dict[str, int] = {}  #: per request, queued layer saves not yet put
+        self._saving = threading.Lock()
+        self._finished: set[str] = set()  #: requests vLLM finished, whose saves may still run
+        self._pending_report: dict[str, float] = {}  #: counts not yet handed to the pool client (metrics)
+        self.totals: dict[str, float] = {}  #: every count since the start (tokens, bytes, seconds, errors)
+        self._counting = threading.Lock()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        for index, (name, kv) in enumerate(kv_caches.items()):
+            dims = [d for d, n in enumerate(kv.shape) if n == self.num_blocks]
+            if not dims:
+                raise ConfigError(
+                    f"KvPoolConnector: layer {name}'s KV tensor {tuple(kv.shape)} has no dimension of "
+                    f"{self.num_blocks} blocks; this attention backend's layout is not supported"
+                )
+            self.layers[name] = _Layer(name, index, kv, dims[0])
+        self._io.submit(self._pool)  # connect now (Ray, etcd, the transport), not in the first request's step
+
+    # -- the pool client, made on the I/O thread when first needed --------------------------------------------
+
+    def _pool(self) -> Any:
+        """The PoolClient (None while the pool cannot be reached; tried again every ``RETRY_S``)."""
+        if self.client is not None or time.monotonic() < self._next_try:
+            return self.client
+        self._next_try = time.monotonic() + RETRY_S
+        try:
+            import ray
+
+            from kvpool.pool.client import PoolClient
+            from kvpool.pool.config import PoolConfig
+
+            if not ray.is_initialized():
+                kw: dict[str, Any] = {"_node_ip_address": self.config.node_ip} if self.config.node_ip else {}
+                ray.init(address=self.config.ray_address, namespace=self.config.namespace,
+                         logging_level=logging.WARNING, log_to_driver=False, **kw)  # fmt: skip
+            pool = PoolConfig(metadata=self.config.metadata(), namespace=self.config.namespace)
+            self.client = PoolClient(pool)
+        except (KvPoolError, ConnectionError, RuntimeError) as exc:
+            log.warning("kvpool: pool not reachable (%s); loads miss and saves are skipped until it is", exc)
+        return self.client
+
+    # -- a step: loads before the forward, saves as layers finish ---------------------------------------------
+
+    def start_step(self, meta: KvPoolMetadata) -> None:
+        self._load = None
+        if meta.lookups != (0, 0):
+            self._count(lookup_tokens=meta.lookups[0], hit_tokens=meta.lookups[1])
+        if not meta.loads or not self.layers:
+            self._layer_ready = {}
+            return
+        self._layer_ready = {name: threading.Event() for name in self.layers}
+        self._load = self._io.submit(self._load_all, meta.loads)
+        if any(t.whole_before_forward for t in meta.loads):
+            self._load.result()
+
+    def wait_layer(self, layer_name: str) -> None:
+        ready = self._layer_ready.get(layer_name)
+        if ready is not None:
+            ready.wait()
+
+    def _load_all(self, loads: list[Transfer]) -> None:
+        started = time.perf_counter()
+        loaded_bytes = 0
+        try:
+            client = self._pool()
+            keys = [chunk_keys(self.identity, t.tokens)[t.first : t.end] if client else [] for t in loads]
+            failed: list[set[int]] = [set() for _ in loads]  #: chunk indices that did not arrive, per request
+            for layer in self.layers.values():
+                for t, ks, bad in zip(loads, keys, failed, strict=True):
+                    if client is None:
+                        bad.update(range(t.first, t.end))
+                        continue
+                    loaded_bytes += self._load_layer(client, layer, t, ks, bad)
+                self._layer_ready[layer.name].set()
+            errors = {b for t, bad in zip(loads, failed, strict=True) for b in self._blocks_of(t, bad)}
+            with self._errors_lock:
+                self._load_errors |= errors
+            tokens = sum((t.end - t.first) * self.config.chunk_size for t in loads)
+            self._count(loaded_tokens=tokens, loaded_bytes=loaded_bytes, load_errors=len(errors),
+                        load_seconds=time.perf_counter() - started)  # fmt: skip
+        finally:
+            for ready in self._layer_ready.values():
+                ready.set()  # never leave a layer waiting
+
+    def _load_layer(self, client: Any, layer: _Layer, t: Transfer, keys: list[bytes], bad: set[int]) -> int:
+        """Load one layer of ``t``'s chunks into a reused staging buffer, then into the paged blocks; the indices
+        of chunks that did not come are added to ``bad``."""
+        bpc = self.bpc
+        staging = layer.view(self._buffer(client, "load", len(keys) * bpc * layer.block_bytes), len(keys) * bpc)
+        views = [staging[i * bpc : (i + 1) * bpc] for i in range(len(keys))]
+        lkeys = [layer_key(k, layer.index) for k in keys]
+        try:
+            client.get_into_batch(lkeys, views)
+        except KvPoolError:  # find out which: each on its own
+            for i, (k, v) in enumerate(zip(lkeys, views, strict=True)):
+                try:
+                    client.get_into(k, v)
+                except KvPoolError:
+                    bad.add(t.first + i)
+        rows = [
+            i * bpc + j
+            for i in range(len(keys))
+            if t.first + i not in bad
+            for j in range(bpc)
+            if (t.first + i) * bpc + j >= t.write_from
+        ]
+        if rows:
+            ids = [t.block_ids[t.first * bpc + r] for r in rows]
+            layer.write(ids, staging if len(rows) == len(staging) else staging[rows])
+        return len(rows) * layer.block_bytes
+
+    def _buffer(self, client: Any, name: str, nbytes: int) -> torch.Tensor:
+        """A reused flat host buffer of at least ``nbytes`` (no page faults per step).  Registered with the
+        transport once the client has one, so reads from other nodes land in it without a second copy."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < nbytes:
+            if buf is not None and client.registrations:
+                client.unregister_buffer(buf)
+            buf = self._buffers[name] = torch.empty(
+                max(nbytes, 2 * (0 if buf is None else buf.numel())), dtype=torch.uint8
+            )
+        if client.registrations and name == "load":
+            client.register_buffer(buf)  # a no-op once registered
+        return buf
+
+    def _blocks_of(self, t: Transfer, bad: set[int]) -> list[int]:
+        bpc = self.bpc
+        return [t.block_ids[b] for c in sorted(bad) for b in range(c * bpc, (c + 1) * bpc) if b >= t.write_from]
+
+    def layer_done(self, layer_name: str, meta: KvPoolMetadata) -> None:
+        """A layer has been computed: queue its chunks of this step's saves (the forward pass goes on).  The
+        step's end hands the queue to the I/O thread as one batch: two node calls and one etcd transaction for
+        every layer, where a put per layer cost 30 of each for a 30-layer model and a producer's step waited for
+        all of them."""
+        layer = self.layers.get(layer_name)
+        if layer is None or not meta.saves:
+            return
+        with self._saving:
+            for t in meta.saves:
+                self._queued.append((layer, t))
+                self._unsaved[t.req_id] = self._unsaved.get(t.req_id, 0) + 1
+
+    def _put(self) -> None:
+        with self._saving:
+            batch, self._queued = self._queued, []
+        if not batch:
+            return  # an earlier _put took this layer's saves with its own
+        started = time.perf_counter()
+        try:
+            client = self._pool()
+            if client is None:
+                self._count(save_errors=len(batch))
+                return
+            bpc = self.bpc
+            buf = self._buffer(client, "save", sum((t.end - t.first) * bpc * layer.block_bytes for layer, t in batch))
+            items, at = [], 0
+            for layer, t in batch:
+                data = layer.blocks(t.block_ids[t.first * bpc : t.end * bpc], buf[at:])
+                at += data.numel() * data.element_size()
+                keys = chunk_keys(self.identity, t.tokens)[t.first : t.end]
+                items += [(layer_key(k, layer.index), data[i * bpc : (i + 1) * bpc]) for i, k in enumerate(keys)]
+            try:
+                client.put_batch(items, replicas=self.config.replicas)
+            except KvPoolError as exc:  # a full pool, etcd or a node gone: a future miss, never an engine error
+                log.warning("kvpool: could not save %d chunk layers: %s", len(items), exc)
+                self._count(save_errors=len(batch))
+                return
+            self._count(saved_tokens=sum((t.end - t.first) * self.config.chunk_size for _, t in batch), saved_bytes=at,
+                        save_seconds=time.perf_counter() - started)  # fmt: skip
+        finally:
+            with self._saving:
+                for _, t in batch:
+                    self._unsaved[t.req_id] -= 1
+
+    def end_step(self, meta: KvPoolMetadata) -> None:
+        """A producer's step ends when its saves are in the pool (a decode engine asked next finds them); the
+        others' saves go on in the background.  Loads of the step are over by now (every layer waited)."""
+        if self._load is not None:
+            self._load.result()
+        with self._saving:
+            queued = bool(self._queued)
+        if queued:
+            saving = self._io.submit(self._put)
+            if not self.loads_kv:
+                saving.result()
+
+    def drain(self, req_ids: set[str]) -> None:
+        """Preempted requests' blocks are about to be reused: whatever is queued must have read them first."""
+        with self._saving:
+            pending = any(self._unsaved.get(r) for r in req_ids)
+        if pending:
+            self._io.submit(self._put).result()  # after every earlier task of the one I/O thread
+
+    def finished(self, finished_req_ids: set[str]) -> set[str] | None:
+        with self._saving:
+            self._finished |= finished_req_ids & self._unsaved.keys()
+            done = {r for r in self._finished if self._unsaved[r] == 0}
+            for r in done:
+                self._finished.discard(r)
+                del self._unsaved[r]
+        return done or None
+
+    def take_load_errors(self) -> set[int]:
+        with self._errors_lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _count(self, **counts: float) -> None:
+        """Add to what this worker reports to its pool node's metrics (kvpool_engine_*)."""
+        with self._counting:
+            for name, n in counts.items():
+                self._pending_report[name] = self._pending_report.get(name, 0) + n
+                self.totals[name] = self.totals.get(name, 0) + n
+            client = self.client
+            if client is None or not threading.current_thread().name.startswith("kvpool-connector-io"):
+                return  # the client is used on its I/O thread only: reported with the next count made there
+            pending, self._pending_report = self._pending_report, {}
+        client.record_engine(pending)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._io.submit(self._close_client).result(timeout=30)
+        self._io.shutdown(wait=False)
+
+    def _close_client(self) -> None:
+        if self.client is not None:
+            if self._pending_report:
+                self.client.record_engine(self._pending_report)
+            self.client.close()
+            self.client = None
