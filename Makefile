@@ -32,24 +32,24 @@ lint: $(STAMP)
 # links laid out as the installed package.
 typecheck: $(STAMP)
 	rm -rf build/typecheck && mkdir -p build/typecheck/kvpool
-	ln -s $(CURDIR)/kvpool/*.py $(CURDIR)/kvpool/py.typed build/typecheck/kvpool/
-	for p in pool transport metadata prefill_decode; do ln -s $(CURDIR)/$$p build/typecheck/kvpool/$$p; done
+	ln -s $(CURDIR)/kvpool/*.py $(CURDIR)/kvpool/py.typed $(CURDIR)/kvpool/servers build/typecheck/kvpool/
+	for p in pool transport metadata prefill_decode bench; do ln -s $(CURDIR)/$$p build/typecheck/kvpool/$$p; done
 	cd build/typecheck && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p kvpool
 
 pytest: $(STAMP) system-deps
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
-# tests/launcher runs `ray up cluster.yaml` over ssh on this machine: it needs sshd and rsync.  As root
+# tests/integration/launcher runs `ray up cluster.yaml` over ssh on this machine: it needs sshd and rsync.  As root
 # with apt, they are installed here; elsewhere that one test is skipped and says why.
 SYSTEM_PKGS := openssh-server rsync
 system-deps:
 	@if ! { test -x /usr/sbin/sshd && command -v rsync >/dev/null; }; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing $(SYSTEM_PKGS) (for tests/launcher)"; \
+	    echo "installing $(SYSTEM_PKGS) (for tests/integration/launcher)"; \
 	    export DEBIAN_FRONTEND=noninteractive; \
 	    apt-get install -y -q --no-install-recommends $(SYSTEM_PKGS) >/dev/null 2>&1 || \
 	      { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $(SYSTEM_PKGS) >/dev/null; }; \
-	  else echo "note: tests/launcher needs $(SYSTEM_PKGS) (not root or no apt-get): it will be skipped"; fi; \
+	  else echo "note: tests/integration/launcher needs $(SYSTEM_PKGS) (not root or no apt-get): it will be skipped"; fi; \
 	fi
 
 bench: $(STAMP)

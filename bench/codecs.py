@@ -1,6 +1,6 @@
 """KV codecs: compression ratio, encode/decode GB/s beside memcpy, and what each codec does to a real model.
 
-No pool, no Ray: the codecs of ``kvpool.pool.codecs`` alone, on real KV.  For each model -- the random-weight 8-layer
+No pool, no Ray: the codecs of ``kvpool.pool.tiers.codecs`` alone, on real KV.  For each model -- the random-weight 8-layer
 tiny Llama on random tokens, and SmolLM2-135M on real text (the ``kvpool up`` demo's document and question, in its
 chat template) -- one prefill gives the prompt's cache.  Its K and V are cut the way the pool stores them: per layer,
 token-major objects ``[T, 2, H, D]`` of ``--chunk`` tokens (the last one shorter).  Then, per codec:
@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import DynamicCache
 
-from kvpool.pool.codecs import ZSTD_LEVEL, Codec, Int4, Quantizer, parse_codec
+from kvpool.pool.tiers.codecs import ZSTD_LEVEL, Codec, Int4, Quantizer, parse_codec
 from kvpool.prefill_decode.demo import demo_prompt
 from kvpool.prefill_decode.model import LoadedModel, forward, kv_cache, load_model
 

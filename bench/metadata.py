@@ -20,11 +20,11 @@ from rich.table import Table
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient, Put
 from kvpool.metadata.config import MetadataConfig
-from kvpool.metadata.etcd_server import EmbeddedEtcd
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore, batches
 from kvpool.metadata.records import Placement, Tier
 from kvpool.pool.keys import CacheIdentity, chunk_keys
+from kvpool.servers.etcd import EmbeddedEtcd
 
 PREFIX_CHUNKS = 128
 

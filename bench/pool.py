@@ -22,14 +22,14 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
-from kvpool.bench import disk_gbps, gbps, median_seconds, memcpy_gbps
+from kvpool.bench.limits import disk_gbps, gbps, median_seconds, memcpy_gbps
 from kvpool.metadata.config import MetadataConfig
-from kvpool.metadata.etcd_server import EmbeddedEtcd
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.keys import CacheIdentity, chunk_keys
-from kvpool.pool.local_cluster import LocalRayCluster
 from kvpool.pool.node import start_pool, stop_pool
+from kvpool.servers.etcd import EmbeddedEtcd
+from kvpool.servers.ray_cluster import LocalRayCluster
 
 IDENT = CacheIdentity(model="bench", kv_dtype="uint8", layout="bytes", chunk_size=1)
 
@@ -95,7 +95,7 @@ def main() -> None:
             dram_bytes=total + 256 * MiB, nvme_bytes=-1, namespace=f"bench-{uuid.uuid4().hex[:6]}",
         )  # fmt: skip
         start_pool(config)
-        remote = RemoteSide.options(
+        remote = RemoteSide.options(  # type: ignore[attr-defined]
             scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(second, soft=False)
         ).remote(config)
         try:

@@ -1,11 +1,11 @@
 """Remote (S3) tier throughput: RemoteStore put/get beside raw boto3 on the same server, and KV through codecs.
 
-Starts its own SeaweedFS (``pool/seaweed.py``: one ``weed server`` on loopback, fresh credentials, a fresh bucket),
+Starts its own SeaweedFS (``kvpool/servers/seaweedfs.py``: one ``weed server`` on loopback, fresh credentials, a fresh bucket),
 or with ``--endpoint`` and ``--bucket`` uses that server and bucket with boto3's own credentials
 (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``~/.aws``); there it writes only under a fresh
 ``kvpool-bench/<run>/`` prefix and deletes what it wrote.  Then, for each chunk size and number of client threads:
 
-- RemoteStore (``pool/remote.py``, codec ``raw``): ``--mib-per-cell`` of chunks put, then got back, each request
+- RemoteStore (``pool/tiers/s3.py``, codec ``raw``): ``--mib-per-cell`` of chunks put, then got back, each request
   timed: GB/s (bytes of the chunks as stored), requests/s, p50 and p99 latency of one request;
 - the peer, in the same run on the same server: raw boto3 ``put_object``/``get_object`` with the same client settings
   (timeouts, retries, path-style addressing, connection pool) and the same sizes, so ``vs boto3`` is RemoteStore's
@@ -53,11 +53,11 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvpool.bench import gbps, memcpy_gbps, socket_gbps
-from kvpool.pool.codecs import Codec, parse_codec
+from kvpool.bench.limits import gbps, memcpy_gbps, socket_gbps
 from kvpool.pool.config import MiB
-from kvpool.pool.remote import RemoteConfig, RemoteStore
-from kvpool.pool.seaweed import SeaweedServer, weed_binary
+from kvpool.pool.tiers.codecs import Codec, parse_codec
+from kvpool.pool.tiers.s3 import RemoteConfig, RemoteStore
+from kvpool.servers.seaweedfs import SeaweedServer, weed_binary
 
 console = Console(width=170)
 
@@ -79,7 +79,7 @@ Get = Callable[[bytes], bytes]  #: read one chunk back
 
 
 def client_config(config: RemoteConfig, connections: int) -> botocore.config.Config:
-    """The botocore settings RemoteStore uses (pool/remote.py), for the boto3 peer."""
+    """The botocore settings RemoteStore uses (pool/tiers/s3.py), for the boto3 peer."""
     return botocore.config.Config(
         connect_timeout=config.timeout_s,
         read_timeout=config.timeout_s,

@@ -277,12 +277,12 @@ def pool_rows(sizes: list[int], total: int) -> list[dict[str, Any]]:
     import ray
 
     from kvpool.metadata.config import MetadataConfig
-    from kvpool.metadata.etcd_server import EmbeddedEtcd
     from kvpool.pool.client import PoolClient
     from kvpool.pool.config import PoolConfig
     from kvpool.pool.keys import CacheIdentity, chunk_keys
-    from kvpool.pool.local_cluster import LocalRayCluster
     from kvpool.pool.node import start_pool, stop_pool
+    from kvpool.servers.etcd import EmbeddedEtcd
+    from kvpool.servers.ray_cluster import LocalRayCluster
 
     ident = CacheIdentity(model="bench-transfer", kv_dtype="uint8", layout="bytes", chunk_size=1)
 
@@ -339,7 +339,7 @@ def pool_rows(sizes: list[int], total: int) -> list[dict[str, Any]]:
         try:
             start_pool(config)
             affinity = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(second, soft=False)
-            remote = RemoteSide.options(scheduling_strategy=affinity).remote(config)
+            remote = RemoteSide.options(scheduling_strategy=affinity).remote(config)  # type: ignore[attr-defined]
             seen = ray.get(remote.ucx_tls.remote())
             if seen != os.environ["UCX_TLS"]:
                 raise RuntimeError(f"the Ray workers see UCX_TLS={seen!r}, not {os.environ['UCX_TLS']!r}")

@@ -30,12 +30,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvpool.bench.limits import disk_gbps, memcpy_gbps
 from kvpool.metadata.config import MetadataConfig
-from kvpool.metadata.etcd_server import EmbeddedEtcd
 from kvpool.metadata.records import Tier
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
-from kvpool.pool.local_cluster import LocalRayCluster
 from kvpool.pool.node import start_pool, stop_pool
 from kvpool.prefill_decode.calibrate import measure_hardware, spec_of
 from kvpool.prefill_decode.connector import PoolConnector
@@ -44,7 +43,8 @@ from kvpool.prefill_decode.layout import KVLayout
 from kvpool.prefill_decode.model import load_model
 from kvpool.prefill_decode.router import Router
 from kvpool.prefill_decode.runner import ModelRunner, Prefilled
-from pool import memcpy_gbps, raw_disk_gbps
+from kvpool.servers.etcd import EmbeddedEtcd
+from kvpool.servers.ray_cluster import LocalRayCluster
 
 console = Console(width=150)
 
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 router = Router(connector, cost)
                 runner = ModelRunner(loaded, connector)
                 copy_gbps = memcpy_gbps(min(kv_max, 256 * MiB))
-                _, disk_read_gbps = raw_disk_gbps(nvme_dir, 256 * MiB)
+                _, disk_read_gbps = disk_gbps(nvme_dir, 256 * MiB)
                 console.print(
                     f"model {loaded.name} ({layout.token_bytes:,} B of KV per token, {layout.layout} chunks of "
                     f"{args.chunk}); {hardware.source}: {hardware.flops / 1e9:.1f} GFLOP/s, "

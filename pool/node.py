@@ -32,13 +32,13 @@ from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.metadata.records import NodeRecord, Placement, SegmentInfo, Tier
 from kvpool.metadata.registry import NodeRegistry
-from kvpool.pool.codecs import TensorFormat
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.gds import nvme_io_path
 from kvpool.pool.metrics import ClientStats, StoreCollector, serve_metrics
-from kvpool.pool.remote import RemoteStore
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import SEGMENT_NAMES, Change, ChangeKind, ChunkStore, Reservation, StoredChunk, short
+from kvpool.pool.tiers.codecs import TensorFormat
+from kvpool.pool.tiers.gds import nvme_io_path
+from kvpool.pool.tiers.s3 import RemoteStore
 from kvpool.transport.nixl import NixlTransport
 
 log = logging.getLogger(__name__)
@@ -431,7 +431,7 @@ class PoolNode:
             "watermarks": {"high": self.config.watermarks.high, "low": self.config.watermarks.low},
             "nvme_direct": bool(self.nvme and self.nvme.direct),
             "registrations": self.transport.registrations,
-            "nvme_io": nvme_io_path().name,  #: NVMe <-> GPU: gds (cuFile), kvikio-compat or posix (see pool/gds.py)
+            "nvme_io": nvme_io_path().name,  #: NVMe <-> GPU: gds (cuFile), kvikio-compat or posix (see pool/tiers/gds.py)
             "nvme_io_reason": nvme_io_path().reason,
             "codecs": {Tier.DRAM.value: "raw", Tier.NVME.value: self.config.nvme_codec}
             | ({Tier.REMOTE.value: self.config.remote.codec} if self.remote else {}),

@@ -10,7 +10,7 @@ when DRAM passes its high watermark, promoted back on a hit → dropped when a f
 ``remove``.  A chunk pinned by a reader is never moved or dropped.
 
 Tiers below DRAM may store chunks with a codec (``codecs``, e.g. NVMe ``fp8-e4m3``): a chunk put as a tensor
-(it carries a :class:`~kvpool.pool.codecs.TensorFormat`) is encoded when it moves down and decoded when it is
+(it carries a :class:`~kvpool.pool.tiers.codecs.TensorFormat`) is encoded when it moves down and decoded when it is
 promoted; its checksum is verified before either, so a corrupt chunk is dropped, never re-encoded into
 "valid" bytes.  A chunk put as plain bytes stays raw everywhere.  DRAM is always raw: readers copy it
 one-sided, straight into their buffers.
@@ -27,11 +27,11 @@ from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, CorruptChunk, KvPoolError, PoolFull
 from kvpool.metadata.records import Tier
 from kvpool.pool.allocator import OffsetAllocator
-from kvpool.pool.codecs import Buffer, TensorFormat, parse_codec, transcode
 from kvpool.pool.config import Watermarks
 from kvpool.pool.eviction import EvictionPolicy
 from kvpool.pool.keys import check_key
 from kvpool.pool.segment import DramSegment, NvmeSegment
+from kvpool.pool.tiers.codecs import Buffer, TensorFormat, parse_codec, transcode
 
 log = logging.getLogger(__name__)
 

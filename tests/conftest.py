@@ -10,12 +10,12 @@ import pytest
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import MetadataConfig
-from kvpool.metadata.etcd_server import EmbeddedEtcd
 from kvpool.metadata.namespace import Namespace
+from kvpool.servers.etcd import EmbeddedEtcd
 
 if TYPE_CHECKING:  # imported lazily below: tests without S3 do not pay for boto3
-    from kvpool.pool.remote import RemoteConfig
-    from kvpool.pool.seaweed import SeaweedServer
+    from kvpool.pool.tiers.s3 import RemoteConfig
+    from kvpool.servers.seaweedfs import SeaweedServer
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +55,7 @@ def ray_cluster() -> Iterator[list[str]]:
 
     Returns the Ray node ids, head first; the test process is a driver attached to the head.
     """
-    from kvpool.pool.local_cluster import LocalRayCluster
+    from kvpool.servers.ray_cluster import LocalRayCluster
 
     with LocalRayCluster(nodes=3) as cluster:
         yield cluster.node_ids()
@@ -64,7 +64,7 @@ def ray_cluster() -> Iterator[list[str]]:
 @pytest.fixture(scope="session")
 def s3_server() -> "Iterator[SeaweedServer]":
     """One real SeaweedFS S3 server for the session, refusing requests not signed with its generated keys."""
-    from kvpool.pool.seaweed import SeaweedServer
+    from kvpool.servers.seaweedfs import SeaweedServer
 
     access_key_id, secret_access_key = SeaweedServer.generate_credentials()
     with SeaweedServer(access_key_id=access_key_id, secret_access_key=secret_access_key) as server:
@@ -74,7 +74,7 @@ def s3_server() -> "Iterator[SeaweedServer]":
 @pytest.fixture
 def s3_bucket(s3_server: "SeaweedServer") -> "Iterator[RemoteConfig]":
     """A ``RemoteConfig`` for a fresh bucket of the session's S3 server (deleted afterwards), flushing after 0.5 s."""
-    from kvpool.pool.remote import RemoteConfig
+    from kvpool.pool.tiers.s3 import RemoteConfig
 
     bucket = f"kvpool-{uuid.uuid4().hex[:10]}"
     s3_server.create_bucket(bucket)

@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 
 from kvpool.errors import KvPoolError
 from kvpool.metadata.config import MetadataConfig
-from kvpool.metadata.etcd_server import EmbeddedEtcd
 from kvpool.metadata.records import Tier
-from kvpool.pool.codecs import TensorFormat
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node import actor_name, start_pool, stop_pool
+from kvpool.pool.tiers.codecs import TensorFormat
+from kvpool.servers.etcd import EmbeddedEtcd
 
 EXAMPLES = 150
 SEEN: Counter[str] = Counter()  #: calls by outcome, over every example

@@ -12,11 +12,11 @@ import pytest
 
 from kvpool.errors import ChunkNotFound, MetadataUnavailable
 from kvpool.metadata.config import MetadataConfig
-from kvpool.metadata.etcd_server import EmbeddedEtcd
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node import start_pool, stop_pool
+from kvpool.servers.etcd import EmbeddedEtcd
 
 DEADLINE_S = 2.0
 

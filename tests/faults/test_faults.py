@@ -20,13 +20,13 @@ import ray
 
 from kvpool.errors import ChunkNotFound, CorruptChunk, KvPoolError, PoolFull
 from kvpool.metadata.config import MetadataConfig
-from kvpool.metadata.etcd_server import free_port
 from kvpool.metadata.records import Tier
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig, Watermarks
 from kvpool.pool.keys import CacheIdentity, chunk_keys
-from kvpool.pool.local_cluster import RAY_ENV
 from kvpool.pool.node import actor_name, start_pool, stop_pool
+from kvpool.servers.etcd import free_port
+from kvpool.servers.ray_cluster import RAY_ENV
 
 CHUNK = 64 * 1024
 

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool.errors import ChunkNotFound, ConfigError, UndecodableChunk, UnencodableTensor
-from kvpool.pool.codecs import MAGIC, Codec, Fp8, Int4, codec_key, decode, parse_codec, read_header
 from kvpool.pool.keys import layer_key
+from kvpool.pool.tiers.codecs import MAGIC, Codec, Fp8, Int4, codec_key, decode, parse_codec, read_header
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SPECS = [

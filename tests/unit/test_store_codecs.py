@@ -9,10 +9,10 @@ import torch
 from kvpool.clock import ManualClock
 from kvpool.errors import ConfigError, CorruptChunk
 from kvpool.metadata.records import Tier
-from kvpool.pool.codecs import TensorFormat
 from kvpool.pool.config import Watermarks
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import ChangeKind, ChunkStore, checksum
+from kvpool.pool.tiers.codecs import TensorFormat
 
 SHAPE = (64, 2, 4, 32)  # [tokens, K/V, heads, head dim]: 64 KiB of float32
 

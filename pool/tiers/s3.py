@@ -2,7 +2,7 @@
 
 Object layout.  One object per stored chunk, named ``<prefix>/<cluster>/<hex of codec_key(key, codec)>`` in
 ``bucket``: ``cluster`` keeps several pools apart in one bucket, and the codec is part of the identity
-(:func:`~kvpool.pool.codecs.codec_key`), so a chunk stored raw and the same chunk stored int4 are two objects
+(:func:`~kvpool.pool.tiers.codecs.codec_key`), so a chunk stored raw and the same chunk stored int4 are two objects
 that never overwrite each other.  The object's bytes are exactly what the node would hold in DRAM (the codec's
 output, checksummed by the pool like any other replica); nothing else is stored with it.
 
@@ -50,7 +50,7 @@ from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.config import validate_name
 from kvpool.metadata.placement import PlacementStore
 from kvpool.metadata.records import Tier
-from kvpool.pool.codecs import Buffer, codec_key, parse_codec
+from kvpool.pool.tiers.codecs import Buffer, codec_key, parse_codec
 
 DELETE_BATCH = 1000  # the most keys one DeleteObjects request may name
 DEFAULT_REGION = "us-east-1"

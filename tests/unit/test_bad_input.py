@@ -39,9 +39,9 @@ from kvpool.metadata.records import NodeRecord, Placement, SegmentInfo, Tier
 from kvpool.pool.allocator import OffsetAllocator
 from kvpool.pool.config import PoolConfig, Watermarks
 from kvpool.pool.keys import CacheIdentity, check_key, chunk_keys, layer_key, parse_key, token_array
-from kvpool.pool.remote import RemoteConfig
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import ChangeKind, ChunkStore
+from kvpool.pool.tiers.s3 import RemoteConfig
 from kvpool.prefill_decode.workers import WorkerConfig
 from kvpool.transport import nixl, shm
 from kvpool.transport.base import Op

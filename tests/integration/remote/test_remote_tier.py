@@ -23,7 +23,7 @@ from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node import actor_name, start_pool, stop_pool
-from kvpool.pool.remote import RemoteConfig, RemoteStore
+from kvpool.pool.tiers.s3 import RemoteConfig, RemoteStore
 
 SHAPE = (64, 2, 4, 64)  # [tokens, K/V, heads, head dim]: 128 KiB of float32 per chunk
 MakePool = Callable[..., PoolConfig]

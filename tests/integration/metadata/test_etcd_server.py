@@ -7,10 +7,10 @@ import pytest
 from kvpool.errors import ConfigError
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import ENDPOINTS_ENV, ETCD_BIN_ENV, MetadataConfig
-from kvpool.metadata.etcd_server import EmbeddedEtcd, etcd_binary
+from kvpool.servers.etcd import EmbeddedEtcd, etcd_binary
 
 _CHILD = """
-from kvpool.metadata.etcd_server import EmbeddedEtcd
+from kvpool.servers.etcd import EmbeddedEtcd
 server = EmbeddedEtcd().start()
 print(server.pid, server.base_dir, flush=True)
 """  # exits without calling stop(): the interpreter's exit must take etcd down

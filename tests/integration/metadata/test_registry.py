@@ -99,7 +99,7 @@ def test_lost_lease_is_replaced_and_republished(
 
 
 def test_unreachable_etcd_makes_the_lease_uncertain_then_lost(metadata_config: MetadataConfig) -> None:
-    from kvpool.metadata.etcd_server import EmbeddedEtcd
+    from kvpool.servers.etcd import EmbeddedEtcd
 
     clock = ManualClock()
     with EmbeddedEtcd() as server:

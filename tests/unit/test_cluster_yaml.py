@@ -5,7 +5,7 @@ from pathlib import Path
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-CLUSTER_YAML = Path(__file__).parents[1] / "cluster.yaml"
+CLUSTER_YAML = Path(__file__).parents[2] / "cluster.yaml"
 
 
 def test_cluster_yaml_passes_rays_schema() -> None:

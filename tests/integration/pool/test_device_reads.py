@@ -8,9 +8,9 @@ import torch
 from kvpool.errors import CorruptChunk
 from kvpool.metadata.records import Tier
 from kvpool.pool.client import PoolClient
-from kvpool.pool.gds import nvme_io_path
 from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node import NodeInfo, actor_name
+from kvpool.pool.tiers.gds import nvme_io_path
 
 SHAPE = (64, 2, 4, 64)  # 128 KiB of float32
 

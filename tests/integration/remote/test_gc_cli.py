@@ -12,7 +12,7 @@ from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.metadata.records import Placement, Tier
 from kvpool.pool.keys import CacheIdentity, chunk_keys
-from kvpool.pool.remote import RemoteConfig, RemoteStore
+from kvpool.pool.tiers.s3 import RemoteConfig, RemoteStore
 
 
 def test_gc_deletes_orphans_and_drops_dangling_placements(

@@ -10,7 +10,7 @@ with ``kvpool get`` from the other node's copy, runs ``kvpool status`` on the he
 ``ray exec``, and tears down what it started: ``kvpool down``, then every process carrying this run's
 marker in its environment.  It never runs ``ray stop`` or ``ray down``: both stop every Ray on the box.
 
-    python tests/launcher/ray_up.py [--keep]     # exit 0: passed; 77: cannot run here (says why)
+    python tests/integration/launcher/ray_up.py [--keep]     # exit 0: passed; 77: cannot run here (says why)
 
 Needs root (``sshd -i`` logs in as the current user and must own its host key), ``sshd``, ``ssh``,
 ``ssh-keygen`` and ``rsync`` (``make test`` installs openssh-server and rsync when it can).
@@ -34,9 +34,9 @@ import psutil
 import yaml
 
 from kvpool.metadata.config import MetadataConfig
-from kvpool.metadata.etcd_server import free_port
+from kvpool.servers.etcd import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HEAD, WORKER = "127.0.0.20", "127.0.0.21"
 SKIP = 77
 MARK = "KVPOOL_RAY_UP_RUN"

@@ -6,11 +6,11 @@ import pytest
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import MetadataConfig
-from kvpool.metadata.etcd_server import EmbeddedEtcd
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.metadata.records import NodeRecord, Placement, Tier
 from kvpool.pool.keys import CacheIdentity, chunk_keys
+from kvpool.servers.etcd import EmbeddedEtcd
 
 IDENT = CacheIdentity(model="m", kv_dtype="bf16", layout="all", chunk_size=8)
 
