@@ -32,7 +32,7 @@ lint: $(STAMP)
 # links laid out as the installed package.
 typecheck: $(STAMP)
 	rm -rf build/typecheck && mkdir -p build/typecheck/kvpool
-	ln -s $(CURDIR)/kvpool/*.py $(CURDIR)/kvpool/py.typed $(CURDIR)/kvpool/servers build/typecheck/kvpool/
+	ln -s $(CURDIR)/kvpool/* build/typecheck/kvpool/
 	for p in pool transport metadata prefill_decode bench; do ln -s $(CURDIR)/$$p build/typecheck/kvpool/$$p; done
 	cd build/typecheck && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p kvpool
 
