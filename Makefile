@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvpool-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck pytest bench clean system-deps
+.PHONY: run test test-fast lint typecheck pytest bench clean system-deps
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ typecheck: $(STAMP)
 
 pytest: $(STAMP) system-deps
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# tests/unit only: no etcd, Ray, NIXL or S3 server started; well under a minute.  CI runs `make test`.
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -q tests/unit $(PYTEST_ARGS)
 
 # tests/integration/launcher runs `ray up cluster.yaml` over ssh on this machine: it needs sshd and rsync.  As root
 # with apt, they are installed here; elsewhere that one test is skipped and says why.

@@ -29,10 +29,10 @@ import numpy as np
 import ray
 
 from kvpool.bench.limits import gbps, measure_limits
-from kvpool.bench.node_client import node_clients
-from kvpool.metadata.records import Tier
+from kvpool.bench.node_client import close_clients, node_clients
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.keys import CacheIdentity, chunk_keys
+from kvpool.pool.types import Tier
 
 TIERS = (Tier.DRAM, Tier.NVME)
 
@@ -86,47 +86,68 @@ def run(
         asdict(measure_limits(disk_dir)),
     )
     clients = node_clients(config, ids)
-    nbytes = n * settings.size
     try:
-        warm = [_keys(f"warm-{w}-{uuid.uuid4().hex[:8]}", len(ids)) for w in range(len(ids))]
-        # every client connects to every node once (NIXL peers, registrations) before anything is timed
-        ray.get(
-            [
-                c.put.remote([k], 4096, holder)
-                for c, ks in zip(clients, warm, strict=True)
-                for k, holder in zip(ks, ids, strict=True)
-            ]
-        )
-        ray.get([c.remove.remote(ks) for c, ks in zip(clients, warm, strict=True)])
-        for w, writer in enumerate(clients):
-            row = []
-            for h, holder in enumerate(ids):
-                progress(f"put {hosts[w]} → {hosts[h]}", 1)
-                keys = _keys(f"put-{w}-{h}-{uuid.uuid4().hex[:8]}", n)
-                row.append(gbps(nbytes, ray.get(writer.put.remote(keys, settings.size, holder))))
-                ray.get(writer.remove.remote(keys))
-            results.put.append(row)
+        _warm_up(clients, ids)
+        results.put = _put_matrix(clients, ids, hosts, settings, n, progress)
         for tier in settings.tiers:
-            grid = []
-            for h, holder in enumerate(ids):
-                keys = _keys(f"get-{h}-{uuid.uuid4().hex[:8]}", n)
-                ray.get(clients[h].put.remote(keys, settings.size, holder))
-                row = []
-                for r, reader in enumerate(clients):
-                    progress(f"get {tier.value} {hosts[h]} → {hosts[r]}", 1)
-                    move = tier.value if tier is not Tier.DRAM else ""
-                    row.append(gbps(nbytes, ray.get(reader.get.remote(keys, settings.size, move, settings.repeat))))
-                ray.get(clients[h].remove.remote(keys))
-                grid.append(row)
-            results.get[tier.value] = grid
+            results.get[tier.value] = _get_matrix(clients, ids, hosts, settings, n, tier, progress)
         results.scaling = _scaling(clients, ids, hosts, settings, n, progress)
     finally:
-        ray.get([c.close.remote() for c in clients])
-        for c in clients:
-            ray.kill(c)
+        close_clients(clients)
     if settings.ttft_tokens:
         results.ttft = _ttft(config, ids, settings, progress)
     return results
+
+
+def _warm_up(clients: list[Any], ids: list[str]) -> None:
+    """Every client connects to every node once (NIXL peers, registrations) before anything is timed."""
+    warm = [_keys(f"warm-{w}-{uuid.uuid4().hex[:8]}", len(ids)) for w in range(len(ids))]
+    ray.get(
+        [
+            c.put.remote([k], 4096, holder)
+            for c, ks in zip(clients, warm, strict=True)
+            for k, holder in zip(ks, ids, strict=True)
+        ]
+    )
+    ray.get([c.remove.remote(ks) for c, ks in zip(clients, warm, strict=True)])
+
+
+def _put_matrix(
+    clients: list[Any], ids: list[str], hosts: list[str], settings: Settings, n: int,
+    progress: Callable[[str, int], None],
+) -> list[list[float]]:  # fmt: skip
+    """put[writer][holder], GB/s: ``n`` chunks written by each client into each node's DRAM."""
+    grid = []
+    for w, writer in enumerate(clients):
+        row = []
+        for h, holder in enumerate(ids):
+            progress(f"put {hosts[w]} → {hosts[h]}", 1)
+            keys = _keys(f"put-{w}-{h}-{uuid.uuid4().hex[:8]}", n)
+            elapsed = ray.get(writer.put.remote(keys, settings.size, holder))
+            row.append(gbps(n * settings.size, elapsed.wall_s))
+            ray.get(writer.remove.remote(keys))
+        grid.append(row)
+    return grid
+
+
+def _get_matrix(
+    clients: list[Any], ids: list[str], hosts: list[str], settings: Settings, n: int, tier: Tier,
+    progress: Callable[[str, int], None],
+) -> list[list[float]]:  # fmt: skip
+    """get[holder][reader], GB/s: ``n`` chunks held by each node (moved to ``tier``), read by each client."""
+    grid = []
+    move = tier.value if tier is not Tier.DRAM else ""
+    for h, holder in enumerate(ids):
+        keys = _keys(f"get-{h}-{uuid.uuid4().hex[:8]}", n)
+        ray.get(clients[h].put.remote(keys, settings.size, holder))
+        row = []
+        for r, reader in enumerate(clients):
+            progress(f"get {tier.value} {hosts[h]} → {hosts[r]}", 1)
+            seconds = ray.get(reader.get.remote(keys, settings.size, move, settings.repeat))
+            row.append(gbps(n * settings.size, seconds))
+        ray.get(clients[h].remove.remote(keys))
+        grid.append(row)
+    return grid
 
 
 def _scaling(

@@ -37,7 +37,9 @@ from rich.console import Console
 from rich.table import Table
 from transformers import DynamicCache
 
-from kvpool.pool.tiers.codecs import ZSTD_LEVEL, Codec, Int4, Quantizer, parse_codec
+from kvpool.pool.tiers.codecs import Codec, parse_codec
+from kvpool.pool.tiers.lossless import ZSTD_LEVEL
+from kvpool.pool.tiers.quantizers import Int4, Quantizer
 from kvpool.prefill_decode.demo import demo_prompt
 from kvpool.prefill_decode.model import LoadedModel, forward, kv_cache, load_model
 

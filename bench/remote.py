@@ -56,7 +56,8 @@ from rich.table import Table
 from kvpool.bench.limits import gbps, memcpy_gbps, socket_gbps
 from kvpool.pool.config import MiB
 from kvpool.pool.tiers.codecs import Codec, parse_codec
-from kvpool.pool.tiers.s3 import RemoteConfig, RemoteStore
+from kvpool.pool.tiers.s3 import RemoteStore
+from kvpool.pool.tiers.s3_config import RemoteConfig
 from kvpool.servers.seaweedfs import SeaweedServer, weed_binary
 
 console = Console(width=170)
@@ -292,12 +293,7 @@ def run(args: argparse.Namespace, bar: Progress) -> dict[str, Any]:
     with s3_target(args) as (config, server), ThreadPoolExecutor(max(thread_counts)) as pool:
         connections = max(32, max(thread_counts))
         store = RemoteStore(config, run_id, max_connections=connections)
-        session = boto3.session.Session(
-            aws_access_key_id=config.access_key_id or None, aws_secret_access_key=config.secret_access_key or None
-        )
-        peer = session.client(
-            "s3", endpoint_url=store.endpoint, region_name=store.region, config=client_config(config, connections)
-        )
+        peer = peer_client(config, store, connections)
         clients = {"RemoteStore": store_ops(store), "boto3": boto3_ops(peer, config.bucket, store.root)}
         results: dict[str, Any] = {
             "server": {**server, "endpoint": store.endpoint, "bucket": config.bucket, "root": store.root},
@@ -311,37 +307,69 @@ def run(args: argparse.Namespace, bar: Progress) -> dict[str, Any]:
         try:
             store.check()
             step("warm-up: connections and the bucket's first volume")
-            warm = keys(f"{run_id}/warm", max(thread_counts))
-            blob = bytes(WARM_BYTES)
-            for put, get in clients.values():
-                timed(partial(put_one, put, blob), warm, len(warm), pool)
-                timed(partial(get_one, get, []), warm, len(warm), pool)
-            store.delete([(k, "raw") for k in warm])
-            limits = results["limits"]
-            limits["memcpy_bytes"] = max(total, MEMCPY_MIN)
-            limits["memcpy_gbps"] = memcpy_gbps(limits["memcpy_bytes"])
-            for size in tcp_sizes:
-                step(f"limits: TCP loopback in {size // KiB} KiB blocks")
-                limits["tcp"].append({"size": size, "tcp_gbps": socket_gbps(max(total, 64 * MiB), size)})
+            warm_up(clients, store, keys(f"{run_id}/warm", max(thread_counts)), pool)
+            results["limits"] = machine_limits(tcp_sizes, total, step)
             for size in sizes:
                 n = max(1, total // size)
                 for threads in thread_counts:
                     step(f"{size // KiB} KiB x {n}, {threads} thread(s): put and get, RemoteStore and boto3")
                     results["requests"] += bench_requests(clients, store, size, threads, n, run_id, pool)
-            n = max(1, total // kv_bytes)
             for spec in codecs:
-                step(f"{spec}: the codec alone")
-                enc, dec = codec_alone(parse_codec(spec), kv_tensors)
-                for threads in thread_counts:
-                    step(f"{spec}: {n} KV chunks, {threads} thread(s): encode+put, get+decode")
-                    row = bench_codec(store, spec, kv_tensors, threads, n, run_id, pool)
-                    results["codecs"].append({**row, "encode_gbps": enc, "decode_gbps": dec})
+                results["codecs"] += codec_rows(store, spec, kv_tensors, total, thread_counts, run_id, pool, step)
         finally:
             with contextlib.suppress(Exception):  # an interrupted run: leave nothing of this run in the bucket
                 store.delete_names([o.name for o in store.list_objects()])
             peer.close()
             store.close()
     return results
+
+
+def peer_client(config: RemoteConfig, store: RemoteStore, connections: int) -> Any:
+    """A raw boto3 S3 client for the same server, credentials and settings as ``store``."""
+    session = boto3.session.Session(
+        aws_access_key_id=config.access_key_id or None, aws_secret_access_key=config.secret_access_key or None
+    )
+    return session.client(
+        "s3", endpoint_url=store.endpoint, region_name=store.region, config=client_config(config, connections)
+    )
+
+
+def warm_up(
+    clients: dict[str, tuple[Put, Get]], store: RemoteStore, warm: list[bytes], pool: ThreadPoolExecutor
+) -> None:
+    """Each client puts and gets ``warm`` (small objects, all at once): connections opened, the first volume made."""
+    blob = bytes(WARM_BYTES)
+    for put, get in clients.values():
+        timed(partial(put_one, put, blob), warm, len(warm), pool)
+        timed(partial(get_one, get, []), warm, len(warm), pool)
+    store.delete([(k, "raw") for k in warm])
+
+
+def machine_limits(tcp_sizes: list[int], total: int, step: Callable[[str], None]) -> dict[str, Any]:
+    """memcpy of the cell's bytes (at least ``MEMCPY_MIN``), and a loopback TCP stream in blocks of each size."""
+    limits: dict[str, Any] = {"tcp": []}
+    limits["memcpy_bytes"] = max(total, MEMCPY_MIN)
+    limits["memcpy_gbps"] = memcpy_gbps(limits["memcpy_bytes"])
+    for size in tcp_sizes:
+        step(f"limits: TCP loopback in {size // KiB} KiB blocks")
+        limits["tcp"].append({"size": size, "tcp_gbps": socket_gbps(max(total, 64 * MiB), size)})
+    return limits
+
+
+def codec_rows(
+    store: RemoteStore, spec: str, kv_tensors: list[torch.Tensor], total: int, thread_counts: list[int], run: str,
+    pool: ThreadPoolExecutor, step: Callable[[str], None],
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The codec alone, then :func:`bench_codec` on ``total`` bytes of KV for each number of threads."""
+    n = max(1, total // kv_tensors[0].nbytes)
+    step(f"{spec}: the codec alone")
+    enc, dec = codec_alone(parse_codec(spec), kv_tensors)
+    rows = []
+    for threads in thread_counts:
+        step(f"{spec}: {n} KV chunks, {threads} thread(s): encode+put, get+decode")
+        row = bench_codec(store, spec, kv_tensors, threads, n, run, pool)
+        rows.append({**row, "encode_gbps": enc, "decode_gbps": dec})
+    return rows
 
 
 # -- output -----------------------------------------------------------------------------------------------
@@ -351,11 +379,21 @@ def size_label(size: int) -> str:
     return f"{size // MiB} MiB" if size % MiB == 0 else f"{size // KiB} KiB"
 
 
+Index = dict[tuple[str, str, int, int], dict[str, Any]]  #: request rows by (op, client, size, threads)
+
+
 def render(results: dict[str, Any]) -> None:
+    index = {(r["op"], r["client"], r["size"], r["threads"]): r for r in results["requests"]}
+    render_requests(results, index)
+    if results["codecs"]:
+        render_codecs(results, index)
+
+
+def render_requests(results: dict[str, Any], index: Index) -> None:
+    """A table per op: RemoteStore beside boto3, a row per chunk size and number of threads."""
     tcp = {lim["size"]: lim["tcp_gbps"] for lim in results["limits"]["tcp"]}
     memcpy = results["limits"]["memcpy_gbps"]
     rows = results["requests"]
-    index = {(r["op"], r["client"], r["size"], r["threads"]): r for r in rows}
     per_cell = results["settings"]["bytes_per_cell"] // MiB
     console.print(f"[bold]S3[/]: {results['server']['server']}, {results['server']['endpoint']}")
     for op in ("put", "get"):
@@ -386,8 +424,13 @@ def render(results: dict[str, Any]) -> None:
         "GB/s over boto3's, minus 1.  Limits, same run: TCP loopback = one stream sending chunk-sized blocks; "
         f"memcpy = one thread copying {results['limits']['memcpy_bytes'] // MiB} MiB."
     )
-    if not results["codecs"]:
-        return
+
+
+def render_codecs(results: dict[str, Any], index: Index) -> None:
+    """KV through the tier: a row per codec and number of threads, beside the raw rows and the limits."""
+    tcp = {lim["size"]: lim["tcp_gbps"] for lim in results["limits"]["tcp"]}
+    memcpy = results["limits"]["memcpy_gbps"]
+    per_cell = results["settings"]["bytes_per_cell"] // MiB
     s = results["settings"]
     kv = s["kv_chunk_bytes"]
     table = Table(

@@ -44,7 +44,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +93,17 @@ def measure(one_pass: Callable[[], None], nbytes: int, ops: int, target_pid: int
     row = {"gbps": gbps(nbytes, median), "ops_s": ops / median, "cpu_s_per_gb": cpu / moved_gb}
     if target_pid:
         row["target_cpu_s_per_gb"] = (proc_cpu_s(target_pid) - tcpu0) / moved_gb
+    return row
+
+
+def cell(samples: Sequence[Sequence[float]], nbytes: int, ops: int) -> dict[str, float]:
+    """GB/s and ops/s of the median pass, from timed passes that each moved ``nbytes`` in ``ops`` operations:
+    ``(wall seconds, CPU seconds[, the target's CPU seconds])``; CPU-seconds per GB over all passes."""
+    median = statistics.median(s[0] for s in samples)
+    moved_gb = len(samples) * nbytes / 1e9
+    row = {"gbps": gbps(nbytes, median), "ops_s": ops / median, "cpu_s_per_gb": sum(s[1] for s in samples) / moved_gb}
+    if all(len(s) > 2 for s in samples):
+        row["target_cpu_s_per_gb"] = sum(s[2] for s in samples) / moved_gb
     return row
 
 
@@ -274,59 +285,16 @@ def nixl_rows(sizes: list[int], total: int) -> list[dict[str, Any]]:
 
 
 def pool_rows(sizes: list[int], total: int) -> list[dict[str, Any]]:
+    """Start a pool (embedded etcd, a local 2-node Ray cluster) and :func:`pool_cells` for each size, the client
+    on the second node, the chunks on the head's ``PoolNode``."""
     import ray
 
+    from kvpool.bench.node_client import close_clients, node_clients
     from kvpool.metadata.config import MetadataConfig
-    from kvpool.pool.client import PoolClient
     from kvpool.pool.config import PoolConfig
-    from kvpool.pool.keys import CacheIdentity, chunk_keys
     from kvpool.pool.node import start_pool, stop_pool
     from kvpool.servers.etcd import EmbeddedEtcd
     from kvpool.servers.ray_cluster import LocalRayCluster
-
-    ident = CacheIdentity(model="bench-transfer", kv_dtype="uint8", layout="bytes", chunk_size=1)
-
-    @ray.remote(num_cpus=0)
-    class RemoteSide:
-        """A client on the second node: puts onto the head node, and reads those chunks back from there."""
-
-        def __init__(self, config: PoolConfig) -> None:
-            self.client = PoolClient(config)
-
-        def ucx_tls(self) -> str:
-            return os.environ.get("UCX_TLS", "")
-
-        def put(self, keys: list[bytes], size: int, nodes: list[str]) -> tuple[float, float]:
-            data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
-            t0, c0 = time.perf_counter(), time.process_time()
-            self.client.put_batch([(k, data) for k in keys], nodes=nodes)
-            return time.perf_counter() - t0, time.process_time() - c0
-
-        def get(self, keys: list[bytes], size: int, batch: int) -> tuple[float, float]:
-            bufs = [np.empty(size, dtype=np.uint8) for _ in range(min(batch, len(keys)))]
-            for b in bufs:  # registered, as Mooncake's batch_get_into buffers are: READs land in them directly
-                self.client.register_buffer(b)
-            try:
-                t0, c0 = time.perf_counter(), time.process_time()
-                for i in range(0, len(keys), len(bufs)):
-                    chunk = keys[i : i + len(bufs)]
-                    self.client.get_into_batch(chunk, bufs[: len(chunk)])
-                return time.perf_counter() - t0, time.process_time() - c0
-            finally:
-                for b in bufs:
-                    self.client.unregister_buffer(b)
-
-        def remove(self, keys: list[bytes]) -> None:
-            for k in keys:
-                self.client.remove(k)
-
-        def close(self) -> None:
-            self.client.close()
-
-    def cell(samples: list[tuple[float, float]], nbytes: int, ops: int) -> dict[str, float]:
-        median = statistics.median(s for s, _ in samples)
-        cpu = sum(c for _, c in samples) / (len(samples) * nbytes / 1e9)
-        return {"gbps": gbps(nbytes, median), "ops_s": ops / median, "cpu_s_per_gb": cpu}
 
     rows: list[dict[str, Any]] = []
     with EmbeddedEtcd() as etcd, LocalRayCluster(nodes=2) as cluster:
@@ -335,38 +303,47 @@ def pool_rows(sizes: list[int], total: int) -> list[dict[str, Any]]:
             metadata=MetadataConfig(endpoints=(etcd.endpoint,), cluster="bench-transfer"),
             dram_bytes=total + 256 * MiB, nvme_bytes=-1, namespace=f"bench-{uuid.uuid4().hex[:6]}",
         )  # fmt: skip
-        remote = None
+        remote: list[Any] = []
         try:
             start_pool(config)
-            affinity = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(second, soft=False)
-            remote = RemoteSide.options(scheduling_strategy=affinity).remote(config)  # type: ignore[attr-defined]
-            seen = ray.get(remote.ucx_tls.remote())
+            remote = node_clients(config, [second])  # puts onto the head node, reads those chunks back from there
+            seen = ray.get(remote[0].ucx_tls.remote())
             if seen != os.environ["UCX_TLS"]:
                 raise RuntimeError(f"the Ray workers see UCX_TLS={seen!r}, not {os.environ['UCX_TLS']!r}")
             for size in sizes:
-                n = max(1, total // size)
-                keys = chunk_keys(ident, np.arange(n) + size)  # distinct keys per size
-                warm = chunk_keys(ident, np.arange(1) + 10_000 + size)
-                ray.get(remote.put.remote(warm, size, [head]))  # connects, registers the staging buffer
-                ray.get(remote.get.remote(warm, size, 8))
-                ray.get(remote.remove.remote(warm))
-                puts = []
-                for rep in range(REPEAT):  # keys name content: a stored key is not written again
-                    puts.append(ray.get(remote.put.remote(keys, size, [head])))
-                    if rep < REPEAT - 1:
-                        ray.get(remote.remove.remote(keys))
-                gets = [ray.get(remote.get.remote(keys, size, 8)) for _ in range(REPEAT)]
-                ray.get(remote.remove.remote(keys))
-                rows.append({"size_mib": size // MiB, "op": "put", **cell(puts, n * size, n)})
-                rows.append({"size_mib": size // MiB, "op": "get", **cell(gets, n * size, n)})
+                rows += pool_cells(remote[0], head, size, total)
                 progress(f"pool {size // MiB} MiB done")
         finally:
-            if remote is not None:
-                with contextlib.suppress(Exception):
-                    ray.get(remote.close.remote(), timeout=30)
-                ray.kill(remote)
+            close_clients(remote)
             stop_pool(config)
     return rows
+
+
+def pool_cells(remote: Any, head: str, size: int, total: int) -> list[dict[str, Any]]:
+    """The put and get rows of one value size: ``REPEAT`` timed passes of each by the ``NodeClient`` ``remote``
+    (puts all in one batch, gets 8 a call into registered buffers, as Mooncake's are)."""
+    import ray
+
+    from kvpool.pool.keys import CacheIdentity, chunk_keys
+
+    ident = CacheIdentity(model="bench-transfer", kv_dtype="uint8", layout="bytes", chunk_size=1)
+    n = max(1, total // size)
+    keys = chunk_keys(ident, np.arange(n) + size)  # distinct keys per size
+    warm = chunk_keys(ident, np.arange(1) + 10_000 + size)
+    ray.get(remote.put.remote(warm, size, head, batch=len(warm)))  # connects, registers the staging buffer
+    ray.get(remote.get_once.remote(warm, size))
+    ray.get(remote.remove.remote(warm))
+    puts = []
+    for rep in range(REPEAT):  # keys name content: a stored key is not written again
+        puts.append(ray.get(remote.put.remote(keys, size, head, batch=len(keys))))
+        if rep < REPEAT - 1:
+            ray.get(remote.remove.remote(keys))
+    gets = [ray.get(remote.get_once.remote(keys, size)) for _ in range(REPEAT)]
+    ray.get(remote.remove.remote(keys))
+    return [
+        {"size_mib": size // MiB, "op": "put", **cell(puts, n * size, n)},
+        {"size_mib": size // MiB, "op": "get", **cell(gets, n * size, n)},
+    ]
 
 
 def progress(message: str) -> None:
@@ -511,7 +488,7 @@ def run_mooncake(sizes: list[int], total: int) -> None:
     and measure; one RESULT line (``skipped`` if ``mooncake.store`` does not import)."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout in the parent: run the finally blocks
     try:
-        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig  # noqa: F401
     except ImportError as e:
         skipped = f"Mooncake Store comparison skipped: mooncake.store does not import ({e}); {MOONCAKE_INSTALL}"
         print("RESULT", json.dumps({"skipped": skipped}), flush=True)
@@ -520,139 +497,156 @@ def run_mooncake(sizes: list[int], total: int) -> None:
     t0 = time.perf_counter()
     env = {**os.environ, "GLOG_minloglevel": "1"}  # Mooncake logs every connection at INFO
     capacity = 2 * total + 2 * max(sizes)  # the values of one size stay well under its eviction watermark
-    batch_bytes = max(min(MOONCAKE_BATCH, max(1, total // size)) * size for size in sizes)
     rows: list[dict[str, Any]] = []
-    master = holder = store = None
-    registered: list[np.ndarray] = []
-    with tempfile.TemporaryFile() as log:
+    with tempfile.TemporaryFile() as log, contextlib.ExitStack() as stack:
         try:
-            port = free_port(MOONCAKE_MASTER)
-            master = subprocess.Popen(
-                [sys.executable, "-m", "mooncake.cli",  # execs the wheel's mooncake_master binary
-                 f"--rpc_address={MOONCAKE_MASTER}", f"--rpc_port={port}",
-                 f"--metrics_host={MOONCAKE_MASTER}", f"--metrics_port={free_port(MOONCAKE_MASTER)}"],
-                stdout=log, stderr=log, env=env, preexec_fn=die_with_parent,
-            )  # fmt: skip
-            wait_listening(MOONCAKE_MASTER, port, master)
-            address = f"{MOONCAKE_MASTER}:{port}"
-            holder = subprocess.Popen(
-                [sys.executable, SCRIPT, "--_mooncake_holder", address, str(capacity)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                env={**env, "MC_TCP_BIND_ADDRESS": MOONCAKE_HOLDER}, preexec_fn=die_with_parent,
-            )  # fmt: skip
-            assert holder.stdout is not None
-            segment = next((line.split()[1] for line in holder.stdout if line.startswith("SEGMENT ")), "")
-            if not segment:
-                raise RuntimeError(f"the Mooncake holder exited ({holder.wait()}) without a segment")
-
-            os.environ["MC_TCP_BIND_ADDRESS"] = MOONCAKE_READER  # read by setup
-            store = MooncakeDistributedStore()
-            rc = store.setup(MOONCAKE_READER, "P2PHANDSHAKE", MOONCAKE_READER_SEGMENT, 16 * MiB, "tcp", "", address)
-            if rc:
-                raise RuntimeError(f"the reader's MooncakeDistributedStore.setup returned {rc}")
-            src = np.random.default_rng(0).integers(0, 256, batch_bytes, dtype=np.uint8)
-            dst = np.ones(batch_bytes, dtype=np.uint8)  # pages faulted in now, not in the first get
-            for buf in (src, dst):
-                if store.register_buffer(buf.ctypes.data, buf.nbytes):
-                    raise RuntimeError("MooncakeDistributedStore.register_buffer failed")
-                registered.append(buf)
-            config = ReplicateConfig()
-            config.replica_num = 1
-            config.preferred_segment = segment
+            address = start_mooncake_master(stack, log, env)
+            holder, segment = start_mooncake_holder(stack, log, env, address, capacity)
+            batch_bytes = max(min(MOONCAKE_BATCH, max(1, total // size)) * size for size in sizes)
+            store, src, dst = mooncake_reader(stack, address, batch_bytes)
             for size in sizes:
-                rows += mooncake_cells(store, config, holder.pid, src, dst, size, total)
+                rows += mooncake_cells(store, segment, holder.pid, src, dst, size, total)
                 progress(f"{size // MiB} MiB done")
         except BaseException:
             log.seek(0)
             sys.stderr.write(log.read().decode(errors="replace")[-3000:])
             raise
-        finally:
-            if store is not None:
-                for buf in registered:
-                    store.unregister_buffer(buf.ctypes.data)
-                store.close()
-            if holder is not None:
-                stop_process(holder, quit_stdin=True)
-            if master is not None:
-                stop_process(master)
     print("RESULT", json.dumps({"rows": rows, "seconds": time.perf_counter() - t0}), flush=True)
 
 
+def start_mooncake_master(stack: contextlib.ExitStack, log: Any, env: dict[str, str]) -> str:
+    """``mooncake_master`` on ``MOONCAKE_MASTER`` (stopped when ``stack`` closes); returns its ``host:port``."""
+    port = free_port(MOONCAKE_MASTER)
+    master = subprocess.Popen(
+        [sys.executable, "-m", "mooncake.cli",  # execs the wheel's mooncake_master binary
+         f"--rpc_address={MOONCAKE_MASTER}", f"--rpc_port={port}",
+         f"--metrics_host={MOONCAKE_MASTER}", f"--metrics_port={free_port(MOONCAKE_MASTER)}"],
+        stdout=log, stderr=log, env=env, preexec_fn=die_with_parent,
+    )  # fmt: skip
+    stack.callback(stop_process, master)
+    wait_listening(MOONCAKE_MASTER, port, master)
+    return f"{MOONCAKE_MASTER}:{port}"
+
+
+def start_mooncake_holder(
+    stack: contextlib.ExitStack, log: Any, env: dict[str, str], address: str, capacity: int
+) -> tuple[subprocess.Popen[str], str]:
+    """Client A, a process of this script (stopped when ``stack`` closes); returns it and its segment's name."""
+    holder = subprocess.Popen(
+        [sys.executable, SCRIPT, "--_mooncake_holder", address, str(capacity)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+        env={**env, "MC_TCP_BIND_ADDRESS": MOONCAKE_HOLDER}, preexec_fn=die_with_parent,
+    )  # fmt: skip
+    stack.callback(stop_process, holder, quit_stdin=True)
+    assert holder.stdout is not None
+    segment = next((line.split()[1] for line in holder.stdout if line.startswith("SEGMENT ")), "")
+    if not segment:
+        raise RuntimeError(f"the Mooncake holder exited ({holder.wait()}) without a segment")
+    return holder, segment
+
+
+def mooncake_reader(stack: contextlib.ExitStack, address: str, nbytes: int) -> tuple[Any, np.ndarray, np.ndarray]:
+    """Client B in this process (closed when ``stack`` closes), with a registered source and destination buffer
+    of ``nbytes`` each."""
+    from mooncake.store import MooncakeDistributedStore
+
+    os.environ["MC_TCP_BIND_ADDRESS"] = MOONCAKE_READER  # read by setup
+    store = MooncakeDistributedStore()
+    stack.callback(store.close)
+    rc = store.setup(MOONCAKE_READER, "P2PHANDSHAKE", MOONCAKE_READER_SEGMENT, 16 * MiB, "tcp", "", address)
+    if rc:
+        raise RuntimeError(f"the reader's MooncakeDistributedStore.setup returned {rc}")
+    src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.ones(nbytes, dtype=np.uint8)  # pages faulted in now, not in the first get
+    for buf in (src, dst):
+        if store.register_buffer(buf.ctypes.data, buf.nbytes):
+            raise RuntimeError("MooncakeDistributedStore.register_buffer failed")
+        stack.callback(store.unregister_buffer, buf.ctypes.data)
+    return store, src, dst
+
+
+class MooncakeBatches:
+    """Client B's batched calls for one value size: ``MOONCAKE_BATCH`` values a call, put from ``src`` onto the
+    holder's segment and read back into ``dst``, each return code checked."""
+
+    def __init__(self, store: Any, segment: str, src: np.ndarray, dst: np.ndarray, size: int, batch: int) -> None:
+        from mooncake.store import ReplicateConfig
+
+        self.store, self.src, self.dst, self.size, self.batch = store, src, dst, size, batch
+        self.config = ReplicateConfig()
+        self.config.replica_num = 1
+        self.config.preferred_segment = segment
+
+    def _each_batch(self, call: Callable[..., list[int]], buf: np.ndarray, ks: list[str], *extra: Any) -> list[int]:
+        codes: list[int] = []
+        for i in range(0, len(ks), self.batch):
+            chunk = ks[i : i + self.batch]
+            ptrs = [buf.ctypes.data + j * self.size for j in range(len(chunk))]
+            codes += call(chunk, ptrs, [self.size] * len(chunk), *extra)
+        return codes
+
+    def put(self, ks: list[str]) -> None:
+        codes = self._each_batch(self.store.batch_put_from, self.src, ks, self.config)
+        if any(codes):
+            raise RuntimeError(f"batch_put_from returned {sorted(set(codes))}")
+
+    def get(self, ks: list[str]) -> None:
+        codes = self._each_batch(self.store.batch_get_into, self.dst, ks)
+        if any(c != self.size for c in codes):
+            raise RuntimeError(f"batch_get_into returned {sorted(set(codes))}, not {self.size}")
+
+    def remove(self, ks: list[str]) -> None:
+        codes = self.store.batch_remove(ks, True)  # force: a get leaves a lease on the value
+        if any(codes):
+            raise RuntimeError(f"batch_remove returned {sorted(set(codes))}")
+
+    def check_on_holder(self, ks: list[str]) -> None:
+        """Every value is in the holder's memory (endpoints: host:port of the holding client's transport)."""
+        descs = self.store.batch_get_replica_desc(ks)
+        hosts = {
+            r.get_memory_descriptor().buffer_descriptor.transport_endpoint.rsplit(":", 1)[0]
+            if r.is_memory_replica()
+            else "disk"
+            for k in ks
+            for r in descs[k]
+        }
+        if hosts != {MOONCAKE_HOLDER}:
+            raise RuntimeError(f"the values landed on {sorted(hosts)}, not only on the holder ({MOONCAKE_HOLDER})")
+
+
 def mooncake_cells(
-    store: Any, config: Any, holder_pid: int, src: np.ndarray, dst: np.ndarray, size: int, total: int
+    store: Any, segment: str, holder_pid: int, src: np.ndarray, dst: np.ndarray, size: int, total: int
 ) -> list[dict[str, Any]]:
     """Client B's put and get rows for one value size: ``REPEAT`` timed put passes (the keys removed between
     them: a key is not put twice), then ``REPEAT`` timed get passes; the last get's bytes checked."""
     n = max(1, total // size)
-    batch = min(MOONCAKE_BATCH, n)
+    calls = MooncakeBatches(store, segment, src, dst, size, min(MOONCAKE_BATCH, n))
     keys = [f"bench-{size}-{i}" for i in range(n)]
-
-    def each_batch(call: Callable[..., list[int]], buf: np.ndarray, ks: list[str], *extra: Any) -> list[int]:
-        codes: list[int] = []
-        for i in range(0, len(ks), batch):
-            chunk = ks[i : i + batch]
-            ptrs = [buf.ctypes.data + j * size for j in range(len(chunk))]
-            codes += call(chunk, ptrs, [size] * len(chunk), *extra)
-        return codes
-
-    def put(ks: list[str]) -> None:
-        codes = each_batch(store.batch_put_from, src, ks, config)
-        if any(codes):
-            raise RuntimeError(f"batch_put_from returned {sorted(set(codes))}")
-
-    def get(ks: list[str]) -> None:
-        codes = each_batch(store.batch_get_into, dst, ks)
-        if any(c != size for c in codes):
-            raise RuntimeError(f"batch_get_into returned {sorted(set(codes))}, not {size}")
-
-    def remove(ks: list[str]) -> None:
-        codes = store.batch_remove(ks, True)  # force: a get leaves a lease on the value
-        if any(codes):
-            raise RuntimeError(f"batch_remove returned {sorted(set(codes))}")
 
     def timed(step: Callable[[list[str]], None]) -> tuple[float, float, float]:
         t0, c0, h0 = time.perf_counter(), time.process_time(), proc_cpu_s(holder_pid)
         step(keys)
         return time.perf_counter() - t0, time.process_time() - c0, proc_cpu_s(holder_pid) - h0
 
-    def cell(samples: list[tuple[float, float, float]]) -> dict[str, float]:
-        median = statistics.median(s for s, _, _ in samples)
-        moved_gb = len(samples) * n * size / 1e9
-        return {
-            "gbps": gbps(n * size, median),
-            "ops_s": n / median,
-            "cpu_s_per_gb": sum(c for _, c, _ in samples) / moved_gb,
-            "target_cpu_s_per_gb": sum(h for _, _, h in samples) / moved_gb,
-        }
-
     warm = [f"warm-{size}"]  # connects (first size) and touches the segment's allocator
-    put(warm)
-    get(warm)
-    remove(warm)
+    calls.put(warm)
+    calls.get(warm)
+    calls.remove(warm)
     puts = []
     for rep in range(REPEAT):
-        puts.append(timed(put))
+        puts.append(timed(calls.put))
         if rep == 0:
-            descs = store.batch_get_replica_desc(keys)  # endpoints: host:port of the holding client's transport
-            hosts = {
-                r.get_memory_descriptor().buffer_descriptor.transport_endpoint.rsplit(":", 1)[0]
-                if r.is_memory_replica()
-                else "disk"
-                for k in keys
-                for r in descs[k]
-            }
-            if hosts != {MOONCAKE_HOLDER}:
-                raise RuntimeError(f"the values landed on {sorted(hosts)}, not only on the holder ({MOONCAKE_HOLDER})")
+            calls.check_on_holder(keys)
         if rep < REPEAT - 1:
-            remove(keys)
-    gets = [timed(get) for _ in range(REPEAT)]
-    last = n - (n - 1) // batch * batch  # values in the last batch, read into dst[: last * size]
+            calls.remove(keys)
+    gets = [timed(calls.get) for _ in range(REPEAT)]
+    last = n - (n - 1) // calls.batch * calls.batch  # values in the last batch, read into dst[: last * size]
     if not np.array_equal(dst[: last * size], src[: last * size]):
         raise RuntimeError(f"batch_get_into returned other bytes than were put ({size // MiB} MiB values)")
-    remove(keys)
+    calls.remove(keys)
     return [
-        {"size_mib": size // MiB, "op": "put", **cell(puts)},
-        {"size_mib": size // MiB, "op": "get", **cell(gets)},
+        {"size_mib": size // MiB, "op": "put", **cell(puts, n * size, n)},
+        {"size_mib": size // MiB, "op": "get", **cell(gets, n * size, n)},
     ]
 
 
@@ -692,7 +686,7 @@ def fmt(cell: dict[str, Any] | None, cpu: bool = True) -> str:
     return text + "[/dim]"
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,4,16,64", help="value sizes in MiB (default 1,4,16,64)")
     ap.add_argument("--mib-per-size", type=int, default=128, help="bytes moved per measurement, MiB (default 128)")
@@ -701,7 +695,50 @@ def main() -> None:
     ap.add_argument("--_target", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--_mooncake", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--_mooncake_holder", nargs=2, metavar=("MASTER", "BYTES"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def render(
+    floor: dict[str, list[dict[str, Any]]], workers: dict[str, dict[str, Any]], mooncake: dict[str, Any],
+    sizes: list[int], mib_per_size: int,
+) -> Table:  # fmt: skip
+    """One table: a row per path (and UCX setting), a column per value size."""
+    table = Table(
+        title=f"kvpool transfers, GB/s ({mib_per_size} MiB moved per cell, median of {REPEAT} passes)",
+        caption="under each figure: operations/s · CPU-seconds per GB (sockets: both ends, one process; NIXL: "
+        "initiator + target; pool: the client only)\npool: a client on node 2 puts to / gets from the pool node "
+        "on node 1 (NIXL WRITE / READ plus crc32c, Ray and etcd calls)\nMooncake Store (TCP): client B "
+        "batch_put_from's onto / batch_get_into's from client A's segment, 8 values per call, registered buffers "
+        "(CPU: B + A)",
+    )
+    table.add_column("path")
+    table.add_column("UCX_TLS")
+    for size in sizes:
+        table.add_column(f"{size // MiB} MiB", justify="right")
+
+    def cells(rows: list[dict[str, Any]], **match: str) -> list[str]:
+        found = {r["size_mib"]: r for r in rows if all(r.get(k) == v for k, v in match.items())}
+        return [fmt(found.get(size // MiB)) for size in sizes]
+
+    table.add_row("memcpy (np.copyto, 1 thread)", "", *cells(floor["memcpy"]))
+    table.add_row("TCP socket 127.0.0.1", "", *cells(floor["tcp_socket"]))
+    table.add_row("Unix socket", "", *cells(floor["unix_socket"]), end_section=True)
+    for part, ops, name in (
+        ("nixl", ("READ", "WRITE"), "NIXL {op}, 2 processes"),
+        ("pool", ("get", "put"), "pool remote {op}"),
+    ):
+        for op in ops:
+            for setting, result in workers.items():
+                table.add_row(name.format(op=op), SETTINGS[setting][0], *cells(result[part], op=op))
+        table.rows[-1].end_section = True
+    if mooncake.get("rows"):
+        for op, call in (("get", "batch_get_into"), ("put", "batch_put_from")):
+            table.add_row(f"Mooncake Store {op} ({call})", "(own TCP)", *cells(mooncake["rows"], op=op))
+    return table
+
+
+def main() -> None:
+    args = parse_args()
     if args._target:
         run_target(args._target)
         return
@@ -724,40 +761,7 @@ def main() -> None:
     console.print("machine limits measured")
     workers = {setting: spawn_worker(setting, args, console) for setting in SETTINGS}
     mooncake = mooncake_figures(args, console)
-
-    table = Table(
-        title=f"kvpool transfers, GB/s ({args.mib_per_size} MiB moved per cell, median of {REPEAT} passes)",
-        caption="under each figure: operations/s · CPU-seconds per GB (sockets: both ends, one process; NIXL: "
-        "initiator + target; pool: the client only)\npool: a client on node 2 puts to / gets from the pool node "
-        "on node 1 (NIXL WRITE / READ plus crc32c, Ray and etcd calls)\nMooncake Store (TCP): client B "
-        "batch_put_from's onto / batch_get_into's from client A's segment, 8 values per call, registered buffers "
-        "(CPU: B + A)",
-    )
-    table.add_column("path")
-    table.add_column("UCX_TLS")
-    for size in sizes:
-        table.add_column(f"{size // MiB} MiB", justify="right")
-
-    def by_size(rows: list[dict[str, Any]], **match: str) -> list[dict[str, Any] | None]:
-        found = {r["size_mib"]: r for r in rows if all(r.get(k) == v for k, v in match.items())}
-        return [found.get(size // MiB) for size in sizes]
-
-    table.add_row("memcpy (np.copyto, 1 thread)", "", *(fmt(c) for c in by_size(floor["memcpy"])))
-    table.add_row("TCP socket 127.0.0.1", "", *(fmt(c) for c in by_size(floor["tcp_socket"])))
-    table.add_row("Unix socket", "", *(fmt(c) for c in by_size(floor["unix_socket"])), end_section=True)
-    for part, ops, name in (
-        ("nixl", ("READ", "WRITE"), "NIXL {op}, 2 processes"),
-        ("pool", ("get", "put"), "pool remote {op}"),
-    ):
-        for op in ops:
-            for setting, result in workers.items():
-                table.add_row(name.format(op=op), SETTINGS[setting][0], *(fmt(c) for c in by_size(result[part], op=op)))
-        table.rows[-1].end_section = True
-    if mooncake.get("rows"):
-        for op, call in (("get", "batch_get_into"), ("put", "batch_put_from")):
-            cells = by_size(mooncake["rows"], op=op)
-            table.add_row(f"Mooncake Store {op} ({call})", "(own TCP)", *(fmt(c) for c in cells))
-    console.print(table)
+    console.print(render(floor, workers, mooncake, sizes, args.mib_per_size))
     console.print(mooncake["status"], markup=False)
     elapsed = time.perf_counter() - t0
     figures = {

@@ -24,6 +24,8 @@ import re
 import statistics
 import tempfile
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,21 +79,29 @@ def ttft(engine: EngineProcess, prompts: list[list[int]], reset: bool = False) -
     return statistics.median(seconds), cached
 
 
+@dataclass
+class Cases:
+    """The rows of one run, and fresh prompts (never seen by any engine) for each case."""
+
+    tokens: int  #: prompt length
+    repeat: int  #: prompts per case
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    seeds: Iterator[int] = field(default_factory=lambda: iter(range(1, 1000)))
+
+    def fresh(self) -> list[list[int]]:
+        return [prompt(next(self.seeds), self.tokens) for _ in range(self.repeat)]
+
+    def add(self, name: str, seconds: float | None, cached: int = 0, note: str = "") -> None:
+        self.rows.append({"case": name, "ttft_s": seconds, "cached_tokens": cached, "note": note})
+        console.print(f"  {name}: " + (f"{seconds:.3f} s, {cached} tokens cached" if seconds is not None else note))
+
+
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     path, longest, shape = model_dir(args.model, work)
     tokens = min(args.tokens, longest - 8)
     kv_bytes = tokens * shape["layers"] * 2 * shape["kv_heads"] * shape["head_size"] * 4  # float32
     settings = {"model": str(path), "max_model_len": tokens + 8}
-    rows: list[dict[str, Any]] = []
-    seeds = iter(range(1, 1000))
-
-    def fresh() -> list[list[int]]:
-        return [prompt(next(seeds), tokens) for _ in range(args.repeat)]
-
-    def add(name: str, seconds: float | None, cached: int = 0, note: str = "") -> None:
-        rows.append({"case": name, "ttft_s": seconds, "cached_tokens": cached, "note": note})
-        console.print(f"  {name}: " + (f"{seconds:.3f} s, {cached} tokens cached" if seconds is not None else note))
-
+    cases = Cases(tokens, args.repeat)
     limits = {"memcpy_gbps": memcpy_gbps()}
     console.print(
         f"[bold]{args.model}[/]: {tokens} tokens, KV {kv_bytes / MiB:.0f} MiB; memcpy {limits['memcpy_gbps']:.1f} GB/s"
@@ -102,45 +112,14 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         metadata = MetadataConfig(endpoints=(etcd.endpoint,), cluster=f"bench-{uuid.uuid4().hex[:8]}")
         pool = PoolConfig(metadata=metadata, dram_bytes=args.dram_mib * MiB, nvme_bytes=args.dram_mib * MiB)
         start_pool(pool)
-        ids = cluster.node_ids()
         extra = {
             "etcd": [etcd.endpoint], "cluster": metadata.cluster, "namespace": pool.namespace,
             "ray_address": cluster.address, "model_id": f"bench-{args.model}", "chunk_size": args.chunk_size,
         }  # fmt: skip
         try:
-            with EngineProcess(settings, work / "plain.log") as plain:
-                ttft(plain, [prompt(999, 64)])  # warm-up: the first forward of an engine is slow
-                cold = fresh()
-                add("cold (no connector)", *ttft(plain, cold))
-                add("vLLM prefix-cache hit", *ttft(plain, cold))
-            warm = fresh()
-            with EngineProcess({**settings, "connector": {**extra, "node_ip": "127.0.0.2"}}, work / "a.log") as a:
-                ttft(a, [prompt(998, 64)])
-                add("kvpool: cold + save (kv_both)", *ttft(a, warm))
-            with EngineProcess({**settings, "connector": {**extra, "node_ip": "127.0.0.2"}}, work / "b.log") as b:
-                ttft(b, [prompt(997, 64)])
-                add("kvpool: restart, same node", *ttft(b, warm, reset=True))
-                pd = fresh()
-                producer = {**settings, "role": "kv_producer", "connector": {**extra, "node_ip": "127.0.0.3"}}
-                with EngineProcess(producer, work / "producer.log") as p:
-                    add("kvpool: P/D producer, cold + save (kv_producer)", *ttft(p, pd))
-                add(f"kvpool: P/D (prefill {ids[1][:8]}, decode {ids[0][:8]})", *ttft(b, pd, reset=True))
-                totals = b.ask(connector=True)["totals"]
-                if totals.get("load_errors"):
-                    console.print(
-                        f"[yellow]  {int(totals['load_errors'])} blocks failed to load and were recomputed[/]"
-                    )
-            for name, transfer in vllm_connectors(work, kv_bytes, args.repeat).items():
-                try:
-                    with EngineProcess({**settings, "kv_transfer": transfer}, work / f"{name}.log") as e:
-                        ttft(e, [prompt(996, 64)])
-                        prompts = fresh()
-                        ttft(e, prompts)  # computes and stores
-                        add(f"vLLM {name}", *ttft(e, prompts, reset=True))
-                except RuntimeError as exc:
-                    lines = str(exc).splitlines()
-                    reason = next((ln for ln in reversed(lines) if re.search(r"(Error|Exception)\b", ln)), lines[0])
-                    add(f"vLLM {name}", None, note=f"does not run here: {reason.split(']: ')[-1].strip()[:120]}")
+            plain_cases(settings, work, cases)
+            kvpool_cases(settings, extra, cluster.node_ids(), work, cases)
+            vllm_cases(settings, vllm_connectors(work, kv_bytes, args.repeat), work, cases)
         finally:
             stop_pool(pool)
 
@@ -151,8 +130,52 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "kv_bytes": kv_bytes,
         "repeat": args.repeat,
         "limits": limits,
-        "rows": rows,
+        "rows": cases.rows,
     }
+
+
+def plain_cases(settings: dict[str, Any], work: Path, cases: Cases) -> None:
+    """No connector: a cold prompt, then the same prompt again (vLLM's own prefix cache)."""
+    with EngineProcess(settings, work / "plain.log") as plain:
+        ttft(plain, [prompt(999, 64)])  # warm-up: the first forward of an engine is slow
+        cold = cases.fresh()
+        cases.add("cold (no connector)", *ttft(plain, cold))
+        cases.add("vLLM prefix-cache hit", *ttft(plain, cold))
+
+
+def kvpool_cases(settings: dict[str, Any], extra: dict[str, Any], ids: list[str], work: Path, cases: Cases) -> None:
+    """With kvpool's connector: engine A saves, a fresh engine B on the same node reloads, and B answers what a
+    producer on the other node prefilled."""
+    warm = cases.fresh()
+    with EngineProcess({**settings, "connector": {**extra, "node_ip": "127.0.0.2"}}, work / "a.log") as a:
+        ttft(a, [prompt(998, 64)])
+        cases.add("kvpool: cold + save (kv_both)", *ttft(a, warm))
+    with EngineProcess({**settings, "connector": {**extra, "node_ip": "127.0.0.2"}}, work / "b.log") as b:
+        ttft(b, [prompt(997, 64)])
+        cases.add("kvpool: restart, same node", *ttft(b, warm, reset=True))
+        pd = cases.fresh()
+        producer = {**settings, "role": "kv_producer", "connector": {**extra, "node_ip": "127.0.0.3"}}
+        with EngineProcess(producer, work / "producer.log") as p:
+            cases.add("kvpool: P/D producer, cold + save (kv_producer)", *ttft(p, pd))
+        cases.add(f"kvpool: P/D (prefill {ids[1][:8]}, decode {ids[0][:8]})", *ttft(b, pd, reset=True))
+        totals = b.ask(connector=True)["totals"]
+        if totals.get("load_errors"):
+            console.print(f"[yellow]  {int(totals['load_errors'])} blocks failed to load and were recomputed[/]")
+
+
+def vllm_cases(settings: dict[str, Any], connectors: dict[str, dict[str, Any]], work: Path, cases: Cases) -> None:
+    """vLLM's own connectors: the prompt again after ``reset_prefix_cache``, or why one does not run here."""
+    for name, transfer in connectors.items():
+        try:
+            with EngineProcess({**settings, "kv_transfer": transfer}, work / f"{name}.log") as e:
+                ttft(e, [prompt(996, 64)])
+                prompts = cases.fresh()
+                ttft(e, prompts)  # computes and stores
+                cases.add(f"vLLM {name}", *ttft(e, prompts, reset=True))
+        except RuntimeError as exc:
+            lines = str(exc).splitlines()
+            reason = next((ln for ln in reversed(lines) if re.search(r"(Error|Exception)\b", ln)), lines[0])
+            cases.add(f"vLLM {name}", None, note=f"does not run here: {reason.split(']: ')[-1].strip()[:120]}")
 
 
 def vllm_connectors(work: Path, kv_bytes: int, repeat: int) -> dict[str, dict[str, Any]]:

@@ -14,6 +14,7 @@ from kvpool.errors import (
     KvPoolError,
     MalformedRecord,
     MetadataUnavailable,
+    NodeUnreachable,
     PoolFull,
     TransferError,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "KvPoolError",
     "MalformedRecord",
     "MetadataUnavailable",
+    "NodeUnreachable",
     "PoolFull",
     "TransferError",
     "__version__",

@@ -4,6 +4,8 @@ import threading
 import time
 from typing import Protocol
 
+from kvpool.errors import ConfigError
+
 
 class Clock(Protocol):
     def monotonic(self) -> float:
@@ -42,7 +44,7 @@ class ManualClock:
 
     def advance(self, seconds: float) -> None:
         if seconds < 0:
-            raise ValueError(f"seconds must be >= 0, got {seconds}")
+            raise ConfigError(f"seconds must be >= 0, got {seconds}")
         with self._lock:
             self._now += seconds
 

@@ -50,6 +50,11 @@ class TransferError(KvPoolError):
     the pool treats the chunk as a miss on that replica."""
 
 
+class NodeUnreachable(TransferError):
+    """A pool node is dead, stopped, or did not answer in time.  A read moves on to another replica (and is a miss
+    if none is left); a put to it fails: put again, and the pool picks live nodes (``kvpool status`` lists them)."""
+
+
 class WorkerUnavailable(KvPoolError):
     """A prefill or decode worker of a service died or cannot be reached; restart the service."""
 

@@ -16,7 +16,8 @@ from typing import Any
 from kvpool.errors import MalformedRecord, MetadataUnavailable
 from kvpool.metadata.client import EtcdClient, KeyValue, WatchStream
 from kvpool.metadata.namespace import Namespace
-from kvpool.metadata.records import NodeRecord, Placement, Tier
+from kvpool.metadata.records import decode_node, decode_placement
+from kvpool.pool.types import NodeRecord, Placement, Tier
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +121,10 @@ class MetadataCache:
         try:
             if key.startswith(ns.chunks):
                 chunk, node = ns.parse_replica(key)
-                chunks.setdefault(chunk, {})[node] = Placement.decode(chunk, node, value)
+                chunks.setdefault(chunk, {})[node] = decode_placement(chunk, node, value)
             elif key.startswith(ns.nodes):
                 node_id = ns.parse_node(key)
-                nodes[node_id] = NodeRecord.decode(node_id, value)
+                nodes[node_id] = decode_node(node_id, value)
         except (MalformedRecord, ValueError) as exc:
             self.malformed += 1
             log.warning("metadata cache: skipping %s: %s", key.decode(errors="replace"), exc)
@@ -144,10 +145,6 @@ class MetadataCache:
             pass  # a key we never decoded
 
     # -- queries --------------------------------------------------------------------------------------
-
-    @property
-    def synced(self) -> bool:
-        return self._synced
 
     @property
     def revision(self) -> int:
@@ -205,7 +202,7 @@ class MetadataCache:
     def bytes_held(self, node_id: str, tier: Tier) -> int:
         """Bytes of the replicas ``node_id`` holds in ``tier``, from the placements (always current)."""
         with self._cond:
-            return sum(p.length for r in self._chunks.values() if (p := r.get(node_id)) and p.tier is tier)
+            return sum(p.stored for r in self._chunks.values() if (p := r.get(node_id)) and p.tier is tier)
 
     def replica_count(self, node_id: str | None = None) -> int:
         with self._cond:

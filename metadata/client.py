@@ -184,11 +184,6 @@ class EtcdClient:
                 out.append(r)
         return bool(ok), out
 
-    @staticmethod
-    def absent(key: bytes) -> Any:
-        """Compare: the key does not exist."""
-        return etcd_txn.Create(key) == 0
-
     # -- leases ---------------------------------------------------------------------------------------
 
     def grant_lease(self, ttl_s: int, deadline_s: float | None = None) -> int:

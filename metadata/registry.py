@@ -1,18 +1,15 @@
 """The node registry: one record per live node, bound to that node's lease."""
 
-import logging
 import threading
 from collections.abc import Callable
 from dataclasses import replace
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
-from kvpool.errors import MalformedRecord
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.lease import LeaseKeeper
 from kvpool.metadata.namespace import Namespace
-from kvpool.metadata.records import NodeRecord
-
-log = logging.getLogger(__name__)
+from kvpool.metadata.records import encode_node
+from kvpool.pool.types import NodeRecord
 
 
 class NodeRegistration:
@@ -37,7 +34,7 @@ class NodeRegistration:
         self.namespace = namespace
         self.clock = clock
         self._lock = threading.Lock()
-        self._record = replace(record, started=record.started or clock.time(), updated=clock.time())
+        self._record = replace(record, started=record.started or clock.time())
         self._first = True
         self._user_callback = on_new_lease
         self.keeper = LeaseKeeper(etcd, ttl_s, self._publish_on, clock=clock, name=f"node {record.node_id}")
@@ -59,7 +56,7 @@ class NodeRegistration:
 
     def _publish_on(self, lease_id: int) -> None:
         with self._lock:
-            self.etcd.put(self.namespace.node(self.node_id), self._record.encode(), lease=lease_id)
+            self.etcd.put(self.namespace.node(self.node_id), encode_node(self._record), lease=lease_id)
         if not self._first and self._user_callback is not None:
             self._user_callback(lease_id)
         self._first = False
@@ -69,8 +66,8 @@ class NodeRegistration:
         if record.node_id != self.node_id:
             raise ValueError(f"record is for node {record.node_id!r}, this registration is {self.node_id!r}")
         with self._lock:
-            self._record = replace(record, started=self._record.started, updated=self.clock.time())
-            self.etcd.put(self.namespace.node(self.node_id), self._record.encode(), lease=self.lease_id)
+            self._record = replace(record, started=self._record.started)
+            self.etcd.put(self.namespace.node(self.node_id), encode_node(self._record), lease=self.lease_id)
 
     def close(self, revoke: bool = True) -> None:
         """Leave the pool: with ``revoke``, the record and every placement on the lease go at once."""
@@ -78,7 +75,7 @@ class NodeRegistration:
 
 
 class NodeRegistry:
-    """Reads and joins the registry of one cluster."""
+    """Joins the registry of one cluster (readers use :class:`~kvpool.metadata.cache.MetadataCache`)."""
 
     def __init__(self, etcd: EtcdClient, namespace: Namespace, ttl_s: int, *, clock: Clock = SYSTEM_CLOCK) -> None:
         self.etcd = etcd
@@ -97,17 +94,3 @@ class NodeRegistry:
             self.etcd, self.namespace, record, self.ttl_s,
             clock=self.clock, on_new_lease=on_new_lease, keep_alive=keep_alive,
         )  # fmt: skip
-
-    def nodes(self) -> list[NodeRecord]:
-        """Every live node (straight from etcd); malformed records are logged and skipped."""
-        out = []
-        for kv in self.etcd.get_prefix(self.namespace.nodes):
-            try:
-                out.append(NodeRecord.decode(self.namespace.parse_node(kv.key), kv.value))
-            except MalformedRecord as exc:
-                log.warning("skipping node record %s: %s", kv.key.decode(errors="replace"), exc)
-        return out
-
-    def get(self, node_id: str) -> NodeRecord | None:
-        kv = self.etcd.get(self.namespace.node(node_id))
-        return NodeRecord.decode(node_id, kv.value) if kv else None

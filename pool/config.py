@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 from kvpool.errors import ConfigError
 from kvpool.metadata.config import MetadataConfig
-from kvpool.pool.tiers.codecs import parse_codec
-from kvpool.pool.tiers.s3 import RemoteConfig
+from kvpool.pool.tiers.s3_config import RemoteConfig, check_codec
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -60,7 +59,7 @@ class PoolConfig:
         if not isinstance(self.remote, RemoteConfig):
             raise ConfigError(f"remote must be a RemoteConfig, got {type(self.remote).__name__}")
         try:
-            parse_codec(self.nvme_codec)
+            check_codec(self.nvme_codec)
         except ConfigError as exc:
             raise ConfigError(f"nvme_codec: {exc}") from None
         for name in ("shm_dir", "nvme_dir", "namespace", "metrics_host"):

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
-from kvpool.metadata.records import Tier
+from kvpool.errors import ConfigError
+from kvpool.pool.types import Tier
 
 
 @dataclass
@@ -31,7 +32,7 @@ class EvictionPolicy:
 
     def add(self, key: bytes, tier: Tier, size: int, *, replicated: bool = False) -> None:
         if key in self._chunks:
-            raise ValueError(f"chunk {key.hex()[:16]} is already tracked")
+            raise ConfigError(f"chunk {key.hex()[:16]} is already tracked")
         self._chunks[key] = ChunkState(tier, size, self.clock.time(), next(self._seq), replicated=replicated)
 
     def state(self, key: bytes) -> ChunkState:
@@ -58,7 +59,7 @@ class EvictionPolicy:
     def unpin(self, key: bytes) -> None:
         st = self._chunks[key]
         if st.pins <= 0:
-            raise ValueError(f"chunk {key.hex()[:16]} is not pinned")
+            raise ConfigError(f"chunk {key.hex()[:16]} is not pinned")
         st.pins -= 1
 
     def lru(self, tier: Tier) -> Iterator[bytes]:
@@ -72,9 +73,6 @@ class EvictionPolicy:
         order = list(self.lru(tier))
         yield from (k for k in order if self._chunks[k].replicated)
         yield from (k for k in order if not self._chunks[k].replicated)
-
-    def bytes_in(self, tier: Tier) -> int:
-        return sum(st.size for st in self._chunks.values() if st.tier is tier)
 
     def count(self, tier: Tier) -> int:
         return sum(1 for st in self._chunks.values() if st.tier is tier)

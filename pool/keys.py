@@ -74,6 +74,28 @@ def check_key(key: Any, field: str = "key") -> bytes:
     return key
 
 
+def check_list(value: Any, field: str) -> list[Any]:
+    """``value`` as a list if it is a list or tuple; ``ConfigError`` naming ``field`` otherwise."""
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{field} must be a list, got {type(value).__name__} {value!r:.60}")
+    return list(value)
+
+
+def check_keys(keys: Any, field: str = "keys") -> list[bytes]:
+    """``keys`` if it is a list of chunk keys; ``ConfigError`` naming ``field`` (and the index) otherwise."""
+    return [check_key(k, f"{field}[{i}]") for i, k in enumerate(check_list(keys, field))]
+
+
+def check_items(items: Any, field: str = "items") -> list[tuple[bytes, Any]]:
+    """``items`` if it is a list of ``(chunk key, data)`` pairs; ``ConfigError`` naming the bad one otherwise."""
+    out = []
+    for i, item in enumerate(check_list(items, field)):
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise ConfigError(f"{field}[{i}] must be a (key, data) pair, got {item!r:.60}")
+        out.append((check_key(item[0], f"{field}[{i}] key"), item[1]))
+    return out
+
+
 def parse_key(text: Any, field: str = "key") -> bytes:
     """A chunk key written as ``2 * KEY_BYTES`` hex digits (``key.hex()``, as ``kvpool ls`` shows it; surrounding
     whitespace ignored) → its bytes; ``ConfigError`` naming ``field`` otherwise."""

@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvpool.clock import SYSTEM_CLOCK, Clock
+from kvpool.errors import ConfigError
 from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.gds import nvme_io_path
 
@@ -38,7 +40,7 @@ _COUNTERS = {
 
 #: upper bounds (seconds) of the client get latency histogram; one batched get is one observation
 GET_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-SOURCES = ("local", "remote", "remote_tier")  #: this node, another node, the S3 tier
+SOURCES = ("local", "peer", "remote_tier")  #: this node, another node, the S3 tier
 
 
 @dataclass
@@ -65,6 +67,14 @@ class ClientStats:
             self.get_bytes[source] += n
         self.get_buckets[bisect.bisect_left(GET_SECONDS_BUCKETS, seconds)] += 1
         self.get_seconds += seconds
+
+    def add_engine(self, counts: dict[str, float]) -> None:
+        if not isinstance(counts, dict) or not all(
+            isinstance(k, str) and isinstance(n, (int, float)) and not isinstance(n, bool) for k, n in counts.items()
+        ):
+            raise ConfigError(f"counts must be a dict of names to numbers, got {counts!r:.80}")
+        for name, n in counts.items():
+            self.engine[name] = self.engine.get(name, 0) + n
 
     def merge(self, other: "ClientStats") -> None:
         self.lookup_hits += other.lookup_hits
@@ -126,6 +136,21 @@ class ClientStats:
             seconds.add_metric([node_id, direction], self.engine.get(f"{direction}_seconds", 0))
             errors.add_metric([node_id, direction], self.engine.get(f"{direction}_errors", 0))
         yield from (tokens, moved, seconds, errors)
+
+
+class StatsReporter:
+    """A client's :class:`ClientStats`, handed to its node's ``PoolNode`` (``node``; None: the client's Ray node has
+    no pool node, so nobody to report to) at most about once every ``period_s``, without waiting."""
+
+    def __init__(self, node: Any, period_s: float = 1.0, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.node, self.period_s, self.clock = node, period_s, clock
+        self.seen, self._sent_at = ClientStats(), clock.monotonic()
+
+    def report(self, force: bool = False) -> None:
+        if self.node is None or not self.seen or (not force and self.clock.monotonic() - self._sent_at < self.period_s):
+            return
+        self.node.report_clients.remote(self.seen)
+        self.seen, self._sent_at = ClientStats(), self.clock.monotonic()
 
 
 class StoreCollector(Collector):

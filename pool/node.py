@@ -12,92 +12,37 @@ the chunk stays on NVMe, marked as having a copy, so a full NVMe drops it first.
 import contextlib
 import logging
 import os
-import re
 import shutil
 import socket
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, CorruptChunk, MetadataUnavailable, RemoteUnavailable
+from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, MetadataUnavailable, RemoteUnavailable
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
-from kvpool.metadata.records import NodeRecord, Placement, SegmentInfo, Tier
 from kvpool.metadata.registry import NodeRegistry
+from kvpool.pool.chunks import SEGMENT_NAMES, Change, ChangeKind, Reservation, StoredChunk, short
 from kvpool.pool.config import PoolConfig
+from kvpool.pool.flush import FLUSH_BYTES, Flusher
 from kvpool.pool.metrics import ClientStats, StoreCollector, serve_metrics
-from kvpool.pool.segment import DramSegment, NvmeSegment
-from kvpool.pool.store import SEGMENT_NAMES, Change, ChangeKind, ChunkStore, Reservation, StoredChunk, short
+from kvpool.pool.node_handle import NodeInfo, Settled, actor_name
+from kvpool.pool.segment import DramSegment, NvmeSegment, reap_stale_segments
+from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.gds import nvme_io_path
 from kvpool.pool.tiers.s3 import RemoteStore
+from kvpool.pool.types import NodeRecord, Placement, SegmentInfo, Tier
 from kvpool.transport.nixl import NixlTransport
 
 log = logging.getLogger(__name__)
 RECORD_REFRESH_S = 1.0  #: the node record's usage figures lag by at most this
-FLUSH_BYTES = 64 << 20  #: one flush turn uploads at most this much (the node serves no call meanwhile)
-FLUSH_THREADS = 4  #: concurrent uploads in a flush turn
-
-
-_SEGMENT_FILE = re.compile(r"^kvpool-(?:nvme-)?[0-9a-f]{16}-(\d+)(?:\.seg|\.nvme|-\w+)$")
-
-
-def reap_stale_segments(*directories: str) -> None:
-    """Remove segment files and NVMe temp dirs left by pool nodes that were killed (``ray.kill`` and
-    crashes run no cleanup).  Their names carry the owner's pid; a live pid is left alone."""
-    for directory in directories:
-        for entry in os.scandir(directory):
-            m = _SEGMENT_FILE.match(entry.name)
-            if m is None or _alive(int(m[1])):
-                continue
-            log.info("removing %s, left by dead pool node process %s", entry.path, m[1])
-            if entry.is_dir():
-                shutil.rmtree(entry.path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def actor_name(node_id: str) -> str:
-    return f"kvpool-node-{node_id}"
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    node_id: str
-    dram_path: str  #: the shared-memory file a same-node client maps
-    dram_capacity: int
-    nvme_capacity: int
-    nvme_direct: bool  #: O_DIRECT in use on the NVMe segment
-    nvme_path: str  #: the NVMe segment's file ("" without one), which a same-node client reads into device memory
-    metrics_address: str  #: host:port of its Prometheus endpoint ("" if off)
-
-
-@dataclass(frozen=True)
-class Settled:
-    """What a batch of moves or removes left behind: the etcd revision that shows it, and the keys left as
-    they were because a reader had them pinned (the caller waits for the read and asks again)."""
-
-    revision: int
-    busy: list[bytes]
 
 
 class PoolNode:
@@ -120,11 +65,11 @@ class PoolNode:
             promote_on_hit=config.promote_on_hit, alignment=config.alignment, codecs={Tier.NVME: config.nvme_codec},
         )  # fmt: skip
         self.store.counters.update(flushed=0, flushed_bytes=0, remote_errors=0)
-        self._flush_pause, self._flush_not_before = 0.0, 0.0  #: back-off after a refused flush (1 s .. 60 s)
-        self.remote = RemoteStore(config.remote, config.metadata.cluster) if config.remote.enabled else None
-        if self.remote is not None:
+        self.s3 = RemoteStore(config.remote, config.metadata.cluster) if config.remote.enabled else None
+        self.flusher = None if self.s3 is None else Flusher(self.s3, config.remote, self.store)
+        if self.s3 is not None:
             try:
-                self.remote.check()
+                self.s3.check()
             except RemoteUnavailable as exc:  # the pool runs without it; flushes retry every turn
                 self.store.counters["remote_errors"] += 1
                 log.warning("remote tier not usable yet: %s", exc)
@@ -160,11 +105,9 @@ class PoolNode:
         )  # fmt: skip
 
     def _placement(self, chunk: StoredChunk) -> Placement:
-        now = time.time()
         return Placement(
-            key=chunk.key, node=self.node_id, tier=chunk.tier, segment=chunk.segment, offset=chunk.offset,
-            length=chunk.length, checksum=chunk.checksum, codec=chunk.codec, created=now, last_access=now,
-            size=chunk.raw_size,
+            key=chunk.key, node=self.node_id, tier=chunk.tier, offset=chunk.offset, stored=chunk.stored,
+            size=chunk.size, checksum=chunk.checksum, codec=chunk.codec,
         )  # fmt: skip
 
     def _publish(self) -> int:
@@ -181,7 +124,7 @@ class PoolNode:
         lease = self.registration.lease_id
         try:
             if puts:
-                self.placements.publish(puts, lease, if_absent=False)
+                self.placements.publish(puts, lease)
             if drops:
                 self.placements.delete(drops)
         except MetadataUnavailable:
@@ -209,14 +152,14 @@ class PoolNode:
         flush idle NVMe chunks to the remote tier every quarter of ``flush_after_s`` (at least every 0.1 s,
         at most every half TTL), one turn at a time."""
         period = self.config.reservation_ttl_s / 2
-        if self.remote is not None:
+        if self.s3 is not None:
             period = min(period, max(self.config.remote.flush_after_s / 4, 0.1))
         reaped_at = time.monotonic()
         while not self._closing.wait(period):
             if time.monotonic() - reaped_at >= self.config.reservation_ttl_s / 2:
                 me.reap.remote()
                 reaped_at = time.monotonic()
-            if self.remote is not None:
+            if self.s3 is not None:
                 try:
                     ray.get(me.flush.remote(), timeout=max(60.0, 4 * self.config.remote.timeout_s))
                 except Exception as exc:  # a flush that failed is retried next turn; one during shutdown is moot
@@ -225,7 +168,7 @@ class PoolNode:
 
     def _republish(self, lease_id: int) -> None:
         """The lease was lost and replaced: every placement on the old one is gone; publish them again."""
-        self.placements.publish([self._placement(c) for c in self.store.chunks()], lease_id, if_absent=False)
+        self.placements.publish([self._placement(c) for c in self.store.chunks()], lease_id)
         self.registration.update(self._record())
 
     # -- the actor's calls -----------------------------------------------------------------------------
@@ -350,48 +293,23 @@ class PoolNode:
         return reaped
 
     def flush(self, max_bytes: int = FLUSH_BYTES) -> int:
-        """Upload NVMe chunks idle for ``remote.flush_after_s`` to the remote tier (least recently used first,
-        at most ``max_bytes`` a turn), encoded with ``remote.codec``, and publish their remote placements on
-        no lease.  Returns how many were flushed.  A remote error leaves the chunks on NVMe, unflushed: the
-        next turn tries again; nothing is lost."""
-        if self.remote is None or time.monotonic() < self._flush_not_before:
+        """Upload NVMe chunks idle for ``remote.flush_after_s`` to the S3 tier (a :class:`Flusher` turn) and
+        publish their S3 placements on no lease.  Returns how many were flushed.  A failed upload leaves the
+        chunks on NVMe, unflushed: a later turn tries again; nothing is lost."""
+        if self.flusher is None or not self.flusher.due():
             return 0
-        rc = self.config.remote
-        ready = []
-        for chunk in self.store.idle(Tier.NVME, rc.flush_after_s, max_bytes):
-            with contextlib.suppress(CorruptChunk):  # dropped, and published below
-                ready.append((chunk, self.store.encoded(chunk.key, rc.codec)))
-        remote = self.remote
-        with ThreadPoolExecutor(FLUSH_THREADS, thread_name_prefix="kvpool-flush") as pool:
-            uploads = [(c, r, pool.submit(remote.put, c.key, r.codec, r.data)) for c, r in ready]
-        now, placements, error = time.time(), [], None
-        for chunk, recoded, upload in uploads:
-            try:
-                upload.result()
-            except RemoteUnavailable as exc:
-                error = exc
-                continue
-            placement = Placement(
-                key=chunk.key, node=rc.name, tier=Tier.REMOTE, segment=rc.bucket, offset=0, length=len(recoded.data),
-                checksum=recoded.checksum, codec=recoded.codec, created=now, last_access=now, size=chunk.raw_size,
-            )  # fmt: skip
-            placements.append(placement)
-        self._flush_pause = 0.0 if error is None else min(max(2 * self._flush_pause, 1.0), 60.0)
-        self._flush_not_before = time.monotonic() + self._flush_pause  # the node serves no call during a turn
-        if error is not None:
-            self.store.counters["remote_errors"] += 1
-            log.warning("flush to the remote tier: %d of %d chunks not uploaded: %s", len(uploads) - len(placements), len(uploads), error)  # fmt: skip
+        placements = self.flusher.turn(max_bytes)
         with contextlib.suppress(MetadataUnavailable):
             self._publish()  # chunks found corrupt
         try:
-            self.placements.publish(placements, 0, if_absent=False)  # no lease: the copy outlives this node
+            self.placements.publish(placements, 0)  # no lease: the copy outlives this node
         except MetadataUnavailable as exc:
             self.etcd_errors += 1
             log.warning("flushed %d chunks but could not publish them (retried next turn): %s", len(placements), exc)
             return 0
-        self.store.mark_remote(p.key for p in placements)
+        self.store.mark_in_s3(p.key for p in placements)
         self.store.counters["flushed"] += len(placements)
-        self.store.counters["flushed_bytes"] += sum(p.length for p in placements)
+        self.store.counters["flushed_bytes"] += sum(p.stored for p in placements)
         return len(placements)
 
     def audit(self) -> list[str]:
@@ -411,7 +329,7 @@ class PoolNode:
             problems.append(f"placement of {short(key)} names a chunk this node does not hold")
         for key in held.keys() & published.keys():
             c, p = held[key], published[key]
-            if (c.tier, c.offset, c.length, c.checksum, c.codec) != (p.tier, p.offset, p.length, p.checksum, p.codec):
+            if (c.tier, c.offset, c.stored, c.checksum, c.codec) != (p.tier, p.offset, p.stored, p.checksum, p.codec):
                 problems.append(f"chunk {short(key)}: held as {c}, published as {p}")
         return problems
 
@@ -434,7 +352,7 @@ class PoolNode:
             "nvme_io": nvme_io_path().name,  #: NVMe <-> GPU: gds (cuFile), kvikio-compat or posix (see pool/tiers/gds.py)
             "nvme_io_reason": nvme_io_path().reason,
             "codecs": {Tier.DRAM.value: "raw", Tier.NVME.value: self.config.nvme_codec}
-            | ({Tier.REMOTE.value: self.config.remote.codec} if self.remote else {}),
+            | ({Tier.REMOTE.value: self.config.remote.codec} if self.s3 else {}),
             **self.store.counters,
         }
 
@@ -444,8 +362,8 @@ class PoolNode:
         self.registration.close(revoke=True)
         self.etcd.close()
         self.transport.close()
-        if self.remote is not None:
-            self.remote.close()
+        if self.s3 is not None:
+            self.s3.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()

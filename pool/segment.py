@@ -10,11 +10,14 @@ Neither knows who owns which range: the allocator hands out disjoint ranges.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
 import mmap
 import os
+import re
+import shutil
 import threading
 import uuid
 from abc import ABC, abstractmethod
@@ -44,7 +47,7 @@ def _create_file(directory: str, name: str | None, suffix: str, capacity: int, r
     Returns ``(path, fd)`` with ``fd`` open read/write.  On any failure the file is removed again.
     """
     if capacity <= 0:
-        raise ValueError(f"segment capacity must be > 0 bytes, got {capacity}")
+        raise ConfigError(f"segment capacity must be > 0 bytes, got {capacity}")
     path = os.path.join(directory, f"kvpool-{name or uuid.uuid4().hex}.{suffix}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -66,9 +69,9 @@ def _buffer(data: Buffer, writable: bool = False) -> memoryview:
     """A flat byte view of any C-contiguous buffer (bytes, bytearray, memoryview, numpy array)."""
     with memoryview(data) as view:
         if not view.c_contiguous:
-            raise ValueError("buffer must be C-contiguous")
+            raise ConfigError("buffer must be C-contiguous")
         if writable and view.readonly:
-            raise ValueError("destination buffer is read-only")
+            raise ConfigError("destination buffer is read-only")
         return view.cast("B")
 
 
@@ -82,7 +85,7 @@ class _Segment(ABC):
 
     def _check(self, offset: int, length: int) -> None:
         if offset < 0 or length < 0 or offset + length > self.capacity:
-            raise ValueError(f"range [{offset}, {offset + length}) is outside segment [0, {self.capacity})")
+            raise ConfigError(f"range [{offset}, {offset + length}) is outside segment [0, {self.capacity})")
 
     @abstractmethod
     def close(self) -> None:
@@ -133,12 +136,12 @@ class DramSegment(_Segment):
         size = os.fstat(fd).st_size
         if not 0 < capacity <= size:
             os.close(fd)
-            raise ValueError(f"cannot attach {capacity} bytes of {path}: the file holds {size} bytes")
+            raise ConfigError(f"cannot attach {capacity} bytes of {path}: the file holds {size} bytes")
         return cls(path, capacity, fd, owner=False)
 
     def _map(self, offset: int, length: int) -> mmap.mmap:
         if self._mm is None:
-            raise ValueError(f"segment {self.path} is closed")
+            raise ConfigError(f"segment {self.path} is closed")
         self._check(offset, length)
         return self._mm
 
@@ -240,9 +243,9 @@ class NvmeSegment(_Segment):
 
     def _fd_for(self, offset: int, length: int) -> int:
         if self._fd is None:
-            raise ValueError(f"segment {self.path} is closed")
+            raise ConfigError(f"segment {self.path} is closed")
         if offset % ALIGN:
-            raise ValueError(f"offset {offset} is not a multiple of {ALIGN}")
+            raise ConfigError(f"offset {offset} is not a multiple of {ALIGN}")
         self._check(offset, length)
         return self._fd
 
@@ -302,3 +305,32 @@ def _transfer(op: Callable[[int, list[memoryview], int], int], fd: int, buf: mem
         if moved == 0:
             raise OSError(errno.EIO, f"unexpected end of file at byte {offset + done} of fd {fd}")
         done += moved
+
+
+_SEGMENT_FILE = re.compile(r"^kvpool-(?:nvme-)?[0-9a-f]{16}-(\d+)(?:\.seg|\.nvme|-\w+)$")
+
+
+def reap_stale_segments(*directories: str) -> None:
+    """Remove segment files and NVMe temp dirs left by pool nodes that were killed (``ray.kill`` and
+    crashes run no cleanup).  Their names carry the owner's pid; a live pid is left alone."""
+    for directory in directories:
+        for entry in os.scandir(directory):
+            m = _SEGMENT_FILE.match(entry.name)
+            if m is None or _alive(int(m[1])):
+                continue
+            logger.info("removing %s, left by dead pool node process %s", entry.path, m[1])
+            if entry.is_dir():
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -16,92 +16,22 @@ promoted; its checksum is verified before either, so a corrupt chunk is dropped,
 one-sided, straight into their buffers.
 """
 
-import enum
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
-
-import crc32c
+from dataclasses import replace
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, CorruptChunk, KvPoolError, PoolFull
-from kvpool.metadata.records import Tier
 from kvpool.pool.allocator import OffsetAllocator
+from kvpool.pool.chunks import Change, ChangeKind, Recoded, Reservation, StoredChunk, check_checksum, checksum, short
 from kvpool.pool.config import Watermarks
 from kvpool.pool.eviction import EvictionPolicy
 from kvpool.pool.keys import check_key
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import Buffer, TensorFormat, parse_codec, transcode
+from kvpool.pool.types import Tier
 
 log = logging.getLogger(__name__)
-
-SEGMENT_NAMES = {Tier.DRAM: "dram0", Tier.NVME: "nvme0"}
-
-
-def checksum(data: Buffer) -> int:
-    """The checksum of stored bytes, as placements record it (crc32c)."""
-    return int(crc32c.crc32c(data))
-
-
-@dataclass(frozen=True)
-class StoredChunk:
-    key: bytes
-    tier: Tier
-    offset: int
-    length: int  #: bytes stored (after the codec)
-    checksum: int  #: of the stored bytes
-    codec: str = "raw"  #: how the stored bytes encode the chunk ("raw": they are the chunk)
-    size: int = 0  #: bytes of the chunk itself, what a reader gets (0: ``length``)
-    fmt: TensorFormat | None = None  #: the chunk's tensor format, if it was put as a tensor
-    remote: bool = False  #: a copy is in the remote tier (flushed), so dropping this one loses nothing
-
-    @property
-    def segment(self) -> str:
-        return SEGMENT_NAMES[self.tier]
-
-    @property
-    def raw_size(self) -> int:
-        return self.size or self.length
-
-
-@dataclass(frozen=True)
-class Recoded:
-    """A chunk's bytes under some codec (see :meth:`ChunkStore.encoded`)."""
-
-    data: Buffer
-    codec: str
-    fmt: TensorFormat | None
-    checksum: int
-
-
-class ChangeKind(enum.Enum):
-    ADDED = "added"
-    MOVED = "moved"
-    DROPPED = "dropped"
-
-
-@dataclass(frozen=True)
-class Change:
-    kind: ChangeKind
-    chunk: StoredChunk
-
-
-@dataclass(frozen=True)
-class Reservation:
-    key: bytes
-    offset: int  #: where to write in the DRAM segment
-    length: int
-    already_stored: bool = False  #: the key is held already (keys name content): nothing to write
-    at: float = 0.0  #: when it was made (the store's monotonic clock): an unpublished one expires
-
-
-def _check_checksum(checksum: int) -> None:
-    if not isinstance(checksum, int) or isinstance(checksum, bool) or not 0 <= checksum < 2**64:
-        raise ConfigError(f"checksum must be an int in [0, 2**64), got {checksum!r:.60}")
-
-
-def short(key: bytes) -> str:
-    return key.hex()[:16] if isinstance(key, bytes) else f"{key!r:.16}"
 
 
 class ChunkStore:
@@ -171,7 +101,7 @@ class ChunkStore:
         self, key: bytes, checksum: int, *, replicated: bool = False, fmt: TensorFormat | None = None
     ) -> StoredChunk:
         """Make a reserved chunk visible (then migrate by watermark); ``fmt``: its tensor format, if any."""
-        _check_checksum(checksum)
+        check_checksum(checksum)
         if fmt is not None and not isinstance(fmt, TensorFormat):
             raise ConfigError(f"fmt must be a TensorFormat or None, got {type(fmt).__name__}")
         r = self._reserved.get(check_key(key))
@@ -181,7 +111,7 @@ class ChunkStore:
             self.abort(key)
             raise ConfigError(f"chunk {short(key)}: {r.length} bytes reserved, its format {fmt} has {fmt.nbytes}")
         del self._reserved[key]
-        chunk = StoredChunk(key, Tier.DRAM, r.offset, r.length, checksum, size=r.length, fmt=fmt)
+        chunk = StoredChunk(key, Tier.DRAM, r.offset, stored=r.length, size=r.length, checksum=checksum, fmt=fmt)
         self._chunks[key] = chunk
         self.policy.add(key, Tier.DRAM, self.allocators[Tier.DRAM].size_of(r.offset), replicated=replicated)
         self.counters["puts"] += 1
@@ -199,7 +129,7 @@ class ChunkStore:
     def put(
         self, key: bytes, data: memoryview, checksum: int, *, replicated: bool = False, fmt: TensorFormat | None = None
     ) -> StoredChunk:
-        _check_checksum(checksum)
+        check_checksum(checksum)
         r = self.reserve(key, data.nbytes)
         if r.already_stored:
             return self._chunks[key]
@@ -241,8 +171,8 @@ class ChunkStore:
         chunk = self._require(key)
         seg = self.segments[chunk.tier]
         if isinstance(seg, DramSegment):
-            return bytes(seg.view(chunk.offset, chunk.length))
-        return bytes(seg.read(chunk.offset, chunk.length))
+            return bytes(seg.view(chunk.offset, chunk.stored))
+        return bytes(seg.read(chunk.offset, chunk.stored))
 
     def _require(self, key: bytes) -> StoredChunk:
         chunk = self._chunks.get(key) if isinstance(key, bytes) else None
@@ -319,7 +249,7 @@ class ChunkStore:
         it has to be re-encoded and its bytes fail their checksum."""
         target = self.codecs.get(tier, "raw") if chunk.fmt is not None else "raw"
         recoded = self.encoded(chunk.key, target) if target != chunk.codec else None
-        length = chunk.length if recoded is None else len(recoded.data)
+        length = chunk.stored if recoded is None else len(recoded.data)
         self.policy.pin(chunk.key)  # not a victim of the room we make for it
         try:
             offset = self._allocate(tier, length)
@@ -330,9 +260,9 @@ class ChunkStore:
         if recoded is not None:
             data = recoded.data
         elif isinstance(src, DramSegment):
-            data = src.view(chunk.offset, chunk.length)
+            data = src.view(chunk.offset, chunk.stored)
         else:
-            data = src.read(chunk.offset, chunk.length)
+            data = src.read(chunk.offset, chunk.stored)
         try:
             dst.write(offset, data)
         finally:
@@ -341,7 +271,7 @@ class ChunkStore:
         self.allocators[chunk.tier].free(chunk.offset)
         moved = replace(chunk, tier=tier, offset=offset)
         if recoded is not None:
-            moved = replace(moved, length=length, checksum=recoded.checksum, codec=recoded.codec, fmt=recoded.fmt)
+            moved = replace(moved, stored=length, checksum=recoded.checksum, codec=recoded.codec, fmt=recoded.fmt)
             if recoded.codec != chunk.codec:
                 self.counters["encoded" if recoded.codec != "raw" else "decoded"] += 1
         self._chunks[chunk.key] = moved
@@ -414,19 +344,19 @@ class ChunkStore:
             chunk = self._chunks[key]
             if now - self.policy.state(key).last_access < idle_s:
                 break
-            if chunk.remote:
+            if chunk.in_s3:
                 continue
-            if out and total + chunk.length > max_bytes:
+            if out and total + chunk.stored > max_bytes:
                 break
             out.append(chunk)
-            total += chunk.length
+            total += chunk.stored
         return out
 
-    def mark_remote(self, keys: Iterable[bytes]) -> None:
+    def mark_in_s3(self, keys: Iterable[bytes]) -> None:
         """These chunks have a copy in the remote tier now: a full tier drops them first."""
         for key in keys:
             if (chunk := self._chunks.get(key)) is not None:
-                self._chunks[key] = replace(chunk, remote=True)
+                self._chunks[key] = replace(chunk, in_s3=True)
                 self.policy.state(key).replicated = True
 
     # -- state -----------------------------------------------------------------------------------------

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvpool.errors import ChunkNotFound
-from kvpool.metadata.records import Placement
+from kvpool.errors import ChunkNotFound, ConfigError
 from kvpool.pool.client import PoolClient
 from kvpool.pool.keys import CacheIdentity
+from kvpool.pool.types import Placement
 from kvpool.prefill_decode.layout import KVBuffer, KVLayout
 
 
@@ -163,7 +163,7 @@ class PoolConnector:
             for key in chunk:
                 nearest = self._nearest(key)
                 if nearest is not None:
-                    out[(nearest.tier.value, nearest.node)] += nearest.raw_size
+                    out[(nearest.tier.value, nearest.node)] += nearest.size
         return out
 
     def _nearest(self, key: bytes) -> Placement | None:
@@ -196,11 +196,11 @@ class PoolConnector:
         all); ``pipelined`` (per-layer layout only) fetches on a thread, layer by layer, for
         :meth:`Loading.attached` to wait on."""
         if not 0 < chunks <= len(keys):
-            raise ValueError(f"chunks must be in [1, {len(keys)}], got {chunks}")
-        remote = any(
+            raise ConfigError(f"chunks must be in [1, {len(keys)}], got {chunks}")
+        from_peer = any(
             (p := self._nearest(k)) is not None and p.node != self.client.node_id for ks in keys[:chunks] for k in ks
         )
-        buffer = KVBuffer(self.layout, chunks, storage=self._buffer_storage(chunks, register=remote))
+        buffer = KVBuffer(self.layout, chunks, storage=self._buffer_storage(chunks, register=from_peer))
         by_round: dict[int, tuple[list[bytes], list[torch.Tensor]]] = {}
         for c, layer, view in buffer.object_views():
             ks, vs = by_round.setdefault(max(layer, 0), ([], []))

@@ -2,8 +2,18 @@
 
 The first request prefills the whole prompt and puts its KV into the pool; the second finds the prefix
 there and reloads it.  The document is long enough (about 850 tokens with SmolLM2's tokenizer and chat
-template) that most of it falls in full 256-token chunks.
+template) that most of it falls in full 256-token chunks.  :func:`run_demo` asks over a running
+``Service``; :func:`local_demo` brings the whole stack up first (``kvpool.stack``) and tears it down after.
 """
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpool.prefill_decode.service import Completion, Service
+    from kvpool.stack import Report, StackConfig
+
+MODELS = ("smollm2-135m", "tiny-llama")  #: the models the demo runs on (the first is the default)
 
 DOCUMENT = """\
 Operations log of the Orion inference cluster, week 47.
@@ -53,3 +63,39 @@ QUESTION = "Which node lost power on Tuesday, for how long, and did any request 
 
 def demo_prompt() -> str:
     return f"{DOCUMENT}\nQuestion: {QUESTION}\nAnswer briefly."
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """The same prompt twice: ``cold`` computed its KV, ``warm`` should have reloaded it from the pool."""
+
+    prompt_tokens: int
+    cold: "Completion"
+    warm: "Completion"
+    answer: str  #: the warm answer's text ("" for a model without a tokenizer)
+
+    @property
+    def speedup(self) -> float:
+        return self.cold.ttft_s / self.warm.ttft_s
+
+
+def run_demo(service: "Service", max_tokens: int = 32) -> DemoRun:
+    """Ask the demo question twice over ``service``: cold TTFT (computed), then warm TTFT (reloaded)."""
+    if service.tokenizer is not None:
+        tokens = service.tokenize(demo_prompt(), chat=True)
+    else:  # a random-weight model: any tokens will do
+        tokens = [(i * 7919) % 4096 for i in range(1500)]
+    cold = service.complete_sync(tokens, max_tokens)
+    warm = service.complete_sync(tokens, max_tokens)
+    return DemoRun(len(tokens), cold, warm, service.detokenize(warm.tokens).strip())
+
+
+def local_demo(model: str = MODELS[0], config: "StackConfig | None" = None, report: "Report | None" = None) -> DemoRun:
+    """The whole demo on a stack of its own (by default: embedded etcd, one local Ray node, one PoolNode)."""
+    from kvpool.errors import ConfigError
+    from kvpool.stack import StackConfig, demo_service, running_pool
+
+    if model not in MODELS:
+        raise ConfigError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
+    with running_pool(config or StackConfig(), report) as pool, demo_service(pool, model, report) as service:
+        return run_demo(service)

@@ -113,7 +113,7 @@ class KVBuffer:
         if storage is None:
             storage = torch.empty(numel, dtype=lay.dtype, pin_memory=pin)
         elif storage.dtype != lay.dtype or storage.numel() < numel or not storage.is_contiguous():
-            raise ValueError(f"storage must be a contiguous {lay.dtype} tensor of at least {numel} elements")
+            raise ConfigError(f"storage must be a contiguous {lay.dtype} tensor of at least {numel} elements")
         self.tensor = storage[:numel].view(shape)
 
     def object_views(self) -> Iterator[tuple[int, int, torch.Tensor]]:
@@ -162,7 +162,7 @@ class KVBuffer:
             held: Any = cache.layers[layer]
             k, v = held.keys, held.values
             if k is None or v is None or k.shape[0] != 1 or k.shape[-2] < stop:
-                raise ValueError(f"layer {layer} of the cache holds fewer than {stop} tokens of one sequence")
+                raise ConfigError(f"layer {layer} of the cache holds fewer than {stop} tokens of one sequence")
             dk, dv = self.layer_kv(layer)
             dk.copy_(k[..., start:stop, :], non_blocking=non_blocking)
             dv.copy_(v[..., start:stop, :], non_blocking=non_blocking)

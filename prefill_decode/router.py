@@ -7,7 +7,7 @@ tiers.  Every decision is logged and counted, so ``stats()`` says how often the 
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,32 @@ class Route:
         return self.cached_chunks if self.decision.action is Action.RELOAD else 0
 
 
+def decide(cost: CostModel, prompt_tokens: int, cached_tokens: int, by_tier: Mapping[str, int]) -> Decision:
+    """Reload the cached prefix, or recompute the prompt: the pure decision behind :meth:`Router.route`.
+
+    ``by_tier`` holds the bytes of the cached prefix by the tier a read would take them from; the prefix's tokens
+    are shared out by those bytes and priced at each tier's bandwidth.  The last prompt token is always computed.
+    """
+    recompute = cost.prefill_s(prompt_tokens)
+    total = sum(by_tier.values())
+    if cached_tokens == 0 or total == 0:
+        return Decision(Action.RECOMPUTE, prompt_tokens, 0, "-", recompute, recompute)
+    reload = cost.hardware.latency_s
+    reload += sum(_transfer_s(cost, round(cached_tokens * b / total), t) for t, b in by_tier.items())
+    reload += cost.prefill_s(prompt_tokens, min(cached_tokens, prompt_tokens - 1))
+    action = Action.RELOAD if reload < recompute else Action.RECOMPUTE
+    return Decision(action, prompt_tokens, cached_tokens, "+".join(sorted(by_tier)), reload, recompute)
+
+
+def _transfer_s(cost: CostModel, tokens: int, tier: str) -> float:
+    """``CostModel.transfer_s``; a tier without a measured figure (this node has no NVMe, but the chunk
+    sits on another node's) is priced at the slowest tier known, or as never worth reloading."""
+    bandwidth = cost.hardware.bandwidth
+    if tier in bandwidth:
+        return cost.transfer_s(tokens, tier)
+    return cost.kv_bytes(tokens) / min(bandwidth.values()) if bandwidth else float("inf")
+
+
 class Router:
     def __init__(self, connector: PoolConnector, cost: CostModel) -> None:
         self.connector = connector
@@ -45,37 +71,22 @@ class Router:
         cached = self.connector.cached_chunks(keys)
         by_place = self.connector.sources(keys, cached)
         cached_tokens = min(cached * self.connector.layout.chunk_size, n) if by_place else 0  # gone meanwhile
-        recompute = self.cost.prefill_s(n)
-        if cached_tokens == 0:
-            decision = Decision(Action.RECOMPUTE, n, 0, "-", recompute, recompute)
-        else:
-            by_tier: Counter[str] = Counter()
-            for (tier, _), nbytes in by_place.items():
-                by_tier[tier] += nbytes
-            total = sum(by_tier.values())
-            # the prefix's tokens, shared out by where their bytes are; the last prompt token is always computed
-            reload = self.cost.hardware.latency_s
-            reload += sum(self._transfer_s(round(cached_tokens * b / total), t) for t, b in by_tier.items())
-            reload += self.cost.prefill_s(n, min(cached_tokens, n - 1))
-            action = Action.RELOAD if reload < recompute else Action.RECOMPUTE
-            decision = Decision(action, n, cached_tokens, "+".join(sorted(by_tier)), reload, recompute)
-        route = Route(decision, keys, cached, {f"{t}@{node[:12]}": b for (t, node), b in by_place.items()})
+        by_tier: Counter[str] = Counter()
+        for (tier, _), nbytes in by_place.items():
+            by_tier[tier] += nbytes
+        decision = decide(self.cost, n, cached_tokens, by_tier)
+        self.count(decision)
+        log.info("route %s", decision)
+        return Route(decision, keys, cached, {f"{t}@{node[:12]}": b for (t, node), b in by_place.items()})
+
+    def count(self, decision: Decision) -> None:
+        """Add one routed request to :meth:`stats`."""
         self.counts["requests"] += 1
         self.counts[decision.action.value] += 1
-        self.counts["cached_tokens"] += cached_tokens
-        self.counts["prompt_tokens"] += n
-        if cached_tokens == 0:
+        self.counts["cached_tokens"] += decision.cached_tokens
+        self.counts["prompt_tokens"] += decision.prompt_tokens
+        if decision.cached_tokens == 0:
             self.counts["misses"] += 1
-        log.info("route %s", decision)
-        return route
-
-    def _transfer_s(self, tokens: int, tier: str) -> float:
-        """``CostModel.transfer_s``; a tier without a measured figure (this node has no NVMe, but the chunk
-        sits on another node's) is priced at the slowest tier known, or as never worth reloading."""
-        bandwidth = self.cost.hardware.bandwidth
-        if tier in bandwidth:
-            return self.cost.transfer_s(tokens, tier)
-        return self.cost.kv_bytes(tokens) / min(bandwidth.values()) if bandwidth else float("inf")
 
     def stats(self) -> dict[str, Any]:
         c = self.counts

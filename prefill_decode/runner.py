@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvpool.errors import ChunkNotFound
+from kvpool.errors import ChunkNotFound, ConfigError
 from kvpool.pool.keys import token_array
 from kvpool.prefill_decode.connector import LoadTimes, PoolConnector
 from kvpool.prefill_decode.model import LoadedModel, forward, kv_cache
@@ -61,13 +61,13 @@ class ModelRunner:
         from :meth:`PoolConnector.keys`) from the pool."""
         arr = token_array(tokens)
         if not arr.size:
-            raise ValueError("the prompt is empty: give at least one token")
+            raise ConfigError("the prompt is empty: give at least one token")
         prompt: list[int] = arr.tolist()
         ids = torch.from_numpy(arr.astype("int64")).to(self.loaded.device).unsqueeze(0)
         t0 = time.perf_counter()
         if reuse_chunks:
             if self.connector is None:
-                raise ValueError("reuse_chunks needs a runner with a PoolConnector")
+                raise ConfigError("reuse_chunks needs a runner with a PoolConnector")
             try:
                 return self._prefill_reusing(prompt, ids, keys, reuse_chunks, t0)
             except ChunkNotFound as exc:
@@ -103,7 +103,7 @@ class ModelRunner:
     def save(self, prefilled: Prefilled, keys: Sequence[Sequence[bytes]], skip_chunks: int = 0) -> int:
         """Put the prompt's full chunks from ``skip_chunks`` on (those before are in the pool); bytes put."""
         if self.connector is None:
-            raise ValueError("save needs a runner with a PoolConnector")
+            raise ConfigError("save needs a runner with a PoolConnector")
         return self.connector.save(prefilled.cache, keys, skip_chunks)
 
     @torch.no_grad()
@@ -113,7 +113,7 @@ class ModelRunner:
         """Greedy tokens after the prompt (``first_token`` as given by the prefill worker, if any);
         stops after ``max_new_tokens`` or at ``eos``."""
         if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+            raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         token = prefilled.first_token if first_token is None else int(first_token)
         out = [token]
         cache: Any = prefilled.cache

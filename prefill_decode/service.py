@@ -90,6 +90,32 @@ def _error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind}}, status=status)
 
 
+def _completion(service: Service, tokens: list[int], done: Completion) -> dict[str, Any]:
+    """The OpenAI-style body of a finished completion, with kvpool's timings beside it."""
+    finish = "stop" if service.eos is not None and done.tokens[-1] == service.eos else "length"
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex[:24]}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": service.model,
+        "choices": [
+            {"index": 0, "text": service.detokenize(done.tokens), "tokens": done.tokens,
+             "finish_reason": finish, "logprobs": None}
+        ],
+        "usage": {
+            "prompt_tokens": len(tokens),
+            "completion_tokens": len(done.tokens),
+            "total_tokens": len(tokens) + len(done.tokens),
+        },
+        "kvpool": {
+            "ttft_s": done.ttft_s,
+            "total_s": done.total_s,
+            "prefill": asdict(done.prefill.summary),
+            "decode": asdict(done.decode.summary),
+        },
+    }  # fmt: skip
+
+
 def make_app(service: Service) -> web.Application:
     async def completions(request: web.Request) -> web.Response:
         try:
@@ -111,30 +137,7 @@ def make_app(service: Service) -> web.Application:
         except KvPoolError as exc:
             log.warning("completion failed: %s", exc)
             return _error(503, f"{type(exc).__name__}: {exc}", "server_error")
-        finish = "stop" if service.eos is not None and done.tokens[-1] == service.eos else "length"
-        return web.json_response(
-            {
-                "id": f"cmpl-{uuid.uuid4().hex[:24]}",
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": service.model,
-                "choices": [
-                    {"index": 0, "text": service.detokenize(done.tokens), "tokens": done.tokens,
-                     "finish_reason": finish, "logprobs": None}
-                ],
-                "usage": {
-                    "prompt_tokens": len(tokens),
-                    "completion_tokens": len(done.tokens),
-                    "total_tokens": len(tokens) + len(done.tokens),
-                },
-                "kvpool": {
-                    "ttft_s": done.ttft_s,
-                    "total_s": done.total_s,
-                    "prefill": asdict(done.prefill.summary),
-                    "decode": asdict(done.decode.summary),
-                },
-            }
-        )  # fmt: skip
+        return web.json_response(_completion(service, tokens, done))
 
     async def models(_: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": service.model, "object": "model"}]})

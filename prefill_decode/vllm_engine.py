@@ -25,6 +25,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvpool.errors import WorkerUnavailable
+
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
@@ -102,7 +104,9 @@ class EngineProcess:
                 return line[len(prefix) :].strip()
         code = self.proc.wait()
         self._log.flush()
-        raise RuntimeError(f"engine exited ({code}) before {prefix.strip()}; its log:\n{self.log.read_text()[-6000:]}")
+        raise WorkerUnavailable(
+            f"engine exited ({code}) before {prefix.strip()}; its log:\n{self.log.read_text()[-6000:]}"
+        )
 
     def ask(self, **cmd: Any) -> Any:
         assert self.proc.stdin is not None

@@ -1,8 +1,10 @@
 """Shared fixtures: one real etcd server for the session, a fresh cluster namespace per test; one real S3 server
-(SeaweedFS) for the session, a fresh bucket per test."""
+(SeaweedFS) for the session, a fresh bucket per test.  Every test is marked by the folder it lives in: ``integration``
+(tests/integration/) or ``faults`` (tests/faults/); tests/unit/ needs no server (``make test-fast``)."""
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -14,7 +16,7 @@ from kvpool.metadata.namespace import Namespace
 from kvpool.servers.etcd import EmbeddedEtcd
 
 if TYPE_CHECKING:  # imported lazily below: tests without S3 do not pay for boto3
-    from kvpool.pool.tiers.s3 import RemoteConfig
+    from kvpool.pool.tiers.s3_config import RemoteConfig
     from kvpool.servers.seaweedfs import SeaweedServer
 
 
@@ -74,7 +76,7 @@ def s3_server() -> "Iterator[SeaweedServer]":
 @pytest.fixture
 def s3_bucket(s3_server: "SeaweedServer") -> "Iterator[RemoteConfig]":
     """A ``RemoteConfig`` for a fresh bucket of the session's S3 server (deleted afterwards), flushing after 0.5 s."""
-    from kvpool.pool.tiers.s3 import RemoteConfig
+    from kvpool.pool.tiers.s3_config import RemoteConfig
 
     bucket = f"kvpool-{uuid.uuid4().hex[:10]}"
     s3_server.create_bucket(bucket)
@@ -93,3 +95,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--soak-s", type=float, default=60.0, help="How long tests/faults/test_soak.py runs its traffic (seconds)."
     )
+
+
+#: the marker each top-level folder of tests/ gives its tests (declared in pyproject.toml)
+FOLDER_MARKERS = {"integration": pytest.mark.integration, "faults": pytest.mark.faults}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    for item in items:
+        path = Path(item.path)
+        if path.is_relative_to(tests) and (mark := FOLDER_MARKERS.get(path.relative_to(tests).parts[0])):
+            item.add_marker(mark)

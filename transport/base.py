@@ -9,9 +9,11 @@ or raises :class:`TransferError` within its timeout, never hangs.
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import cache
+from typing import Annotated, Literal, TypeVar
 
-import msgpack
+import msgspec
+from msgspec import Meta, Struct
 
 from kvpool.errors import ConfigError, TransferError
 
@@ -88,25 +90,69 @@ def is_int_in(value: object, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
 
 
-def unpack_descriptor(raw: bytes, kind: str, version: int, fields: frozenset[str], scope: str) -> dict[str, Any]:
-    """The map of a ``kind`` descriptor: msgpack holding exactly ``fields`` (``"v"`` == ``version``, a non-empty
-    ``"name"``, ``"scope"`` == ``scope``); ``TransferError`` saying what is wrong otherwise.  Pure: transports
-    call it before any engine sees the descriptor, then check the fields of their own."""
+# -- descriptors: the wire formats, decoded strictly by msgspec --------------------------------------------
+
+_Name = Annotated[str, Meta(min_length=1)]
+_Offset = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+_Length = Annotated[int, Meta(ge=1, le=2**63 - 1)]
+_Token = Annotated[bytes, Meta(min_length=1)]
+
+
+class Descriptor(Struct, forbid_unknown_fields=True):
+    """What every descriptor holds: its version, the peer's name and the cluster (scope) it belongs to."""
+
+    v: Literal[1]
+    name: _Name
+    scope: str
+
+
+class NixlRegion(Struct, array_like=True, forbid_unknown_fields=True):
+    """``[address, length]`` of a region a NIXL peer registered."""
+
+    address: _Offset
+    length: _Length
+
+
+class NixlDescriptor(Descriptor):
+    agent: _Token  #: the NIXL agent's metadata
+    regions: dict[_Name, NixlRegion]
+
+
+class ShmRegion(Struct, array_like=True, forbid_unknown_fields=True):
+    """``[file path, file offset, length]`` of a region a shared-memory peer registered."""
+
+    path: Annotated[str, Meta(pattern=r"\A/[^\x00]*\Z")]  # absolute, no NUL
+    offset: _Offset
+    length: _Length
+
+
+class ShmDescriptor(Descriptor):
+    kind: Literal["shm"]
+    host: _Name
+    pid: Annotated[int, Meta(gt=0, lt=2**31)]  # os.kill(pid, 0) probes it: 0 or -1 would probe a process group
+    socket: _Token  #: the abstract Unix socket its notifications go to
+    regions: dict[_Name, ShmRegion]
+
+
+D = TypeVar("D", bound=Descriptor)
+
+
+@cache
+def _decoder(wire: type[D]) -> msgspec.msgpack.Decoder[D]:
+    return msgspec.msgpack.Decoder(wire)
+
+
+def decode_descriptor(raw: bytes, wire: type[D], kind: str, scope: str) -> D:
+    """The ``kind`` descriptor ``raw`` holds, of exactly the fields and types of ``wire``, made in cluster
+    ``scope``; ``TransferError`` saying what is wrong otherwise.  Pure: transports call it before any engine
+    sees the descriptor."""
     try:
-        d = msgpack.unpackb(raw, raw=False)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise TransferError(f"malformed {kind} descriptor: not msgpack ({type(exc).__name__}: {exc})") from None
-    if not isinstance(d, dict) or type(d.get("v")) is not int or d["v"] != version:
-        got = f"version {d.get('v')!r:.40}" if isinstance(d, dict) else type(d).__name__
-        raise TransferError(f"malformed {kind} descriptor: not a kvpool map of version {version} (got {got})")
-    if set(d) != fields:
-        raise TransferError(
-            f"malformed {kind} descriptor: fields {sorted(map(repr, d))} where {sorted(fields)} were due "
-            "(made by another kvpool version?)"
-        )
-    name = d["name"]
-    if not isinstance(name, str) or not name:
-        raise TransferError(f"malformed {kind} descriptor: name {name!r:.60} is not a peer name")
-    if d["scope"] != scope:
-        raise TransferError(f"descriptor of {name} belongs to cluster {d['scope']!r:.60}, this transport to {scope!r}")
+        d = _decoder(wire).decode(raw)
+    except (msgspec.DecodeError, TypeError) as exc:  # TypeError: not bytes at all
+        said = str(exc)
+        if "`$.v`" in said or "field `v`" in said or "unknown field" in said:
+            said += " (made by another kvpool version? run the same kvpool on every node)"
+        raise TransferError(f"malformed {kind} descriptor: {said}") from None
+    if d.scope != scope:
+        raise TransferError(f"descriptor of {d.name} belongs to cluster {d.scope!r:.60}, this transport to {scope!r}")
     return d

@@ -38,11 +38,11 @@ def _address(buffer: Any) -> tuple[int, int]:
     """``(address, nbytes)`` of a C-contiguous CPU buffer (bytes-like, numpy array or CPU tensor)."""
     if hasattr(buffer, "data_ptr"):
         if buffer.device.type != "cpu" or not buffer.is_contiguous():
-            raise ValueError("hand off contiguous CPU tensors (GPU memory needs a VRAM registration)")
+            raise ConfigError("hand off contiguous CPU tensors (GPU memory needs a VRAM registration)")
         return int(buffer.data_ptr()), int(buffer.numel() * buffer.element_size())
     arr = np.frombuffer(buffer, dtype=np.uint8) if not isinstance(buffer, np.ndarray) else buffer
     if not arr.flags.c_contiguous:
-        raise ValueError("hand off C-contiguous buffers")
+        raise ConfigError("hand off C-contiguous buffers")
     return int(arr.ctypes.data), int(arr.nbytes)
 
 
@@ -60,7 +60,7 @@ def take(transport: NixlTransport, handoff: Handoff, dest: Any, timeout_s: float
     producer is notified.  ``TransferError`` if the producer is gone or the deadline passes."""
     address, length = _address(dest)
     if length != handoff.length:
-        raise ValueError(f"destination holds {length} bytes, the handoff {handoff.length}")
+        raise ConfigError(f"destination holds {length} bytes, the handoff {handoff.length}")
     local = f"take-{uuid.uuid4().hex}"
     transport.register(local, address, length)
     try:

@@ -20,16 +20,14 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import msgpack
+import msgspec
 
-from kvpool.errors import TransferError
-from kvpool.transport.base import Op, Transport, is_int_in, pop_notification, unpack_descriptor
+from kvpool.errors import ConfigError, TransferError
+from kvpool.transport.base import NixlDescriptor, NixlRegion, Op, Transport, decode_descriptor, pop_notification
 
 log = logging.getLogger(__name__)
 
 UCX_DEFAULTS = {"UCX_TLS": "posix,cma,tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
-_DESCRIPTOR_VERSION = 1
-_DESCRIPTOR_FIELDS = frozenset({"v", "name", "scope", "agent", "regions"})
 PROGRESS_INTERVAL_S = 0.001
 MAX_PENDING_NOTIFS = 10_000
 
@@ -103,7 +101,7 @@ class NixlTransport(Transport):
 
     def register(self, name: str, address: int, length: int) -> None:
         if name in self._regions:
-            raise ValueError(f"region {name!r} is registered already")
+            raise ConfigError(f"region {name!r} is registered already")
         with self._lock:
             self._reg_descs[name] = self._agent.register_memory([(address, length, 0, name)], "DRAM")
         self._regions[name] = (address, length)
@@ -121,15 +119,9 @@ class NixlTransport(Transport):
     def descriptor(self) -> bytes:
         with self._lock:
             metadata = self._agent.get_agent_metadata()
-        return msgpack.packb(
-            {
-                "v": _DESCRIPTOR_VERSION,
-                "name": self.name,
-                "scope": self.scope,
-                "agent": metadata,
-                "regions": self._regions,
-            },
-            use_bin_type=True,
+        regions = {name: NixlRegion(address, length) for name, (address, length) in self._regions.items()}
+        return msgspec.msgpack.encode(
+            NixlDescriptor(v=1, name=self.name, scope=self.scope, agent=metadata, regions=regions)
         )
 
     def connect(self, descriptor: bytes) -> str:
@@ -213,19 +205,5 @@ def parse_descriptor(descriptor: bytes, scope: str) -> tuple[str, bytes, dict[st
     """``(peer name, NIXL agent metadata, regions as name → (address, length))`` of a descriptor made by
     :meth:`NixlTransport.descriptor` in cluster ``scope``; ``TransferError`` otherwise.  Pure: a malformed
     descriptor never reaches the NIXL agent."""
-    d = unpack_descriptor(descriptor, "NIXL", _DESCRIPTOR_VERSION, _DESCRIPTOR_FIELDS, scope)
-    name, agent, regions = d["name"], d["agent"], d["regions"]
-    if not isinstance(agent, bytes) or not agent:
-        raise TransferError(f"malformed NIXL descriptor of {name}: agent metadata is {type(agent).__name__}, not bytes")
-    if not isinstance(regions, dict):
-        raise TransferError(f"malformed NIXL descriptor of {name}: regions is {type(regions).__name__}, not a map")
-    out = {}
-    for region, span in regions.items():
-        if not (isinstance(region, str) and region and isinstance(span, list) and len(span) == 2
-                and is_int_in(span[0], 0, 2**63) and is_int_in(span[1], 1, 2**63)):  # fmt: skip
-            raise TransferError(
-                f"malformed NIXL descriptor of {name}: region {region!r:.40} → {span!r:.60} is not "
-                "name → [address >= 0, length >= 1]"
-            )
-        out[region] = (span[0], span[1])
-    return name, agent, out
+    d = decode_descriptor(descriptor, NixlDescriptor, "NIXL", scope)
+    return d.name, d.agent, {name: (r.address, r.length) for name, r in d.regions.items()}

@@ -16,13 +16,11 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import msgpack
+import msgspec
 
-from kvpool.errors import TransferError
-from kvpool.transport.base import Op, Transport, is_int_in, pop_notification, unpack_descriptor
+from kvpool.errors import ConfigError, TransferError
+from kvpool.transport.base import Op, ShmDescriptor, ShmRegion, Transport, decode_descriptor, pop_notification
 
-_DESCRIPTOR_VERSION = 1
-_DESCRIPTOR_FIELDS = frozenset({"v", "kind", "name", "scope", "host", "pid", "socket", "regions"})
 _PAGE = mmap.PAGESIZE
 
 
@@ -34,46 +32,13 @@ def file_backing(address: int, length: int) -> tuple[str, int]:
             start, end = (int(x, 16) for x in fields[0].split("-"))
             if start <= address and address + length <= end and fields[1][3] == "s" and len(fields) == 6:
                 return fields[5].strip(), int(fields[2], 16) + address - start
-    raise ValueError(f"[{address:#x}, +{length}) is not inside a shared file mapping; ShmTransport serves only those")
-
-
-@dataclass(frozen=True)
-class ShmDescriptor:
-    """A peer's shared-memory descriptor, checked (see :func:`parse_descriptor`)."""
-
-    name: str
-    host: str
-    pid: int
-    socket: bytes  #: the abstract Unix socket its notifications go to
-    regions: dict[str, tuple[str, int, int]]  #: region → (file path, file offset, length)
+    raise ConfigError(f"[{address:#x}, +{length}) is not inside a shared file mapping; ShmTransport serves only those")
 
 
 def parse_descriptor(descriptor: bytes, scope: str) -> ShmDescriptor:
     """A descriptor made by :meth:`ShmTransport.descriptor` in cluster ``scope``; ``TransferError`` saying what
     is wrong otherwise.  Pure: it opens no file; :meth:`ShmTransport.connect` maps the regions afterwards."""
-    d = unpack_descriptor(descriptor, "shared-memory", _DESCRIPTOR_VERSION, _DESCRIPTOR_FIELDS, scope)
-    name, host, pid, sock, regions = d["name"], d["host"], d["pid"], d["socket"], d["regions"]
-    if d["kind"] != "shm":
-        raise TransferError(f"descriptor of {name} is of kind {d['kind']!r:.40}, not a shared-memory one")
-    if not isinstance(host, str) or not host:
-        raise TransferError(f"malformed shared-memory descriptor of {name}: host {host!r:.60}")
-    if not is_int_in(pid, 1, 2**31):  # os.kill(pid, 0) probes it: 0 or -1 would probe a process group
-        raise TransferError(f"malformed shared-memory descriptor of {name}: pid {pid!r:.60} is not a process id")
-    if not isinstance(sock, bytes) or not sock:
-        raise TransferError(f"malformed shared-memory descriptor of {name}: socket {sock!r:.60} is not a socket name")
-    if not isinstance(regions, dict):
-        raise TransferError(f"malformed shared-memory descriptor of {name}: regions is {type(regions).__name__}")
-    out = {}
-    for region, entry in regions.items():
-        if not (isinstance(region, str) and region and isinstance(entry, list) and len(entry) == 3
-                and isinstance(entry[0], str) and entry[0].startswith("/") and "\0" not in entry[0]
-                and is_int_in(entry[1], 0, 2**63) and is_int_in(entry[2], 1, 2**63)):  # fmt: skip
-            raise TransferError(
-                f"malformed shared-memory descriptor of {name}: region {region!r:.40} → {entry!r:.80} is not "
-                "name → [absolute path, offset >= 0, length >= 1]"
-            )
-        out[region] = (entry[0], entry[1], entry[2])
-    return ShmDescriptor(name, host, pid, sock, out)
+    return decode_descriptor(descriptor, ShmDescriptor, "shared-memory", scope)
 
 
 @dataclass
@@ -99,7 +64,7 @@ class ShmTransport(Transport):
         """Serve a region backed by a shared file; other memory is only ever a local end, which needs no
         registration here (accepted, so callers treat every transport alike)."""
         if name in self._regions or name in self._local_only:
-            raise ValueError(f"region {name!r} is registered already")
+            raise ConfigError(f"region {name!r} is registered already")
         try:
             path, offset = file_backing(address, length)
         except ValueError:
@@ -114,10 +79,10 @@ class ShmTransport(Transport):
             del self._regions[name]
 
     def descriptor(self) -> bytes:
-        return msgpack.packb(
-            {"v": _DESCRIPTOR_VERSION, "kind": "shm", "name": self.name, "scope": self.scope, "host": socket.gethostname(),
-             "pid": os.getpid(), "socket": self._sock_name, "regions": self._regions},
-            use_bin_type=True,
+        regions = {name: ShmRegion(*r) for name, r in self._regions.items()}
+        return msgspec.msgpack.encode(
+            ShmDescriptor(v=1, kind="shm", name=self.name, scope=self.scope, host=socket.gethostname(),
+                          pid=os.getpid(), socket=self._sock_name, regions=regions)
         )  # fmt: skip
 
     def connect(self, descriptor: bytes) -> str:
@@ -126,9 +91,10 @@ class ShmTransport(Transport):
             raise TransferError(f"{d.name} runs on {d.host}: shared memory reaches this host only")
         maps: dict[str, tuple[mmap.mmap, int, int]] = {}
         try:
-            for region, (path, offset, length) in d.regions.items():
+            for region, r in d.regions.items():
+                offset, length = r.offset, r.length
                 base = offset - offset % _PAGE
-                with open(path, "r+b") as f:
+                with open(r.path, "r+b") as f:
                     maps[region] = (mmap.mmap(f.fileno(), offset - base + length, offset=base), offset - base, length)
         except (OSError, ValueError, OverflowError) as exc:  # missing file, a directory, a range past its end
             for mm, _, _ in maps.values():

@@ -5,11 +5,12 @@ it is never used) with its own free ports.  Stopping terminates exactly those pr
 shut their Ray processes down: never ``ray stop``, which would kill every Ray on the machine.
 """
 
+import functools
 import logging
 import os
-import signal
-import subprocess
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
@@ -17,7 +18,7 @@ from types import TracebackType
 import ray
 
 from kvpool.errors import KvPoolError
-from kvpool.servers.etcd import free_port
+from kvpool.servers.process import ServerProcess, free_port
 
 log = logging.getLogger(__name__)
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -31,13 +32,14 @@ class LocalRayCluster:
         self.num_cpus = num_cpus
         self.object_store_bytes = object_store_mib * 2**20
         self.port = free_port(self.ips[0])
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._nodes: list[ServerProcess] = []
+        self._log_dir: Path | None = None  #: the 'ray start' logs, made on start, removed on stop
 
     @property
     def address(self) -> str:
         return f"{self.ips[0]}:{self.port}"
 
-    def _ray_start(self, ip: str, head: bool) -> subprocess.Popen[bytes]:
+    def _ray_start(self, ip: str, head: bool) -> ServerProcess:
         ray_bin = str(Path(sys.executable).with_name("ray"))
         where = (
             ["--head", f"--port={self.port}", "--include-dashboard=false"] if head else [f"--address={self.address}"]
@@ -47,50 +49,40 @@ class LocalRayCluster:
             f"--object-store-memory={self.object_store_bytes}", f"--dashboard-agent-listen-port={free_port(ip)}",
             "--disable-usage-stats", "--block",
         ]  # fmt: skip
-        return subprocess.Popen(
-            args,
-            env={**os.environ, **RAY_ENV},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
+        assert self._log_dir is not None
+        node = ServerProcess(f"'ray start' on {ip}", args, self._log_dir / f"ray-{ip}.log", env={**os.environ, **RAY_ENV},
+                             grace_s=60.0)  # fmt: skip
+        self._nodes.append(node)
+        return node
 
     def start(self, timeout_s: float = 180.0) -> "LocalRayCluster":
         """Start every node and connect this process to the cluster as its driver."""
         os.environ.update(RAY_ENV)
         deadline = time.monotonic() + timeout_s
-        self._procs.append(self._ray_start(self.ips[0], head=True))
+        self._log_dir = Path(tempfile.mkdtemp(prefix="kvpool-ray-"))
         try:
-            self._connect(deadline)
+            self._ray_start(self.ips[0], head=True).start(self._connected, timeout_s, KvPoolError, poll_s=0.3)
             for i, ip in enumerate(self.ips[1:], start=2):  # one at a time: 2 cores cannot start several at once
-                self._procs.append(self._ray_start(ip, head=False))
-                while sum(n["Alive"] for n in ray.nodes()) < i:
-                    self._check_alive()
-                    if time.monotonic() > deadline:
-                        raise KvPoolError(f"local Ray cluster: {len(self.ips)} nodes not up within {timeout_s:.0f} s")
-                    time.sleep(0.2)
+                alive = functools.partial(self._alive, i)
+                self._ray_start(ip, head=False).start(alive, deadline - time.monotonic(), KvPoolError, poll_s=0.2)
         except BaseException:
             self.stop()
             raise
         log.info("local Ray cluster up: %s", ", ".join(self.ips))
         return self
 
-    def _connect(self, deadline: float) -> None:
-        while True:
-            self._check_alive()
-            try:
-                ray.init(address=self.address, logging_level=logging.WARNING, log_to_driver=False)
-                return
-            except ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.3)
+    def _connected(self) -> str | None:
+        """None once this process is the cluster's driver, else why not."""
+        try:
+            ray.init(address=self.address, logging_level=logging.WARNING, log_to_driver=False)
+            return None
+        except ConnectionError as exc:
+            return str(exc)
 
-    def _check_alive(self) -> None:
-        for p in self._procs:
-            if p.poll() is not None:
-                err = p.stderr.read().decode(errors="replace")[-2000:] if p.stderr else ""
-                raise KvPoolError(f"'ray start' exited with {p.returncode}: {err.strip() or 'no output'}")
+    def _alive(self, n: int) -> str | None:
+        """None once ``n`` nodes are alive, else how many are."""
+        alive = sum(node["Alive"] for node in ray.nodes())
+        return None if alive >= n else f"{alive} of {n} nodes alive"
 
     def node_ids(self) -> list[str]:
         """Ray node ids, in the order of ``self.ips`` (the head first)."""
@@ -100,16 +92,14 @@ class LocalRayCluster:
     def stop(self) -> None:
         if ray.is_initialized():
             ray.shutdown()
-        for p in reversed(self._procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self._procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        self._procs.clear()
+        for node in reversed(self._nodes):
+            node.terminate()  # all at once, then each waited on
+        for node in self._nodes:
+            node.stop()
+        self._nodes.clear()
+        if self._log_dir is not None:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
+            self._log_dir = None
 
     def __enter__(self) -> "LocalRayCluster":
         return self.start()

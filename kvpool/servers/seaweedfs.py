@@ -15,22 +15,19 @@ the filer's and S3 gateway's local sockets are placed in the server's own direct
 """
 
 import contextlib
+import functools
 import json
 import logging
 import os
 import secrets
 import shutil
-import signal
-import socket
-import subprocess
 import sysconfig
 import tempfile
 import time
-import weakref
 from importlib import metadata
 from pathlib import Path
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import Any
 
 import boto3
 import botocore.config
@@ -38,6 +35,7 @@ import botocore.exceptions
 from botocore import UNSIGNED
 
 from kvpool.errors import ConfigError, RemoteUnavailable
+from kvpool.servers.process import ServerProcess, free_ports
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +71,6 @@ def weed_binary() -> str:
     )
 
 
-def free_ports(host: str, n: int) -> list[int]:
-    """``n`` distinct ports free on ``host`` now (all bound at once, so they differ)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
-        for s in socks:
-            s.bind((host, 0))
-        return [int(s.getsockname()[1]) for s in socks]
-
-
 class SeaweedServer:
     """One ``weed server`` with an S3 gateway on loopback, its data in a fresh temporary directory.
 
@@ -113,9 +102,13 @@ class SeaweedServer:
         self.ports: dict[str, tuple[int, int]] = {
             name: (ports[2 * i], ports[2 * i + 1]) for i, name in enumerate(SERVICES)
         }
-        self._proc: subprocess.Popen[bytes] | None = None
         self._admin: Any = None  # one client for create_bucket/delete_bucket: making one takes 0.2-0.6 s
-        self._finalizer = weakref.finalize(self, _terminate, None, self.base_dir, self._sockets())
+        # weed's own log files (glog) go to TMPDIR: keep them in our directory.
+        env = {**os.environ, **_ENV, "TMPDIR": str(self.base_dir / "tmp")}
+        cleanup = functools.partial(_remove, self.base_dir, self._sockets())
+        self._server = ServerProcess(
+            "SeaweedFS", self._args(), self.log_path, env=env, grace_s=STOP_GRACE_S, cleanup=cleanup
+        )
 
     @staticmethod
     def generate_credentials() -> tuple[str, str]:
@@ -132,10 +125,10 @@ class SeaweedServer:
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
+        return self._server.pid
 
     def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._server.running()
 
     def _sockets(self) -> list[Path]:
         """Every unix socket this server creates: the gRPC ones weed puts in /tmp, and the two local ones."""
@@ -183,22 +176,11 @@ class SeaweedServer:
             return self
         (self.base_dir / "data").mkdir(parents=True, exist_ok=True)
         (self.base_dir / "tmp").mkdir(exist_ok=True)
-        # weed's own log files (glog) go to TMPDIR: keep them in our directory.
-        env = {**os.environ, **_ENV, "TMPDIR": str(self.base_dir / "tmp")}
         started = time.monotonic()
-        logfile = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
-        try:
-            self._proc = subprocess.Popen(
-                self._args(), stdout=logfile, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        finally:
-            logfile.close()
-        self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _terminate, self._proc, self.base_dir, self._sockets())
-        self._wait_serving(timeout_s)
+        self._server.start(self._serving, timeout_s, RemoteUnavailable, poll_s=0.1)
         log.info(
             "SeaweedFS %s serving S3 on %s after %.1f s (data and log in %s)",
-            self._proc.pid,
+            self.pid,
             self.endpoint_url,
             time.monotonic() - started,
             self.base_dir,
@@ -224,30 +206,13 @@ class SeaweedServer:
             config=botocore.config.Config(**options),
         )
 
-    def _wait_serving(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        client = self._admin_client()
-        last = "no answer yet"
-        while time.monotonic() < deadline:
-            if self._proc is None or self._proc.poll() is not None:
-                code = self._proc.returncode if self._proc else None
-                self._fail(f"SeaweedFS exited during start-up (code {code})")
-            try:
-                client.list_buckets()  # answered by the S3 gateway from the filer: both are up
-                return
-            except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
-                last = str(exc)
-            time.sleep(0.1)
-        self._fail(f"SeaweedFS did not serve S3 on {self.endpoint_url} within {timeout_s:.0f} s ({last})")
-
-    def _fail(self, what: str) -> NoReturn:
-        """Stop, keeping the log (moved out of the directory ``stop`` removes), and raise."""
-        kept = Path(tempfile.mkstemp(prefix="kvpool-seaweed-", suffix=".log")[1])
-        with contextlib.suppress(OSError):
-            shutil.copyfile(self.log_path, kept)
-        self.stop()
-        tail = kept.read_text(errors="replace").strip().splitlines()[-5:]
-        raise RemoteUnavailable(f"{what}; see {kept}, which ends:\n" + "\n".join(tail))
+    def _serving(self) -> str | None:
+        """None once the S3 gateway answers (from the filer: both are up), else why not."""
+        try:
+            self._admin_client().list_buckets()
+            return None
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            return str(exc)
 
     def create_bucket(self, name: str) -> None:
         """Create bucket ``name`` (S3 rules: 3-63 lowercase letters, digits, '.', '-'); an existing one is fine."""
@@ -289,7 +254,7 @@ class SeaweedServer:
         if self._admin is not None:
             self._admin.close()
             self._admin = None
-        self._finalizer()
+        self._server.stop()
 
     def __enter__(self) -> "SeaweedServer":
         return self.start()
@@ -298,17 +263,8 @@ class SeaweedServer:
         self.stop()
 
 
-def _terminate(proc: "subprocess.Popen[bytes] | None", base_dir: Path, sockets: list[Path]) -> None:
-    if proc is not None and proc.poll() is None:
-        # The whole session: weed has no children today, but a later version might.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+def _remove(base_dir: Path, sockets: list[Path]) -> None:
+    """What a stopped server leaves: its directory and its unix sockets."""
     for path in sockets:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()

@@ -288,9 +288,9 @@ class DeviceIO:
 
     def _check_range(self, offset: int, length: int) -> None:
         if self._closed:
-            raise ValueError(f"DeviceIO of segment {self.segment.path} is closed")
+            raise ConfigError(f"DeviceIO of segment {self.segment.path} is closed")
         if self.segment.closed:
-            raise ValueError(f"segment {self.segment.path} is closed")
+            raise ConfigError(f"segment {self.segment.path} is closed")
         if offset % ALIGN:
             raise ConfigError(f"offset {offset} is not a multiple of {ALIGN}")
         if offset < 0 or offset + length > self.segment.capacity:

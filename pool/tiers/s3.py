@@ -30,14 +30,11 @@ publication, or between the unpublication and the delete) are orphans, which ``k
 """
 
 import contextlib
-import math
 import os
-import re
 import threading
 import time
-import urllib.parse
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -49,15 +46,13 @@ from kvpool.errors import ChunkNotFound, ConfigError, RemoteUnavailable
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.config import validate_name
 from kvpool.metadata.placement import PlacementStore
-from kvpool.metadata.records import Tier
-from kvpool.pool.tiers.codecs import Buffer, codec_key, parse_codec
+from kvpool.pool.tiers.codecs import Buffer, codec_key
+from kvpool.pool.tiers.s3_config import GC_GRACE_S, RemoteConfig
+from kvpool.pool.types import Tier
 
 DELETE_BATCH = 1000  # the most keys one DeleteObjects request may name
 DEFAULT_REGION = "us-east-1"
 
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_IPV4 = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
-_PREFIX_SEGMENT = re.compile(r"^[A-Za-z0-9_.-]+$")
 # Error codes S3 (and the compatible servers) answer when the credentials are refused or lack a permission.
 _CREDENTIAL_CODES = frozenset(
     {
@@ -77,86 +72,6 @@ _CONNECTION_ERRORS = (
     botocore.exceptions.IncompleteReadError,
 )
 _NO_CREDENTIALS = (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError)
-
-
-def _seconds(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-
-
-@dataclass(frozen=True)
-class RemoteConfig:
-    """Where the remote (S3) tier keeps chunks, and when chunks go there.
-
-    Empty ``endpoint_url``, ``region``, ``access_key_id`` and ``secret_access_key`` fall back to boto3's own
-    resolution (the ``AWS_*`` environment, ``~/.aws``); see the module docstring.
-    """
-
-    bucket: str = ""  #: the S3 bucket; empty: the remote tier is off
-    endpoint_url: str = ""  #: e.g. ``http://127.0.0.1:8333``; empty: ``AWS_ENDPOINT_URL(_S3)``, else AWS
-    prefix: str = "kvpool"  #: objects are ``<prefix>/<cluster>/<chunk key hex>``; '/'-separated segments
-    region: str = ""  #: empty: ``AWS_REGION``, ``AWS_DEFAULT_REGION`` or ``~/.aws/config``, else us-east-1
-    access_key_id: str = ""  #: with ``secret_access_key``; both empty: boto3's credential chain
-    secret_access_key: str = field(default="", repr=False)  #: never shown in a repr or a log line
-    codec: str = "raw"  #: the codec chunks are stored with in this tier (a spec ``parse_codec`` accepts)
-    flush_after_s: float = 86400.0  #: NVMe chunks idle longer than this are flushed to the remote tier
-    promote_on_hit: bool = True  #: a hit on a remote chunk copies it back into the node's DRAM
-    timeout_s: float = 5.0  #: connect and read timeout of one request (each is retried once)
-    name: str = "s3"  #: the holder name placements in this tier record (a node_id, so the same rules)
-
-    def __post_init__(self) -> None:
-        for name in ("bucket", "endpoint_url", "prefix", "region", "access_key_id", "secret_access_key", "codec"):
-            value = getattr(self, name)
-            if not isinstance(value, str):
-                raise ConfigError(f"{name} must be a string, got {type(value).__name__}")
-        if self.bucket:
-            _check_bucket(self.bucket)
-        if self.endpoint_url:
-            url = urllib.parse.urlsplit(self.endpoint_url)
-            if url.scheme not in ("http", "https") or not url.hostname:
-                raise ConfigError(
-                    f"endpoint_url must be an http:// or https:// URL such as http://127.0.0.1:8333, "
-                    f"or empty for AWS_ENDPOINT_URL / AWS, got {self.endpoint_url!r}"
-                )
-        segments = self.prefix.split("/")
-        if not all(_PREFIX_SEGMENT.match(s) and s not in (".", "..") for s in segments):
-            raise ConfigError(
-                f"prefix must be '/'-separated segments of letters, digits, '_', '.' or '-' "
-                f"(no leading, trailing or double '/'), got {self.prefix!r}"
-            )
-        if any(c.isspace() for c in self.region):
-            raise ConfigError(f"region must be a region name such as us-east-1, or empty, got {self.region!r}")
-        if bool(self.access_key_id) != bool(self.secret_access_key):
-            raise ConfigError(
-                "access_key_id and secret_access_key: give both, or neither for boto3's credential chain "
-                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws/credentials)"
-            )
-        parse_codec(self.codec)  # ConfigError naming the spec and the grammar
-        if not _seconds(self.flush_after_s):
-            raise ConfigError(f"flush_after_s must be a number of seconds > 0, got {self.flush_after_s!r}")
-        if not isinstance(self.promote_on_hit, bool):
-            raise ConfigError(f"promote_on_hit must be True or False, got {self.promote_on_hit!r}")
-        if not _seconds(self.timeout_s):
-            raise ConfigError(f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
-        validate_name("name", self.name)
-
-    @property
-    def enabled(self) -> bool:
-        """Whether the remote tier is on (a bucket is set)."""
-        return bool(self.bucket)
-
-
-def _check_bucket(bucket: str) -> None:
-    problem = ""
-    if not _BUCKET.match(bucket):
-        problem = (
-            "3-63 characters of lowercase letters, digits, '.' and '-', starting and ending with a letter or digit"
-        )
-    elif ".." in bucket or ".-" in bucket or "-." in bucket:
-        problem = "no '..', '.-' or '-.'"
-    elif _IPV4.match(bucket):
-        problem = "not formatted as an IP address"
-    if problem:
-        raise ConfigError(f"bucket must be an S3 bucket name ({problem}), got {bucket!r}")
 
 
 @dataclass(frozen=True)
@@ -354,7 +269,7 @@ class RemoteStore:
 
 
 def collect_garbage(
-    store: RemoteStore, cache: MetadataCache, placements: PlacementStore, grace_s: float = 3600.0
+    store: RemoteStore, cache: MetadataCache, placements: PlacementStore, grace_s: float = GC_GRACE_S
 ) -> tuple[int, int]:
     """Reconcile the remote tier with etcd: delete the objects no placement names, unless younger than
     ``grace_s`` (a flush publishes its placements just after its uploads), and drop the placements whose

@@ -16,15 +16,15 @@ from hypothesis import strategies as st
 
 from kvpool.errors import KvPoolError
 from kvpool.metadata.config import MetadataConfig
-from kvpool.metadata.records import Tier
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.keys import CacheIdentity, chunk_keys
-from kvpool.pool.node import actor_name, start_pool, stop_pool
+from kvpool.pool.node import start_pool, stop_pool
+from kvpool.pool.node_handle import actor_name
 from kvpool.pool.tiers.codecs import TensorFormat
+from kvpool.pool.types import Tier
 from kvpool.servers.etcd import EmbeddedEtcd
 
 EXAMPLES = 150
-SEEN: Counter[str] = Counter()  #: calls by outcome, over every example
 GOOD = chunk_keys(CacheIdentity(model="live-bad-input", kv_dtype="u8", layout="b", chunk_size=1), range(6))
 
 bad_key = st.one_of(
@@ -63,12 +63,9 @@ def node(ray_cluster: list[str], etcd_server: EmbeddedEtcd) -> Iterator[Any]:
     stop_pool(config)
 
 
-@settings(
-    max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)  # fmt: skip
-@given(st.lists(op, min_size=1, max_size=6))
-def test_live_node_refuses_bad_calls_and_stays_consistent(node: Any, calls: list[tuple[Any, ...]]) -> None:
+def run_calls(node: Any, calls: list[tuple[Any, ...]], seen: Counter[str]) -> None:
+    """Make ``calls`` on the node: each succeeds or is refused with a typed error (counted in ``seen`` by outcome);
+    then the node's audit finds nothing."""
     try:
         for name, *args in calls:
             try:
@@ -77,9 +74,9 @@ def test_live_node_refuses_bad_calls_and_stays_consistent(node: Any, calls: list
                 cause = exc.cause
                 assert isinstance(cause, KvPoolError), f"{name}{args!r:.200}: {type(cause).__name__}: {cause}"
                 assert str(cause).strip(), f"{name}: {type(cause).__name__} without a message"
-                SEEN[f"refused {type(cause).__name__}"] += 1
+                seen[f"refused {type(cause).__name__}"] += 1
                 continue
-            SEEN["ok"] += 1
+            seen["ok"] += 1
             if name == "locate_batch":  # pinned for a reader: let go
                 ray.get(node.release_batch.remote([c.key for c in result if c is not None]))
     finally:
@@ -87,10 +84,17 @@ def test_live_node_refuses_bad_calls_and_stays_consistent(node: Any, calls: list
     assert ray.get(node.audit.remote()) == []
 
 
-def test_the_sequences_exercised_both_outcomes(node: Any) -> None:
-    """Runs after the property (file order): the generated calls both succeeded and were refused, often."""
-    if not SEEN:
-        pytest.skip("run together with test_live_node_refuses_bad_calls_and_stays_consistent")
-    print(f"\nlive node calls: {dict(SEEN)}")
-    assert SEEN["ok"] >= 100 and sum(n for k, n in SEEN.items() if k.startswith("refused")) >= 100
+def test_live_node_refuses_bad_calls_and_stays_consistent(node: Any) -> None:
+    """``EXAMPLES`` generated call sequences; over all of them, calls both succeeded and were refused, often."""
+    seen: Counter[str] = Counter()
+
+    @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+    @given(st.lists(op, min_size=1, max_size=6))
+    def sequences(calls: list[tuple[Any, ...]]) -> None:
+        run_calls(node, calls, seen)
+
+    sequences()
+    print(f"\nlive node calls: {dict(seen)}")
+    assert seen["ok"] >= 100 and sum(n for k, n in seen.items() if k.startswith("refused")) >= 100
     assert ray.get(node.stats.remote())["node_id"]  # still answering

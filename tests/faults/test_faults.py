@@ -20,11 +20,12 @@ import ray
 
 from kvpool.errors import ChunkNotFound, CorruptChunk, KvPoolError, PoolFull
 from kvpool.metadata.config import MetadataConfig
-from kvpool.metadata.records import Tier
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig, Watermarks
 from kvpool.pool.keys import CacheIdentity, chunk_keys
-from kvpool.pool.node import actor_name, start_pool, stop_pool
+from kvpool.pool.node import start_pool, stop_pool
+from kvpool.pool.node_handle import actor_name
+from kvpool.pool.types import Tier
 from kvpool.servers.etcd import free_port
 from kvpool.servers.ray_cluster import RAY_ENV
 
@@ -74,7 +75,7 @@ def test_bytes_flipped_in_dram_and_nvme_are_always_caught(
         assert client._segment is not None
         for key in keys:
             [p] = client.cache.replicas(key)
-            at = p.offset + rng.randrange(p.length)
+            at = p.offset + rng.randrange(p.stored)
             if p.tier is Tier.DRAM:
                 old = client._segment.view(at, 1)[0]
                 client._segment.write(at, bytes([old ^ 0xFF]))

@@ -19,12 +19,13 @@ import ray
 
 from kvpool.errors import ChunkNotFound, PoolFull
 from kvpool.metadata.config import MetadataConfig
-from kvpool.metadata.records import Tier
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.keys import CacheIdentity, chunk_keys
-from kvpool.pool.node import NodeInfo, actor_name, start_pool, stop_pool
+from kvpool.pool.node import start_pool, stop_pool
+from kvpool.pool.node_handle import NodeInfo, actor_name
 from kvpool.pool.segment import DramSegment
+from kvpool.pool.types import Tier
 
 WARM_UP = 0.3  #: the first 30 % of the run fills the tiers and the allocators; growth is measured after it
 RSS_SLACK = 48 * MiB  #: allowed RSS growth after warm-up (allocator arenas, Ray's and gRPC's buffers settle)
@@ -140,7 +141,7 @@ def _one_operation(
         if not on_head:
             return
         key, p = on_head[0]
-        at = p.offset + rng.randrange(p.length)
+        at = p.offset + rng.randrange(p.stored)
         byte = bytearray(dram.view(at, 1))
         dram.write(at, bytes([byte[0] ^ 0x5A]))
         ops["flips"] += 1

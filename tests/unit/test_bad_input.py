@@ -8,8 +8,7 @@ under, configs, and transfer descriptors.  Each input either parses into what it
 random sequences of good and bad calls the allocator and the store keep their invariants: no overlap, no
 leak, a refused call changes nothing, and the change log a node publishes to etcd matches what it holds.
 
-Reproducible: every test is derandomized and keeps no example database.  ``BUDGET`` holds each test's
-``max_examples``; they sum to at least 10,000 generated cases (checked by the last test).
+Reproducible: every test is derandomized and keeps no example database; each states its ``max_examples``.
 """
 
 import dataclasses
@@ -35,25 +34,25 @@ from hypothesis.extra import numpy as hnp
 from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError, MalformedRecord, PoolFull, TransferError
 from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig
 from kvpool.metadata.namespace import Namespace
-from kvpool.metadata.records import NodeRecord, Placement, SegmentInfo, Tier
+from kvpool.metadata.records import SCHEMA_VERSION, decode_node, decode_placement, encode_node, encode_placement
 from kvpool.pool.allocator import OffsetAllocator
+from kvpool.pool.chunks import ChangeKind
 from kvpool.pool.config import PoolConfig, Watermarks
 from kvpool.pool.keys import CacheIdentity, check_key, chunk_keys, layer_key, parse_key, token_array
 from kvpool.pool.segment import DramSegment, NvmeSegment
-from kvpool.pool.store import ChangeKind, ChunkStore
-from kvpool.pool.tiers.s3 import RemoteConfig
+from kvpool.pool.store import ChunkStore
+from kvpool.pool.tiers.s3_config import RemoteConfig
+from kvpool.pool.types import NodeRecord, Placement, SegmentInfo, Tier
 from kvpool.prefill_decode.workers import WorkerConfig
 from kvpool.transport import nixl, shm
 from kvpool.transport.base import Op
 from kvpool.transport.handoff import Handoff
 
 E = TypeVar("E", bound=KvPoolError)
-BUDGET: dict[str, int] = {}
 
 
-def cases(name: str, n: int) -> Callable[[Callable[..., None]], Callable[..., None]]:
+def cases(n: int) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Settings for one property: ``n`` derandomized examples, no database, no deadline."""
-    BUDGET[name] = n
     return settings(
         max_examples=n,
         derandomize=True,
@@ -147,7 +146,7 @@ key_texts = st.one_of(
 )
 
 
-@cases("chunk key text", 1600)
+@cases(1600)
 @given(key_texts)
 def test_chunk_key_text_parses_or_is_refused(text: Any) -> None:
     out = typed(ConfigError, parse_key, text)
@@ -168,7 +167,7 @@ key_values = st.one_of(
 )
 
 
-@cases("chunk key bytes", 1200)
+@cases(1200)
 @given(key_values, st.one_of(st.integers(-5, 2**33), junk))
 def test_chunk_key_bytes_are_checked_wherever_a_key_is_taken(key: Any, layer: Any) -> None:
     ns = Namespace("bad-input")
@@ -215,7 +214,7 @@ def valid_id(t: Any) -> bool:
     return isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= int(t) < 2**32
 
 
-@cases("token lists", 1000)
+@cases(1000)
 @given(token_inputs)
 def test_token_lists_are_validated_before_hashing(tokens: Any) -> None:
     items = list(tokens) if isinstance(tokens, (list, tuple, range)) else None
@@ -236,7 +235,7 @@ def test_token_lists_are_validated_before_hashing(tokens: Any) -> None:
     assert keys == chunk_keys(IDENTITY, [int(t) for t in items]) and len(keys) == len(items) // 4
 
 
-@cases("token arrays", 300)
+@cases(300)
 @given(
     hnp.arrays(
         dtype=st.one_of(
@@ -274,7 +273,7 @@ TORCH_DTYPES = [
 ]
 
 
-@cases("token tensors", 200)
+@cases(200)
 @given(st.sampled_from(TORCH_DTYPES), st.lists(st.integers(-128, 127), max_size=12), st.booleans())
 def test_torch_token_tensors_of_the_wrong_dtype_or_shape_are_refused(
     dtype: Any, values: list[int], two_d: bool
@@ -306,7 +305,7 @@ def snapshot(alloc: OffsetAllocator) -> tuple[Any, ...]:
     return alloc.stats(), list(alloc._free_starts), dict(alloc._free_size), dict(alloc._live)
 
 
-@cases("allocator sizes", 800)
+@cases(800)
 @given(sizes, st.lists(st.integers(1, 5 * 4096), max_size=6))
 def test_allocator_refuses_bad_sizes_and_changes_nothing(size: Any, before: list[int]) -> None:
     alloc = OffsetAllocator(64 * 4096, alignment=4096)
@@ -324,7 +323,7 @@ def test_allocator_refuses_bad_sizes_and_changes_nothing(size: Any, before: list
     alloc.check_invariants()
 
 
-@cases("allocator constructor", 300)
+@cases(300)
 @given(st.one_of(sizes, st.just(1 << 20)), st.one_of(st.sampled_from([1, 512, 4096, 3, 0, -4096]), junk))
 def test_allocator_constructor_refuses_bad_capacity_and_alignment(capacity: Any, alignment: Any) -> None:
     out = typed(ConfigError, OffsetAllocator, capacity, alignment)
@@ -352,7 +351,7 @@ alloc_calls = st.lists(
 )
 
 
-@cases("allocator sequences", 300)
+@cases(300)
 @given(st.sampled_from([1, 512, 4096]), st.integers(1, 400_000), alloc_calls)
 def test_allocator_invariants_hold_after_random_good_and_bad_calls(
     alignment: int, capacity: int, calls: list[tuple[str, Any]]
@@ -428,7 +427,7 @@ def store_state(store: ChunkStore) -> tuple[Any, ...]:
     return dict(store._chunks), dict(store._reserved), [snapshot(a) for a in store.allocators.values()]
 
 
-@cases("chunk store sequences", 200)
+@cases(200)
 @given(calls=store_calls)
 def test_store_refuses_bad_calls_and_its_published_changes_match_its_chunks(
     segments: tuple[DramSegment, NvmeSegment], calls: list[tuple[str, Any, Any]]
@@ -463,9 +462,9 @@ def test_store_refuses_bad_calls_and_its_published_changes_match_its_chunks(
             if change.kind is ChangeKind.DROPPED:
                 published.pop(c.key)
             else:
-                published[c.key] = (c.tier, c.offset, c.length)
+                published[c.key] = (c.tier, c.offset, c.stored)
         # etcd (the replayed change log) and the segments agree; the allocators are sound
-        assert published == {c.key: (c.tier, c.offset, c.length) for c in store.chunks()}
+        assert published == {c.key: (c.tier, c.offset, c.stored) for c in store.chunks()}
         for tier, alloc in store.allocators.items():
             alloc.check_invariants()
             held = [c for c in store.chunks() if c.tier is tier] + (
@@ -484,25 +483,20 @@ def test_store_refuses_bad_calls_and_its_published_changes_match_its_chunks(
 
 NS = Namespace("bad-input")
 KEY = bytes(range(32))
-PLACEMENT = Placement(KEY, "node-1", Tier.NVME, "nvme0", 8192, 4096, 12345, "raw", "crc32c", 1.5, 2.5)
-NODE = NodeRecord(
-    "node-1", "host-a", 4242, b"agent", (SegmentInfo("dram0", Tier.DRAM, 1 << 20, 4096),), 1.0, 2.0, "h:9100"
-)
+PLACEMENT = Placement(KEY, "node-1", Tier.NVME, offset=8192, stored=1024, size=4096, checksum=12345, codec="fp8")
+NODE = NodeRecord("node-1", "host-a", 4242, b"agent", (SegmentInfo("dram0", Tier.DRAM, 1 << 20, 4096),), 1.0, "h:9100")
+PLACEMENT_BYTES, NODE_BYTES = encode_placement(PLACEMENT), encode_node(NODE)
 
 finite = st.one_of(st.integers(-(2**53), 2**53), st.floats(allow_nan=False, allow_infinity=False))
 uint64 = st.integers(0, 2**64 - 1)
 PLACEMENT_FIELDS: dict[str, tuple[st.SearchStrategy[Any], Callable[[Any], bool]]] = {
     # field -> (values to try, whether a value is acceptable)
     "tier": (st.one_of(st.sampled_from([t.value for t in Tier]), packable), lambda v: v in [t.value for t in Tier]),
-    "segment": (packable, lambda v: isinstance(v, str)),
     "offset": (st.one_of(uint64, packable), lambda v: type(v) is int and v >= 0),
-    "length": (st.one_of(uint64, packable), lambda v: type(v) is int and v >= 1),
+    "stored": (st.one_of(uint64, packable), lambda v: type(v) is int and v >= 1),
+    "size": (st.one_of(uint64, packable), lambda v: type(v) is int and v >= 1),
     "checksum": (st.one_of(uint64, packable), lambda v: type(v) is int and v >= 0),
     "codec": (packable, lambda v: isinstance(v, str)),
-    "checksum_alg": (packable, lambda v: isinstance(v, str)),
-    "created": (st.one_of(finite, packable), lambda v: type(v) in (int, float) and math.isfinite(v)),
-    "last_access": (st.one_of(finite, packable), lambda v: type(v) in (int, float) and math.isfinite(v)),
-    "size": (st.one_of(uint64, packable), lambda v: type(v) is int and v >= 1),
 }
 NODE_FIELDS: dict[str, tuple[st.SearchStrategy[Any], Callable[[Any], bool]]] = {
     "host": (packable, lambda v: isinstance(v, str)),
@@ -528,7 +522,6 @@ NODE_FIELDS: dict[str, tuple[st.SearchStrategy[Any], Callable[[Any], bool]]] = {
         ),
     ),
     "started": (st.one_of(finite, packable), lambda v: type(v) in (int, float) and math.isfinite(v)),
-    "updated": (st.one_of(finite, packable), lambda v: type(v) in (int, float) and math.isfinite(v)),
     "metrics": (packable, lambda v: isinstance(v, str)),
 }
 
@@ -544,7 +537,7 @@ def record_edit(
     if edit == "extra":
         return edit, draw(st.text(max_size=8).filter(lambda k: k not in fields and k != "v")), draw(packable)
     if edit == "version":
-        return edit, "v", draw(packable.filter(lambda v: v != 1 or type(v) is not int))
+        return edit, "v", draw(packable.filter(lambda v: v != SCHEMA_VERSION or type(v) is not int))
     name = draw(st.sampled_from(sorted(fields)))
     return edit, name, draw(fields[name][0])
 
@@ -563,6 +556,16 @@ def apply_edits(encoded: bytes, edits: list[tuple[str, str, Any]]) -> dict[str, 
     return fields
 
 
+def well_formed(fields: dict[str, Any], spec: dict[str, tuple[st.SearchStrategy[Any], Callable[[Any], bool]]]) -> bool:
+    """Exactly ``"v"`` (this version, an int) and every field of ``spec``, each acceptable."""
+    return (
+        type(fields.get("v")) is int
+        and fields["v"] == SCHEMA_VERSION
+        and set(fields) == {"v", *spec}
+        and all(ok(fields[n]) for n, (_, ok) in spec.items())
+    )
+
+
 def decoded_fields(raw: dict[str, Any], record: Any) -> None:
     """A record that decoded holds exactly the values of its map."""
     for name, value in raw.items():
@@ -571,72 +574,58 @@ def decoded_fields(raw: dict[str, Any], record: Any) -> None:
         got: Any = getattr(record, name)
         got = got.value if isinstance(got, Tier) else got
         if name == "segments":
-            got = [s.to_wire() for s in got]
+            got = [[s.name, s.tier.value, s.capacity, s.used] for s in got]
         assert got == (float(value) if isinstance(got, float) else value), (name, got, value)
 
 
-@cases("placement edits", 500)
+@cases(500)
 @given(record_edits(PLACEMENT_FIELDS))
 def test_placement_with_a_wrong_schema_is_a_malformed_record(edits: list[tuple[str, str, Any]]) -> None:
-    fields = apply_edits(PLACEMENT.encode(), edits)
-    known = {"v", *PLACEMENT_FIELDS}
-    ok = (
-        type(fields.get("v")) is int
-        and fields["v"] == 1
-        and set(fields) <= known
-        and all(n in fields for n in known - {"size"})  # size came with the codecs: optional
-        and all(PLACEMENT_FIELDS[n][1](fields[n]) for n in PLACEMENT_FIELDS if n in fields)
-    )
-    out = typed(MalformedRecord, Placement.decode, KEY, "node-1", pack(fields))
+    fields = apply_edits(PLACEMENT_BYTES, edits)
+    ok = well_formed(fields, PLACEMENT_FIELDS)
+    out = typed(MalformedRecord, decode_placement, KEY, "node-1", pack(fields))
     assert isinstance(out, Placement) == ok, (fields, out)
     if ok:
         decoded_fields(fields, out)
-        assert Placement.decode(KEY, "node-1", out.encode()) == out
+        assert decode_placement(KEY, "node-1", encode_placement(out)) == out
     else:
         assert str(out).startswith("placement")
 
 
-@cases("node record edits", 300)
+@cases(300)
 @given(record_edits(NODE_FIELDS))
 def test_node_record_with_a_wrong_schema_is_a_malformed_record(edits: list[tuple[str, str, Any]]) -> None:
-    fields = apply_edits(NODE.encode(), edits)
-    known = {"v", *NODE_FIELDS}
-    ok = (
-        fields.get("v") == 1
-        and type(fields["v"]) is int
-        and set(fields) <= known
-        and all(n in fields for n in known - {"metrics"})  # metrics came later: optional
-        and all(NODE_FIELDS[n][1](fields[n]) for n in NODE_FIELDS if n in fields)
-    )
-    out = typed(MalformedRecord, NodeRecord.decode, "node-1", pack(fields))
+    fields = apply_edits(NODE_BYTES, edits)
+    ok = well_formed(fields, NODE_FIELDS)
+    out = typed(MalformedRecord, decode_node, "node-1", pack(fields))
     assert isinstance(out, NodeRecord) == ok, (fields, out)
     if ok:
         decoded_fields(fields, out)
-        assert NodeRecord.decode("node-1", out.encode()) == out
+        assert decode_node("node-1", encode_node(out)) == out
     else:
         assert str(out).startswith("node record")
 
 
-@cases("record bytes", 1000)
+@cases(1000)
 @given(
     st.one_of(
         st.binary(max_size=120),
         packable.map(pack),
-        st.binary(max_size=40).map(lambda b: PLACEMENT.encode() + b),  # trailing garbage
-        st.integers(1, 40).map(lambda n: PLACEMENT.encode()[:-n]),  # truncated
-        st.integers(1, 40).map(lambda n: NODE.encode()[:-n]),
+        st.binary(max_size=40).map(lambda b: PLACEMENT_BYTES + b),  # trailing garbage
+        st.integers(1, 40).map(lambda n: PLACEMENT_BYTES[:-n]),  # truncated
+        st.integers(1, 40).map(lambda n: NODE_BYTES[:-n]),
         junk,
     )
 )
 def test_random_bytes_are_malformed_records(raw: Any) -> None:
-    for decode in (lambda r: Placement.decode(KEY, "node-1", r), lambda r: NodeRecord.decode("node-1", r)):
+    for decode in (lambda r: decode_placement(KEY, "node-1", r), lambda r: decode_node("node-1", r)):
         out = typed(MalformedRecord, decode, raw)
         assert isinstance(out, (Placement, NodeRecord, MalformedRecord))
-    if raw not in (PLACEMENT.encode(), NODE.encode()):
-        assert isinstance(typed(MalformedRecord, Placement.decode, KEY, "n", raw), MalformedRecord)
+    if raw not in (PLACEMENT_BYTES, NODE_BYTES):
+        assert isinstance(typed(MalformedRecord, decode_placement, KEY, "n", raw), MalformedRecord)
 
 
-@cases("etcd keys", 800)
+@cases(800)
 @given(
     st.one_of(
         st.tuples(keys32, names).map(lambda t: NS.replica(*t)),
@@ -854,7 +843,7 @@ CONFIGS: dict[str, tuple[Any, dict[str, tuple[st.SearchStrategy[Any], st.SearchS
 }
 
 
-@cases("configs", 600)
+@cases(600)
 @given(st.data())
 def test_configs_refuse_one_bad_field_naming_it(data: st.DataObject) -> None:
     name = data.draw(st.sampled_from(sorted(CONFIGS)))
@@ -870,7 +859,7 @@ def test_configs_refuse_one_bad_field_naming_it(data: st.DataObject) -> None:
     assert bad in str(err) or (name == "Watermarks" and "watermarks" in str(err)), f"{err} does not name {bad}"
 
 
-@cases("config overrides and env", 300)
+@cases(300)
 @given(
     st.dictionaries(
         st.one_of(st.sampled_from([f.name for f in dataclasses.fields(MetadataConfig)]), names),
@@ -970,7 +959,7 @@ DESCRIPTOR_FIELDS: dict[str, dict[str, tuple[st.SearchStrategy[Any], Callable[[A
 }
 
 
-@cases("transfer descriptors", 500)
+@cases(500)
 @given(st.data())
 def test_transfer_descriptors_are_validated_before_any_agent_sees_them(data: st.DataObject) -> None:
     kind = data.draw(st.sampled_from(["nixl", "shm"]))
@@ -999,7 +988,9 @@ def test_transfer_descriptors_are_validated_before_any_agent_sees_them(data: st.
         assert out == (fields["name"], fields["agent"], {k: tuple(r) for k, r in fields["regions"].items()})
     elif ok:
         assert (out.name, out.pid, out.socket) == (fields["name"], fields["pid"], fields["socket"])
-        assert out.regions == {k: tuple(r) for k, r in fields["regions"].items()}
+        assert {k: (r.path, r.offset, r.length) for k, r in out.regions.items()} == {
+            k: tuple(r) for k, r in fields["regions"].items()
+        }
 
 
 OP_FIELDS: dict[str, tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]] = {
@@ -1035,7 +1026,7 @@ TRANSFER_ARGS: dict[str, tuple[Any, dict[str, tuple[st.SearchStrategy[Any], st.S
 }
 
 
-@cases("transfer ops and handoffs", 400)
+@cases(400)
 @given(st.data())
 def test_transfer_ops_and_handoffs_refuse_one_bad_field_naming_it(data: st.DataObject) -> None:
     name = data.draw(st.sampled_from(sorted(TRANSFER_ARGS)))
@@ -1048,10 +1039,6 @@ def test_transfer_ops_and_handoffs_refuse_one_bad_field_naming_it(data: st.DataO
     kwargs[bad] = value
     err = refused(ConfigError, cls, **kwargs)
     assert bad in str(err), f"{err} does not name {bad}"
-
-
-def test_budget_is_at_least_ten_thousand_cases() -> None:
-    assert sum(BUDGET.values()) >= 10_000, BUDGET
 
 
 def test_shm_connect_refuses_a_descriptor_naming_files_it_cannot_map(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from kvpool import cli
+from kvpool.cli import root
 
 runner = CliRunner()
 X = "\N{MULTIPLICATION SIGN}"
@@ -13,8 +14,8 @@ X = "\N{MULTIPLICATION SIGN}"
 @pytest.fixture(autouse=True)
 def wide_consoles(monkeypatch: pytest.MonkeyPatch) -> None:
     """A wide terminal, so no line wraps (the consoles write to whatever sys.stdout/err are at print time)."""
-    monkeypatch.setattr(cli, "console", Console(width=160))
-    monkeypatch.setattr(cli, "err_console", Console(stderr=True, width=160))
+    monkeypatch.setattr(root, "console", Console(width=160))
+    monkeypatch.setattr(root, "err_console", Console(stderr=True, width=160))
 
 
 def rows(stdout: str) -> dict[str, list[str]]:
@@ -43,7 +44,7 @@ def test_reference_analysis_table() -> None:
 
 
 def test_fits_a_default_80_column_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "console", Console(width=80))
+    monkeypatch.setattr(root, "console", Console(width=80))
     result = runner.invoke(cli.app, ["plan", "smollm2-135m", "--tokens", "8192", "--attention"])
     assert result.exit_code == 0, result.output
     assert all(len(line) <= 80 for line in result.stdout.splitlines())

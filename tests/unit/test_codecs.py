@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from kvpool.errors import ChunkNotFound, ConfigError, UndecodableChunk, UnencodableTensor
 from kvpool.pool.keys import layer_key
-from kvpool.pool.tiers.codecs import MAGIC, Codec, Fp8, Int4, codec_key, decode, parse_codec, read_header
+from kvpool.pool.tiers.codecs import MAGIC, Codec, codec_key, decode, parse_codec, read_header
+from kvpool.pool.tiers.quantizers import Fp8, Int4
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SPECS = [

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvpool.errors import ConfigError
-from kvpool.metadata.records import Tier
+from kvpool.pool.types import Tier
 from kvpool.prefill_decode.cost import (
     KNOWN_MODELS,
     REFERENCE_HARDWARE,

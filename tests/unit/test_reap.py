@@ -3,7 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvpool.pool.node import reap_stale_segments
+from kvpool.pool.segment import reap_stale_segments
 
 
 def test_reaps_only_what_dead_pool_nodes_left(tmp_path: Path) -> None:

@@ -8,10 +8,11 @@ import pytest
 
 from kvpool.clock import ManualClock
 from kvpool.errors import ChunkBusy, ChunkNotFound, PoolFull
-from kvpool.metadata.records import Tier
+from kvpool.pool.chunks import ChangeKind
 from kvpool.pool.config import Watermarks
 from kvpool.pool.segment import DramSegment, NvmeSegment
-from kvpool.pool.store import ChangeKind, ChunkStore
+from kvpool.pool.store import ChunkStore
+from kvpool.pool.types import Tier
 
 BLOCK = 64 * 1024
 

@@ -8,11 +8,12 @@ import torch
 
 from kvpool.clock import ManualClock
 from kvpool.errors import ConfigError, CorruptChunk
-from kvpool.metadata.records import Tier
+from kvpool.pool.chunks import ChangeKind, checksum
 from kvpool.pool.config import Watermarks
 from kvpool.pool.segment import DramSegment, NvmeSegment
-from kvpool.pool.store import ChangeKind, ChunkStore, checksum
+from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.codecs import TensorFormat
+from kvpool.pool.types import Tier
 
 SHAPE = (64, 2, 4, 32)  # [tokens, K/V, heads, head dim]: 64 KiB of float32
 
@@ -61,12 +62,12 @@ def test_a_chunk_is_encoded_going_down_and_decoded_coming_back(
     put_tensor(store, 1, t)
     store.take_changes()
     down = store.move(key(1), Tier.NVME)
-    assert down.codec == codec and down.length < t.nbytes / smaller and down.raw_size == t.nbytes
+    assert down.codec == codec and down.stored < t.nbytes / smaller and down.size == t.nbytes
     assert down.checksum == checksum(store.read(key(1)))  # the checksum is of the stored (encoded) bytes
     assert [(c.kind, c.chunk.codec) for c in store.take_changes()] == [(ChangeKind.MOVED, codec)]
     up = store.locate(key(1))  # promote on hit: decoded back into DRAM, raw
     store.release(key(1))
-    assert up.tier is Tier.DRAM and up.codec == "raw" and up.length == t.nbytes
+    assert up.tier is Tier.DRAM and up.codec == "raw" and up.stored == t.nbytes
     back = TensorFormat.of(t)
     assert back is not None
     got = back.view(store.read(key(1)))
@@ -84,7 +85,7 @@ def test_chunks_put_as_bytes_or_unencodable_stay_raw(segments: tuple[DramSegment
     put_tensor(store, 3, nan)
     for i in (2, 3):
         moved = store.move(key(i), Tier.NVME)
-        assert moved.codec == "raw" and moved.length == data.nbytes
+        assert moved.codec == "raw" and moved.stored == data.nbytes
     assert store.counters["encoded"] == 0
 
 
@@ -126,6 +127,6 @@ def test_idle_chunks_for_the_remote_tier_and_their_drop_order(segments: tuple[Dr
     # last accesses at 0, 10, 20, 30; now 40
     assert [c.key for c in store.idle(Tier.NVME, 25, 1 << 30)] == [key(0), key(1)]
     assert [c.key for c in store.idle(Tier.NVME, 0, 100_000)] == [key(0)]  # bounded, but at least one
-    store.mark_remote([key(1), key(9)])  # a key no longer held is skipped
+    store.mark_in_s3([key(1), key(9)])  # a key no longer held is skipped
     assert [c.key for c in store.idle(Tier.NVME, 25, 1 << 30)] == [key(0)]
     assert next(store.policy.drop_order(Tier.NVME)) == key(1)  # a full NVMe drops what is remote first

@@ -13,13 +13,13 @@ from engines import CHUNK, P, Q, R, S, engine, extra_config
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvpool.cli import scrape
-from kvpool.errors import ConfigError
-from kvpool.metadata.records import Tier
+from kvpool.errors import ConfigError, WorkerUnavailable
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
-from kvpool.pool.node import actor_name
+from kvpool.pool.node_handle import actor_name
 from kvpool.pool.segment import DramSegment
+from kvpool.pool.types import Tier
 from kvpool.prefill_decode.engine_config import ConnectorConfig
 from kvpool.prefill_decode.vllm_connector import KvPoolMetadata, Transfer, WorkerSide
 
@@ -143,7 +143,7 @@ def test_a_fresh_engine_answers_from_the_pool_as_if_it_had_computed(
 
             # different KV under P's keys: B now answers differently, from what the pool gave it
             flat = [k for chunk in p_keys for k in chunk]
-            sizes = [client.cache.replicas(k)[0].size or client.cache.replicas(k)[0].length for k in flat]
+            sizes = [client.cache.replicas(k)[0].size for k in flat]
             client.remove_batch(flat)
             rng = np.random.default_rng(0)
             client.put_batch(
@@ -177,7 +177,7 @@ def test_a_malformed_extra_config_stops_the_engine_at_start_with_a_clear_error(
     engine_pool: PoolConfig, model_dir: str, tmp_path: Path
 ) -> None:
     settings = {"model": model_dir, "connector": extra_config(engine_pool, chunk_size=100)}
-    with pytest.raises(RuntimeError, match="engine exited"):
+    with pytest.raises(WorkerUnavailable, match="engine exited"):
         engine(settings, tmp_path / "bad.log")
     log = (tmp_path / "bad.log").read_text()
     assert "ConfigError" in log and "must be a multiple of vLLM's block size (32): e.g. 96" in log

@@ -12,14 +12,14 @@ from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
-from kvpool.metadata.records import NodeRecord, Placement, Tier
 from kvpool.metadata.registry import NodeRegistry
+from kvpool.pool.types import NodeRecord, Placement, Tier
 
 
 def placements(node: str, n: int, tag: int = 0) -> list[Placement]:
     return [
-        Placement(key=i.to_bytes(32, "big"), node=node, tier=Tier.DRAM, segment="dram0", offset=i * 4096,
-                  length=4096, checksum=tag)
+        Placement(key=i.to_bytes(32, "big"), node=node, tier=Tier.DRAM, offset=i * 4096, stored=4096, size=4096,
+                  checksum=tag)
         for i in range(n)
     ]  # fmt: skip
 
@@ -35,18 +35,5 @@ def node(args: dict) -> None:
         time.sleep(3600)
 
 
-def racer(args: dict) -> None:
-    """Wait for a go line on stdin, then publish the shared keys create-if-absent; report what we won."""
-    cfg = MetadataConfig(endpoints=(args["endpoint"],), cluster=args["cluster"], lease_ttl_s=30, txn_max_ops=16)
-    etcd, ns = EtcdClient(cfg), Namespace(cfg.cluster)
-    lease = etcd.grant_lease(30)
-    print(json.dumps({"ready": True}), flush=True)
-    sys.stdin.readline()
-    # Both racers use the same holder name, so they contend for the very same etcd keys.
-    result = PlacementStore(etcd, ns).publish(placements("shared", args["chunks"], tag=args["tag"]), lease)
-    print(json.dumps({"created": [p.key.hex() for p in result.created],
-                      "existing": [p.key.hex() for p in result.existing]}), flush=True)  # fmt: skip
-
-
 if __name__ == "__main__":
-    {"node": node, "racer": racer}[sys.argv[1]](json.loads(sys.argv[2]))
+    {"node": node}[sys.argv[1]](json.loads(sys.argv[2]))

@@ -15,8 +15,9 @@ from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.lease import LeaseState
 from kvpool.metadata.namespace import Namespace
-from kvpool.metadata.records import NodeRecord, SegmentInfo, Tier
+from kvpool.metadata.records import decode_node
 from kvpool.metadata.registry import NodeRegistry
+from kvpool.pool.types import NodeRecord, SegmentInfo, Tier
 
 PROCS = str(Path(__file__).with_name("procs.py"))
 
@@ -38,18 +39,23 @@ def record(node_id: str = "n1") -> NodeRecord:
     )  # fmt: skip
 
 
+def nodes(etcd: EtcdClient, namespace: Namespace) -> list[NodeRecord]:
+    """The node records in etcd, read straight from it."""
+    return [decode_node(namespace.parse_node(kv.key), kv.value) for kv in etcd.get_prefix(namespace.nodes)]
+
+
 def test_register_update_and_leave(etcd: EtcdClient, namespace: Namespace, metadata_config: MetadataConfig) -> None:
     registry = NodeRegistry(etcd, namespace, metadata_config.lease_ttl_s)
     reg = registry.register(record())
     try:
-        [got] = registry.nodes()
+        [got] = nodes(etcd, namespace)
         assert got.node_id == "n1" and got.address == b"ucx-address" and got.capacity(Tier.NVME) == 4 << 30
         assert etcd.get(namespace.node("n1")).lease == reg.lease_id  # type: ignore[union-attr]
         reg.update(replace(record(), segments=(SegmentInfo("dram0", Tier.DRAM, 1 << 30, 123),)))
-        assert registry.get("n1").used(Tier.DRAM) == 123  # type: ignore[union-attr]
+        assert [n.used(Tier.DRAM) for n in nodes(etcd, namespace)] == [123]
     finally:
         reg.close()
-    assert registry.nodes() == []  # revoked: gone at once, not after the TTL
+    assert nodes(etcd, namespace) == []  # revoked: gone at once, not after the TTL
 
 
 def test_dead_process_vanishes_within_ttl(
@@ -69,7 +75,7 @@ def test_dead_process_vanishes_within_ttl(
         # woken by the watch's delete events, not polled
         assert cache.wait_until(lambda c: not c.nodes() and not c.chunk_count(), timeout_s=ttl + 1.0)
         gone_after = time.monotonic() - killed
-        assert NodeRegistry(etcd, namespace, ttl).nodes() == []
+        assert nodes(etcd, namespace) == []
         assert etcd.get_prefix(namespace.chunks) == []
         print(f"node gone {gone_after:.2f} s after kill (TTL {ttl} s)")
     finally:
@@ -91,10 +97,10 @@ def test_lost_lease_is_replaced_and_republished(
     # grants a new lease, re-publishes the record on it and tells the owner.
     old = reg.lease_id
     etcd.revoke_lease(old)
-    assert registry.nodes() == []
+    assert nodes(etcd, namespace) == []
     assert keeper.tick() is LeaseState.ALIVE
     assert reg.lease_id != old and republished == [reg.lease_id] and keeper.renewals == 1
-    assert [n.node_id for n in registry.nodes()] == ["n1"]
+    assert [n.node_id for n in nodes(etcd, namespace)] == ["n1"]
     reg.close()
 
 

@@ -5,12 +5,12 @@ import pytest
 import ray
 import torch
 
-from kvpool.errors import CorruptChunk
-from kvpool.metadata.records import Tier
+from kvpool.errors import ConfigError, CorruptChunk
 from kvpool.pool.client import PoolClient
 from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node import NodeInfo, actor_name
 from kvpool.pool.tiers.gds import nvme_io_path
+from kvpool.pool.types import Tier
 
 SHAPE = (64, 2, 4, 64)  # 128 KiB of float32
 
@@ -68,7 +68,7 @@ def test_a_corrupt_nvme_chunk_is_not_served_to_the_device(client: PoolClient) ->
 def test_device_reads_need_contiguous_tensors(client: PoolClient) -> None:
     keys = keys_of(1)
     client.put(keys[0], kv(0))
-    with pytest.raises(ValueError, match="non-contiguous"):
+    with pytest.raises(ConfigError, match="non-contiguous"):
         client.get_into_device(keys, [torch.empty(SHAPE[::-1]).permute(3, 2, 1, 0)])
-    with pytest.raises(ValueError, match="torch tensor"):
+    with pytest.raises(ConfigError, match="torch tensor"):
         client.get_into_device(keys, [bytearray(kv(0).nbytes)])  # type: ignore[list-item]

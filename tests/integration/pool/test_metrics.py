@@ -50,7 +50,7 @@ def test_client_lookups_and_gets_reach_their_nodes_metrics(client: PoolClient) -
     client.put_batch([(k, np.full(4096, 7, dtype=np.uint8)) for k in keys[:5]])
     assert client.lookup_prefix(keys) == 5  # 5 hits, 3 misses
     client.get_batch(keys[:5])
-    client._report(force=True)  # what close() does; the periodic report is at most once a second
+    client._stats.report(force=True)  # what close() does; the periodic report is at most once a second
 
     hit = ("kvpool_lookup_chunks_total", (*node, ("result", "hit")))
     deadline = time.monotonic() + 10
@@ -58,7 +58,7 @@ def test_client_lookups_and_gets_reach_their_nodes_metrics(client: PoolClient) -
         time.sleep(0.1)  # the report is a call the client does not wait for
     assert m.get(hit) == 5
     assert m[("kvpool_lookup_chunks_total", (*node, ("result", "miss")))] == 3
-    read = sum(m[("kvpool_client_get_bytes_total", (*node, ("source", s)))] for s in ("local", "remote"))
+    read = sum(m[("kvpool_client_get_bytes_total", (*node, ("source", s)))] for s in ("local", "peer"))
     assert read == 5 * 4096
     assert m[("kvpool_client_get_seconds_count", node)] == 1
     assert m[("kvpool_client_get_seconds_bucket", (("le", "+Inf"), *node))] == 1

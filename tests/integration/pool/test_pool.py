@@ -11,12 +11,12 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvpool.errors import ChunkBusy, ChunkNotFound, CorruptChunk, PoolFull
-from kvpool.metadata.records import Tier
+from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, CorruptChunk, PoolFull
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node import actor_name
+from kvpool.pool.types import Tier
 
 IDENT = CacheIdentity(model="test", kv_dtype="uint8", layout="bytes", chunk_size=4)
 
@@ -138,15 +138,15 @@ def test_bad_input(client: PoolClient) -> None:
     key = chunk_keys(IDENT, range(4))[0]
     with pytest.raises(ChunkNotFound):
         client.get(key)
-    with pytest.raises(ValueError, match="32 bytes"):
+    with pytest.raises(ConfigError, match="32 bytes"):
         client.put(b"short", b"x")
     with pytest.raises(PoolFull, match="larger than"):
         client.put(key, bytes(5 * MiB))
     assert not client.exists(key)  # nothing half-written
     client.put(key, blob(1))
-    with pytest.raises(ValueError, match="buffer holds"):
+    with pytest.raises(ConfigError, match="buffer holds"):
         client.get_into(key, bytearray(10))
-    with pytest.raises(ValueError, match="non-contiguous"):
+    with pytest.raises(ConfigError, match="non-contiguous"):
         client.put(key, np.zeros((4, 4))[:, 1])
     assert client.remove(key) and not client.exists(key)
     assert not client.remove(key)

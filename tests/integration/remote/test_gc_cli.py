@@ -3,16 +3,16 @@
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
-from kvpool.metadata.records import Placement, Tier
 from kvpool.pool.keys import CacheIdentity, chunk_keys
-from kvpool.pool.tiers.s3 import RemoteConfig, RemoteStore
+from kvpool.pool.tiers.s3 import RemoteStore
+from kvpool.pool.tiers.s3_config import RemoteConfig
+from kvpool.pool.types import Placement, Tier
 
 
 def test_gc_deletes_orphans_and_drops_dangling_placements(
@@ -20,10 +20,9 @@ def test_gc_deletes_orphans_and_drops_dangling_placements(
 ) -> None:
     cluster = metadata_config.cluster
     kept, dangling, orphan = chunk_keys(CacheIdentity(model="gc", kv_dtype="u8", layout="b", chunk_size=1), range(3))
-    now = time.time()
 
     def placement(key: bytes) -> Placement:
-        return Placement(key, s3_bucket.name, Tier.REMOTE, s3_bucket.bucket, 0, 5, 0, created=now, last_access=now)
+        return Placement(key, s3_bucket.name, Tier.REMOTE, offset=0, stored=5, size=5, checksum=0)
 
     PlacementStore(etcd, Namespace(cluster)).publish([placement(kept), placement(dangling)], 0)
     with RemoteStore(s3_bucket, cluster) as store:
@@ -45,5 +44,5 @@ def test_gc_deletes_orphans_and_drops_dangling_placements(
         assert old.returncode == 0, old.stderr
         assert "1 orphan objects deleted, 0 placements" in " ".join(old.stdout.split())
         assert [o.name for o in store.list_objects()] == [store.object_name(kept, "raw")]
-    assert [p.key for p in PlacementStore(etcd, Namespace(cluster)).replicas(kept)] == [kept]
-    assert PlacementStore(etcd, Namespace(cluster)).replicas(dangling) == []
+    held = PlacementStore(etcd, Namespace(cluster)).held_by(s3_bucket.name)
+    assert [p.key for p in held] == [kept]  # the dangling placement is dropped

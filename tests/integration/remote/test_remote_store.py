@@ -17,7 +17,8 @@ import pytest
 
 from kvpool.errors import ChunkNotFound, ConfigError, RemoteUnavailable
 from kvpool.pool.tiers import s3 as remote
-from kvpool.pool.tiers.s3 import RemoteConfig, RemoteStore
+from kvpool.pool.tiers.s3 import RemoteStore
+from kvpool.pool.tiers.s3_config import RemoteConfig
 from kvpool.servers.seaweedfs import WEED_BIN_ENV, SeaweedServer, free_ports, weed_binary
 
 MiB = 1 << 20

@@ -18,12 +18,14 @@ import torch
 
 from kvpool.errors import ChunkNotFound
 from kvpool.metadata.config import MetadataConfig
-from kvpool.metadata.records import Placement, Tier
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.keys import CacheIdentity, chunk_keys
-from kvpool.pool.node import actor_name, start_pool, stop_pool
-from kvpool.pool.tiers.s3 import RemoteConfig, RemoteStore
+from kvpool.pool.node import start_pool, stop_pool
+from kvpool.pool.node_handle import actor_name
+from kvpool.pool.tiers.s3 import RemoteStore
+from kvpool.pool.tiers.s3_config import RemoteConfig
+from kvpool.pool.types import Placement, Tier
 
 SHAPE = (64, 2, 4, 64)  # [tokens, K/V, heads, head dim]: 128 KiB of float32 per chunk
 MakePool = Callable[..., PoolConfig]
@@ -84,7 +86,7 @@ def test_idle_chunks_flush_to_s3_outlive_the_node_and_are_served_from_there(
         on_nvme = [in_tier(client, k, Tier.NVME) for k in keys]
         assert all(p is not None for p in on_nvme)
         assert [p.codec for p in on_nvme if p] == ["fp8-e4m3"] * 8 + ["raw"] * 2  # bytes have no format: raw
-        assert all(p.length < p.raw_size / 3.5 for p in on_nvme[:8] if p)
+        assert all(p.stored < p.size / 3.5 for p in on_nvme[:8] if p)
         flushed_in = wait_for("every chunk flushed", lambda: all(in_tier(client, k, Tier.REMOTE) for k in keys))
         in_s3 = [in_tier(client, k, Tier.REMOTE) for k in keys]
         assert [p.codec for p in in_s3 if p] == ["int4+zstd"] * 8 + ["raw"] * 2

@@ -1,0 +1,110 @@
+"""The options several commands share, and the one place their defaults come from: the config classes.
+
+A default is read from the dataclass field (or the function parameter) it ends up in, never retyped, so a
+change of ``PoolConfig.namespace`` or ``RemoteConfig.flush_after_s`` changes ``--help`` and the behaviour of
+every command with it.  The builders turn the options' values into those config objects.
+"""
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import typer
+
+from kvpool.errors import ConfigError
+from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig
+from kvpool.pool.config import PoolConfig
+from kvpool.pool.tiers.s3_config import RemoteConfig
+from kvpool.prefill_decode.engine_config import ConnectorConfig
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of field ``name`` of the dataclass ``cls`` (its factory's value, for a factory field)."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+    raise LookupError(f"{cls.__name__} has no field {name!r} with a default")
+
+
+def parameter_default(func: Callable[..., Any], name: str) -> Any:
+    """The default of parameter ``name`` of ``func``."""
+    default = inspect.signature(func).parameters[name].default
+    if default is inspect.Parameter.empty:
+        raise LookupError(f"{func.__qualname__} has no default for {name!r}")
+    return default
+
+
+ETCD = typer.Option(
+    None,
+    "--etcd",
+    envvar=ENDPOINTS_ENV,
+    help="etcd endpoints of the pool, host:port[,host:port...]. Without it, up and bench start an embedded etcd.",
+)
+CLUSTER = typer.Option(
+    field_default(MetadataConfig, "cluster"),
+    "--cluster",
+    help="Cluster name: namespaces every key, so pools can share one etcd.",
+)
+RAY_ADDRESS = typer.Option(..., "--ray-address", help="The Ray cluster the pool runs on (head host:port).")
+NAMESPACE = typer.Option(
+    field_default(PoolConfig, "namespace"), "--namespace", help="The Ray namespace of the pool's PoolNode actors."
+)
+NVME_DIR = typer.Option(
+    field_default(PoolConfig, "nvme_dir"),
+    "--nvme-dir",
+    help="Where NVMe segment files go. Default: a temp dir per node.",
+    show_default=False,
+)
+NVME_CODEC = typer.Option(
+    field_default(PoolConfig, "nvme_codec"),
+    "--nvme-codec",
+    help="How chunks put as tensors are stored on NVMe: raw, fp8-e4m3, int4+zstd, ...",
+)
+S3_BUCKET = typer.Option(
+    field_default(RemoteConfig, "bucket"),
+    "--s3-bucket",
+    envvar="KVPOOL_S3_BUCKET",
+    help="Bucket of the remote (S3) tier; empty: no remote tier.  Keys: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.",
+    show_default=False,
+)
+S3_ENDPOINT = typer.Option(
+    field_default(RemoteConfig, "endpoint_url"),
+    "--s3-endpoint",
+    help="S3 endpoint URL (e.g. http://127.0.0.1:8333). Default: AWS_ENDPOINT_URL, else AWS.",
+    show_default=False,
+)
+S3_CODEC = typer.Option(
+    field_default(RemoteConfig, "codec"), "--s3-codec", help="How chunks are stored in the remote tier, e.g. int4+zstd."
+)
+FLUSH_AFTER = typer.Option(
+    field_default(RemoteConfig, "flush_after_s"),
+    "--flush-after",
+    min=0.1,
+    help="Seconds an NVMe chunk stays unread before it is copied to the remote tier.",
+)
+REPLICAS = typer.Option(
+    field_default(ConnectorConfig, "replicas"), "--replicas", min=1, help="Copies of each chunk, on distinct nodes."
+)
+
+
+def metadata_config(etcd: str | None, cluster: str) -> MetadataConfig:
+    """``--etcd`` and ``--cluster`` as a config; no endpoints means "start an embedded etcd"."""
+    endpoints = tuple(e.strip() for e in (etcd or "").split(",") if e.strip())
+    return MetadataConfig(endpoints=endpoints, cluster=cluster)
+
+
+def pool_etcd(etcd: str | None, cluster: str, command: str) -> MetadataConfig:
+    """The metadata config of a running pool, which ``command`` needs: its etcd must be given."""
+    config = metadata_config(etcd, cluster)
+    if not config.endpoints:
+        raise ConfigError(f"{command} needs the pool's etcd: pass --etcd host:port or set {ENDPOINTS_ENV}")
+    return config
+
+
+def remote_config(bucket: str, endpoint: str, codec: str, flush_after_s: float) -> RemoteConfig:
+    """The ``--s3-*`` and ``--flush-after`` options as a config (off without a bucket)."""
+    return RemoteConfig(bucket=bucket, endpoint_url=endpoint, codec=codec, flush_after_s=flush_after_s)

@@ -1,0 +1,160 @@
+"""``kvpool up``: a whole local pool (``kvpool.stack``), checked with a put and a get, the prefill/decode demo
+on it, its status; then it leaves, holds until Ctrl-C, or serves HTTP."""
+
+from contextlib import ExitStack
+from typing import TYPE_CHECKING
+
+import typer
+from rich.table import Table
+
+from kvpool.cli import connect, options, root
+from kvpool.errors import ConfigError, KvPoolError
+from kvpool.pool.config import MiB, PoolConfig
+from kvpool.prefill_decode.demo import MODELS, QUESTION
+
+if TYPE_CHECKING:
+    from kvpool.prefill_decode.demo import DemoRun
+    from kvpool.stack import PoolCheck
+
+#: the local pool ``up`` brings up by default: small, so it starts anywhere
+LOCAL_NODES, LOCAL_DRAM_MIB, LOCAL_NVME_MIB = 2, 256, 1024
+
+
+def check_line(check: "PoolCheck") -> str:
+    """One line: how long the check's put and get took, what the lookup found, and whether the bytes matched."""
+    total = f"{check.chunks * check.chunk_bytes / 2**20:.0f} MiB"
+    verdict = "[green]verified[/]" if check.verified else "[red]MISMATCH[/]"
+    return (
+        f"check     put {total} in {check.put_s * 1e3:.0f} ms, prefix lookup {check.found}/{check.chunks} chunks, "
+        f"got {total} back in {check.get_s * 1e3:.0f} ms: {verdict}"
+    )
+
+
+def demo_table(run: "DemoRun") -> Table:
+    """The demo's two requests: TTFT, the router's choice, where each worker's KV came from, total time."""
+    table = Table(title=f"the same {run.prompt_tokens:,}-token prompt, twice")
+    for col in ("request", "TTFT s", "router", "prompt KV", "decode worker's KV", "total s"):
+        table.add_column(col, justify="right" if col.endswith(" s") else "left")
+    for name, done in (("cold", run.cold), ("warm", run.warm)):
+        p, d = done.prefill.summary, done.decode.summary
+        where, dwhere = (", ".join(f"{b / 2**20:.1f} MiB {src}" for src, b in x.sources.items()) or "-" for x in (p, d))
+        table.add_row(
+            name, f"{done.ttft_s:.3f}", p.action, f"{p.reused_tokens} reused ({where}), {p.computed_tokens} computed",
+            f"{d.reused_tokens} reused ({dwhere}), {d.computed_tokens} computed", f"{done.total_s:.2f}",
+        )  # fmt: skip
+    return table
+
+
+def demo_lines(run: "DemoRun") -> list[str]:
+    """The TTFT speedup, the question and answer (models with a tokenizer), a warning if the answers differ."""
+    lines = [f"TTFT      cold {run.cold.ttft_s:.3f} s, warm {run.warm.ttft_s:.3f} s: {run.speedup:.1f}x faster"]
+    if run.answer:
+        lines += [f"question  {QUESTION}", f"answer    {run.answer}"]
+    if run.warm.tokens != run.cold.tokens:
+        lines.append("[yellow]the warm answer differs from the cold one[/]")
+    return lines
+
+
+def _hold(pool: PoolConfig) -> None:
+    """Say how to reach the pool (kvpool status, vLLM), then wait for Ctrl-C."""
+    import ray
+
+    where = f"--etcd {pool.metadata.endpoints[0]} --cluster {pool.metadata.cluster}"
+    node_ip = min(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
+    root.console.print(f"pool up. In another shell: kvpool status {where}")
+    root.console.print(
+        f'vLLM on it: vllm serve MODEL --kv-transfer-config "$(kvpool vllm-config {where} '
+        f'--namespace {pool.namespace} --ray-address {ray.get_runtime_context().gcs_address} --node-ip {node_ip})"',
+        soft_wrap=True,
+    )
+    root.console.print("Ctrl-C (or kill) stops it.")
+    root.wait_for_interrupt("the pool")
+
+
+def _run(pool: PoolConfig, stack: ExitStack, demo: str, serve: int, hold: bool) -> None:
+    """Everything ``up`` does on the running ``pool``."""
+    from kvpool.cli import status  # here, not above: up comes first in --help
+    from kvpool.prefill_decode.demo import run_demo
+    from kvpool.stack import check_pool, demo_service
+    from kvpool.stack import serve as serve_http
+
+    check = check_pool(pool)
+    root.console.print(check_line(check))
+    if not check.verified:
+        raise KvPoolError("the pool returned bytes that differ from what was put; run with --debug and report it")
+    report = root.ConsoleReport()
+    service = None
+    if demo != "none" or serve >= 0:
+        service = stack.enter_context(demo_service(pool, demo if demo != "none" else MODELS[0], report))
+    if service is not None and demo != "none":
+        run = run_demo(service)
+        root.console.print(demo_table(run))
+        for line in demo_lines(run):
+            root.console.print(line)
+    with connect.running_cache(",".join(pool.metadata.endpoints), pool.metadata.cluster, "up") as cache:
+        cache.sync()
+        root.console.print(status.render(status.gather(cache)))
+    if service is not None and serve >= 0:
+        serve_http(service, serve, report)
+    elif hold:
+        _hold(pool)
+
+
+@root.app.command()
+def up(
+    etcd: str | None = options.ETCD,
+    cluster: str = options.CLUSTER,
+    ray_address: str | None = typer.Option(
+        None,
+        "--ray-address",
+        help="Attach to this Ray cluster (a pool node on every alive node). Default: start a local one on loopback.",
+    ),
+    nodes: int = typer.Option(
+        LOCAL_NODES, "--nodes", min=1, max=8, help="Ray nodes of the local cluster (127.0.0.2 and up)."
+    ),
+    dram_mib: int = typer.Option(LOCAL_DRAM_MIB, "--dram-mib", min=1, help="DRAM segment per node, MiB."),
+    nvme_mib: int = typer.Option(
+        LOCAL_NVME_MIB, "--nvme-mib", min=0, help="NVMe segment per node, MiB (0: no NVMe tier)."
+    ),
+    nvme_dir: str = options.NVME_DIR,
+    nvme_codec: str = options.NVME_CODEC,
+    s3_bucket: str = options.S3_BUCKET,
+    s3_endpoint: str = options.S3_ENDPOINT,
+    s3_codec: str = options.S3_CODEC,
+    flush_after: float = options.FLUSH_AFTER,
+    demo: str = typer.Option(
+        MODELS[0], "--demo", help=f"Model of the prefill/decode demo: {', '.join(MODELS)}, or 'none' to skip it."
+    ),
+    serve: int = typer.Option(
+        -1,
+        "--serve",
+        min=-1,
+        max=65535,
+        help=f"Serve OpenAI-style /v1/completions on 127.0.0.1:PORT (0: any port) until Ctrl-C; -1: do not. With --demo none it serves {MODELS[0]}.",
+    ),
+    hold: bool = typer.Option(
+        False, "--hold", help="Keep the pool up until Ctrl-C (default: check it, run the demo, leave)."
+    ),
+) -> None:
+    """Bring a pool up, check it with a put and a get, run the prefill/decode demo, print the status.
+
+    The embedded default needs nothing running: an etcd on a free loopback port, a local Ray cluster of
+    --nodes nodes on 127.0.0.2 and up, and one PoolNode actor per node with a DRAM segment (shared
+    memory) and an NVMe segment (a file in a temp dir).  The demo starts a prefill worker on the first
+    node and a decode worker on the last, asks SmolLM2 about a long document twice, and prints the time
+    to first token cold (computed) and warm (reloaded from the pool), and where the KV came from.
+    All of it stops on exit unless --hold or --serve.
+    """
+    from kvpool.stack import StackConfig, running_pool
+
+    with root.errors(), ExitStack() as stack:
+        if demo not in (*MODELS, "none"):
+            raise ConfigError(f"--demo must be one of {', '.join(MODELS)} or none, got {demo!r}")
+        pool = PoolConfig(
+            metadata=options.metadata_config(etcd, cluster), dram_bytes=dram_mib * MiB, nvme_bytes=nvme_mib * MiB or -1,
+            nvme_dir=nvme_dir, nvme_codec=nvme_codec,
+            remote=options.remote_config(s3_bucket, s3_endpoint, s3_codec, flush_after),
+        )  # fmt: skip
+        config = StackConfig(pool=pool, nodes=nodes, ray_address=ray_address or "")
+        running = stack.enter_context(running_pool(config, root.ConsoleReport()))
+        _run(running, stack, demo, serve, hold)

@@ -1,0 +1,189 @@
+"""A whole local stack, brought up and torn down by one call: etcd, Ray, the pool, the demo service.
+
+``running_pool`` starts an etcd (embedded, unless the config names endpoints) and Ray (a local cluster on
+127.0.0.2 and up, unless it names a cluster to attach to), then one ``PoolNode`` per Ray node, and stops all
+it started on exit.  ``demo_service`` puts a prefill worker and a decode worker on it.  ``kvpool up``,
+``kvpool bench``, ``kvpool plan --measure``, the demo (``prefill_decode/demo.py``) and tests call these; what
+they print goes through a :class:`Report`, so the library itself stays quiet.
+"""
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+import ray
+
+from kvpool.errors import ConfigError, KvPoolError
+from kvpool.metadata.config import MetadataConfig
+from kvpool.pool.config import PoolConfig
+
+if TYPE_CHECKING:
+    from kvpool.prefill_decode.service import Service
+
+log = logging.getLogger(__name__)
+
+
+class Report(Protocol):
+    """Where a stack says what it is doing: a slow step (``busy``) and a step's outcome (``done``)."""
+
+    def busy(self, what: str) -> AbstractContextManager[object]: ...
+
+    def done(self, line: str) -> None: ...
+
+
+class LogReport:
+    """The default :class:`Report`: outcomes to this module's log, nothing while busy."""
+
+    def busy(self, what: str) -> AbstractContextManager[object]:
+        return nullcontext()
+
+    def done(self, line: str) -> None:
+        log.info("%s", line)
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """What to bring up.  ``pool.metadata.endpoints`` empty: an embedded etcd on a free loopback port."""
+
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    nodes: int = 1  #: Ray nodes of the local cluster, on 127.0.0.2 and up (unused with ``ray_address``)
+    ray_address: str = ""  #: attach to this Ray cluster (head host:port) and use its alive nodes; empty: a local one
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pool, PoolConfig):
+            raise ConfigError(f"pool must be a PoolConfig, got {type(self.pool).__name__}")
+        if not isinstance(self.nodes, int) or isinstance(self.nodes, bool) or not 1 <= self.nodes <= 32:
+            raise ConfigError(f"nodes must be an int in [1, 32] (local Ray nodes), got {self.nodes!r}")
+        if not isinstance(self.ray_address, str):
+            raise ConfigError(f"ray_address must be a 'host:port' string or empty, got {self.ray_address!r}")
+
+
+def attach_ray(address: str, **kwargs: Any) -> None:
+    """Attach this process to the Ray cluster at ``address``, or one clear error saying it cannot be reached."""
+    try:
+        ray.init(address=address, logging_level=logging.WARNING, **kwargs)
+    except (ConnectionError, RuntimeError) as exc:
+        raise KvPoolError(
+            f"cannot attach to the Ray cluster at {address}: is it up, and is that its head? ({exc})"
+        ) from exc
+
+
+def _etcd_up(stack: ExitStack, metadata: MetadataConfig, report: Report) -> MetadataConfig:
+    if metadata.endpoints:
+        return metadata
+    from kvpool.servers.etcd import EmbeddedEtcd
+
+    with report.busy("starting embedded etcd"):
+        server = stack.enter_context(EmbeddedEtcd())
+    report.done(f"etcd      embedded, {server.endpoint} (data in {server.data_dir})")
+    return metadata.with_endpoints(server.endpoint)
+
+
+def _ray_up(stack: ExitStack, config: StackConfig, report: Report) -> None:
+    if not config.ray_address:
+        from kvpool.servers.ray_cluster import LocalRayCluster
+
+        with report.busy(f"starting a local Ray cluster of {config.nodes} node(s)"):
+            cluster = stack.enter_context(LocalRayCluster(nodes=config.nodes))
+        report.done(f"ray       local, {config.nodes} node(s) on {', '.join(cluster.ips)} (head {cluster.address})")
+    elif ray.is_initialized() and ray.get_runtime_context().gcs_address == config.ray_address:
+        report.done(f"ray       already attached to {config.ray_address}")  # kept attached on exit
+    else:
+        attach_ray(config.ray_address)
+        stack.callback(ray.shutdown)
+        report.done(f"ray       attached to {config.ray_address}")
+
+
+@contextmanager
+def running_pool(config: StackConfig, report: Report | None = None) -> Iterator[PoolConfig]:
+    """A running pool as ``config`` asks (etcd, Ray, a ``PoolNode`` per Ray node); yields its ``PoolConfig``
+    (with the etcd endpoint filled in) and stops everything it started on exit."""
+    report = report or LogReport()
+    with ExitStack() as stack:
+        pool = replace(config.pool, metadata=_etcd_up(stack, config.pool.metadata, report))
+        _ray_up(stack, config, report)
+        remote = pool.remote
+        if remote.enabled:
+            report.done(f"remote    S3 bucket {remote.bucket}, {remote.codec}, after {remote.flush_after_s:g} s idle")
+        from kvpool.pool.node import start_pool, stop_pool
+
+        with report.busy("starting PoolNode actors"):
+            start_pool(pool)
+        stack.callback(stop_pool, pool)
+        yield pool
+
+
+@dataclass(frozen=True)
+class PoolCheck:
+    """What :func:`check_pool` saw."""
+
+    chunks: int  #: chunks put, of ``chunk_bytes`` each
+    chunk_bytes: int
+    found: int  #: chunks of the chain a prefix lookup found
+    put_s: float
+    get_s: float
+    verified: bool  #: every chunk came back with the bytes put
+
+
+def check_pool(pool: PoolConfig, chunks: int = 16) -> PoolCheck:
+    """Put ``chunks`` chunks of 1 MiB, look the chain up, read them back and compare: the pool works end to end."""
+    import numpy as np
+
+    from kvpool.pool.client import PoolClient
+    from kvpool.pool.keys import CacheIdentity, chunk_keys
+
+    ident = CacheIdentity(model="kvpool-check", kv_dtype="uint8", layout="bytes", chunk_size=256)
+    keys = chunk_keys(ident, np.arange(256 * chunks) % 50_000)
+    data = [np.random.default_rng(i).integers(0, 256, 2**20, dtype=np.uint8) for i in range(len(keys))]
+    with PoolClient(pool) as client:
+        t0 = time.perf_counter()
+        client.put_batch(list(zip(keys, data, strict=True)))
+        put_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        back = client.get_batch(keys)
+        get_s = time.perf_counter() - t0
+        verified = all(b == d.tobytes() for b, d in zip(back, data, strict=True))
+        found = client.lookup_prefix(keys)
+    return PoolCheck(len(keys), 2**20, found, put_s, get_s, verified)
+
+
+@contextmanager
+def demo_service(pool: PoolConfig, model: str, report: Report | None = None) -> "Iterator[Service]":
+    """A prefill worker on the first Ray node, a decode worker on the last, and the ``Service`` over them;
+    the workers are killed on exit."""
+    from kvpool.prefill_decode.model import load_tokenizer
+    from kvpool.prefill_decode.service import Service
+    from kvpool.prefill_decode.workers import WorkerConfig, start_workers
+
+    report = report or LogReport()
+    ids = sorted((n["NodeManagerAddress"], n["NodeID"]) for n in ray.nodes() if n["Alive"])
+    (p_ip, p_id), (d_ip, d_id) = ids[0], ids[-1]
+    config = WorkerConfig(pool=pool, model=model, torch_threads=os.cpu_count() or 1)
+    with report.busy(f"loading {model} on a prefill worker ({p_ip}) and a decode worker ({d_ip}), measuring"):
+        prefill, decode = start_workers(config, p_id, d_id)
+        tokenizer = load_tokenizer(model)
+    try:
+        hw = ray.get(prefill.hardware.remote())
+        tiers = ", ".join(f"{t} {bw / 1e9:.2f} GB/s" for t, bw in hw.bandwidth.items())
+        report.done(f"workers   {model}: prefill on {p_ip}, decode on {d_ip}")
+        report.done(f"cost      {hw.source}: {hw.flops / 1e9:.1f} GFLOP/s effective; {tiers}")
+        eos = tokenizer.eos_token_id if tokenizer is not None else None
+        yield Service(prefill, decode, model=model, tokenizer=tokenizer, eos=eos)
+    finally:
+        for handle in (prefill, decode):
+            ray.kill(handle)
+
+
+def serve(service: "Service", port: int, report: Report | None = None) -> None:
+    """Serve OpenAI-style ``/v1/completions`` over ``service`` on 127.0.0.1:``port`` (0: any) until Ctrl-C."""
+    from aiohttp import web
+
+    from kvpool.prefill_decode.service import make_app
+
+    report = report or LogReport()
+    report.done(f"serving   http://127.0.0.1:{port or '<any>'}/v1/completions (Ctrl-C stops)")
+    web.run_app(make_app(service), host="127.0.0.1", port=port, print=lambda m: report.done(f"          {m}"))

@@ -1,0 +1,75 @@
+"""What a node knows of each chunk it holds, and the records its store hands out: where a chunk is stored and
+under which codec, a reservation of DRAM room, a change to publish."""
+
+import enum
+from dataclasses import dataclass
+
+import crc32c
+
+from kvpool.errors import ConfigError
+from kvpool.pool.tiers.codecs import Buffer, TensorFormat
+from kvpool.pool.types import Tier
+
+SEGMENT_NAMES = {Tier.DRAM: "dram0", Tier.NVME: "nvme0"}
+
+
+def checksum(data: Buffer) -> int:
+    """The checksum of stored bytes, as placements record it (crc32c)."""
+    return int(crc32c.crc32c(data))
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    key: bytes
+    tier: Tier
+    offset: int
+    stored: int  #: bytes stored, after the codec: what a transfer moves
+    size: int  #: bytes of the chunk itself, what a reader gets (equals ``stored`` under the raw codec)
+    checksum: int  #: of the stored bytes
+    codec: str = "raw"  #: how the stored bytes encode the chunk ("raw": they are the chunk)
+    fmt: TensorFormat | None = None  #: the chunk's tensor format, if it was put as a tensor
+    in_s3: bool = False  #: a copy is in the S3 (remote) tier (flushed), so dropping this one loses nothing
+
+    @property
+    def segment(self) -> str:
+        return SEGMENT_NAMES[self.tier]
+
+
+@dataclass(frozen=True)
+class Recoded:
+    """A chunk's bytes under some codec (see :meth:`ChunkStore.encoded`)."""
+
+    data: Buffer
+    codec: str
+    fmt: TensorFormat | None
+    checksum: int
+
+
+class ChangeKind(enum.Enum):
+    ADDED = "added"
+    MOVED = "moved"
+    DROPPED = "dropped"
+
+
+@dataclass(frozen=True)
+class Change:
+    kind: ChangeKind
+    chunk: StoredChunk
+
+
+@dataclass(frozen=True)
+class Reservation:
+    key: bytes
+    offset: int  #: where to write in the DRAM segment
+    length: int
+    already_stored: bool = False  #: the key is held already (keys name content): nothing to write
+    at: float = 0.0  #: when it was made (the store's monotonic clock): an unpublished one expires
+
+
+def check_checksum(checksum: int) -> None:
+    if not isinstance(checksum, int) or isinstance(checksum, bool) or not 0 <= checksum < 2**64:
+        raise ConfigError(f"checksum must be an int in [0, 2**64), got {checksum!r:.60}")
+
+
+def short(key: bytes) -> str:
+    return key.hex()[:16] if isinstance(key, bytes) else f"{key!r:.16}"

@@ -1,0 +1,99 @@
+"""Reads into device (GPU) memory: chunks this node holds raw on NVMe go straight from the segment file into the
+tensor — by GPUDirect Storage where the host has it (``nvme_io_path()``: ``gds``, else kvikio's compatibility
+mode, else O_DIRECT and a host-to-device copy) — pinned on the node and not promoted.  Each is verified by its
+checksum over a host copy of what landed; anything else goes the host way and is copied over."""
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kvpool.errors import ConfigError, KvPoolError
+from kvpool.pool.buffers import byte_view
+from kvpool.pool.chunks import StoredChunk, checksum, short
+from kvpool.pool.node_handle import NodeInfo, call
+from kvpool.pool.segment import NvmeSegment
+from kvpool.pool.tiers.gds import DeviceIO
+from kvpool.pool.types import Placement, Tier
+
+log = logging.getLogger(__name__)
+
+
+def device_bytes(t: Any, field: str) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor on any device."""
+    if not isinstance(t, torch.Tensor):
+        raise ConfigError(f"{field} must be a torch tensor, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise ConfigError(f"{field} is a non-contiguous tensor; call .contiguous() first")
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _host_like(t: torch.Tensor) -> torch.Tensor:
+    """A host buffer for ``t``'s bytes: page-locked when CUDA is there, so the copy to the device is a DMA."""
+    return torch.empty(t.numel(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+
+class DeviceReads:
+    """``info`` and ``local``: the pool node on this Ray node and its actor (None: there is none)."""
+
+    def __init__(self, node_id: str, info: NodeInfo | None, local: Any) -> None:
+        self.node_id, self.info, self.local = node_id, info, local
+        self._io: DeviceIO | None = None  #: this node's NVMe segment, opened on first use
+        self.counts = {"direct": 0, "direct_bytes": 0, "via_host": 0, "via_host_bytes": 0}
+
+    def close(self) -> None:
+        if self._io is not None:
+            self._io.close()
+            self._io.segment.close()
+
+    def _nvme(self) -> DeviceIO | None:
+        if self._io is None and self.info is not None and self.info.nvme_path:
+            self._io = DeviceIO(NvmeSegment.attach(self.info.nvme_path, self.info.nvme_capacity))
+        return self._io
+
+    def get_into(
+        self, keys: Sequence[bytes], flats: list[torch.Tensor], nearest: list[Placement],
+        via_host: Callable[[list[bytes], list[Any]], object],
+    ) -> None:  # fmt: skip
+        """Read ``keys`` into the flat device views ``flats``; ``via_host`` is the client's ``get_into_batch``."""
+        direct = [
+            i for i, p in enumerate(nearest)
+            if p.node == self.node_id and p.tier is Tier.NVME and p.codec == "raw" and p.stored == flats[i].numel()
+        ]  # fmt: skip
+        landed = self._direct(keys, flats, direct) if direct else set()
+        rest = [i for i in range(len(keys)) if i not in landed]
+        if not rest:
+            return
+        hosts = [flats[i] if flats[i].device.type == "cpu" else _host_like(flats[i]) for i in rest]
+        via_host([keys[i] for i in rest], hosts)
+        for i, host in zip(rest, hosts, strict=True):
+            if host is not flats[i]:
+                flats[i].copy_(host)
+            self.counts["via_host"] += 1
+            self.counts["via_host_bytes"] += host.numel()
+
+    def _direct(self, keys: Sequence[bytes], flats: list[torch.Tensor], direct: list[int]) -> set[int]:
+        """Pin the chunks at ``direct`` (not promoted) and read them from the segment file into their tensors;
+        the indexes that landed intact."""
+        io = self._nvme()
+        if io is None:
+            return set()
+        landed: set[int] = set()
+        chunks: list[StoredChunk | None] = call(self.local.locate_batch.remote([keys[i] for i in direct], False))
+        try:
+            for i, c in zip(direct, chunks, strict=True):
+                if c is None or c.tier is not Tier.NVME or c.codec != "raw" or c.stored != flats[i].numel():
+                    continue  # moved since the placement was read: the host path finds it
+                try:
+                    io.read_into_device(c.offset, flats[i])
+                except (OSError, KvPoolError) as exc:  # the host path reads it instead
+                    log.warning("direct NVMe read of %s failed: %s", short(c.key), exc)
+                    continue
+                if checksum(byte_view(flats[i].cpu())) == c.checksum:
+                    landed.add(i)
+                    self.counts["direct"] += 1
+                    self.counts["direct_bytes"] += c.stored
+        finally:
+            self.local.release_batch.remote([keys[i] for i in direct])
+        return landed

@@ -1,0 +1,65 @@
+"""The node's flush to the S3 tier: which NVMe chunks go up, how they are encoded, and the back-off after a refused
+upload.  A plain class on an injected clock; the ``PoolNode`` runs a turn and publishes what it returns."""
+
+import contextlib
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from kvpool.clock import SYSTEM_CLOCK, Clock
+from kvpool.errors import CorruptChunk, RemoteUnavailable
+from kvpool.pool.store import ChunkStore
+from kvpool.pool.tiers.s3 import RemoteStore
+from kvpool.pool.tiers.s3_config import RemoteConfig
+from kvpool.pool.types import Placement, Tier
+
+log = logging.getLogger(__name__)
+
+FLUSH_BYTES = 64 << 20  #: one flush turn uploads at most this much (the node serves no call meanwhile)
+FLUSH_THREADS = 4  #: concurrent uploads in a flush turn
+MIN_PAUSE_S, MAX_PAUSE_S = 1.0, 60.0  #: back-off after a turn the S3 endpoint refused: doubled each time
+
+
+class Flusher:
+    """Uploads NVMe chunks idle for ``config.flush_after_s`` (least recently used first) to the S3 tier, encoded
+    with ``config.codec``.  A turn with a failed upload pauses the next ones (1 s, doubling to 60 s); the chunks
+    it could not upload stay on NVMe, unflushed, for a later turn."""
+
+    def __init__(self, s3: RemoteStore, config: RemoteConfig, store: ChunkStore, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.s3, self.config, self.store, self.clock = s3, config, store, clock
+        self.pause_s = 0.0  #: the current back-off (0: the last turn went through)
+        self.not_before = 0.0  #: no turn before this (the clock's monotonic seconds)
+
+    def due(self) -> bool:
+        return self.clock.monotonic() >= self.not_before
+
+    def turn(self, max_bytes: int = FLUSH_BYTES) -> list[Placement]:
+        """Upload what is idle (at most ``max_bytes``); the S3 placements of what went up, to publish."""
+        ready = []
+        for chunk in self.store.idle(Tier.NVME, self.config.flush_after_s, max_bytes):
+            with contextlib.suppress(CorruptChunk):  # dropped by the store; the node publishes that
+                ready.append((chunk, self.store.encoded(chunk.key, self.config.codec)))
+        with ThreadPoolExecutor(FLUSH_THREADS, thread_name_prefix="kvpool-flush") as pool:
+            uploads = [(c, r, pool.submit(self.s3.put, c.key, r.codec, r.data)) for c, r in ready]
+        placements: list[Placement] = []
+        error: RemoteUnavailable | None = None
+        for chunk, recoded, upload in uploads:
+            try:
+                upload.result()
+            except RemoteUnavailable as exc:
+                error = exc
+                continue
+            placements.append(
+                Placement(
+                    key=chunk.key, node=self.config.name, tier=Tier.REMOTE, offset=0, stored=len(recoded.data),
+                    size=chunk.size, checksum=recoded.checksum, codec=recoded.codec,
+                )
+            )  # fmt: skip
+        self.pause_s = 0.0 if error is None else min(max(2 * self.pause_s, MIN_PAUSE_S), MAX_PAUSE_S)
+        self.not_before = self.clock.monotonic() + self.pause_s
+        if error is not None:
+            self.store.counters["remote_errors"] += 1
+            log.warning(
+                "flush to the S3 tier: %d of %d chunks not uploaded: %s", len(uploads) - len(placements), len(uploads),
+                error,
+            )  # fmt: skip
+        return placements

@@ -1,0 +1,133 @@
+"""A client's one-sided transfers with its peers (the pool nodes on other Ray nodes) over NIXL/UCX.
+
+It owns the client's transport: started on the first transfer, a staging buffer registered once and grown on
+demand, a connection per peer made from the transfer address in the peer's node record, and the caller's own
+buffers registered so that READs land in them directly.
+"""
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvpool.errors import NodeUnreachable, TransferError
+from kvpool.metadata.cache import MetadataCache
+from kvpool.pool.buffers import byte_view
+from kvpool.pool.types import NodeRecord
+from kvpool.transport.base import Op
+from kvpool.transport.nixl import NixlTransport
+
+log = logging.getLogger(__name__)
+
+STAGING_BYTES = 64 << 20  #: transfers through the staging buffer move at most this much per round
+TRANSFER_TIMEOUT_S = 30.0
+
+
+def rounds(sizes: Sequence[int], budget: int) -> Iterator[slice]:
+    """Consecutive slices of ``sizes`` whose sum stays within ``budget`` (a slice holds at least one item):
+    the rounds of a batch that must fit a staging buffer, or the room a node can reserve at once."""
+    start = 0
+    while start < len(sizes):
+        end, total = start, 0
+        while end < len(sizes) and (end == start or total + sizes[end] <= budget):
+            total += sizes[end]
+            end += 1
+        yield slice(start, end)
+        start = end
+
+
+def node_record(cache: MetadataCache, node_id: str) -> NodeRecord | None:
+    """The live record of ``node_id`` in the watch cache (None: it is not in the pool)."""
+    return next((n for n in cache.nodes() if n.node_id == node_id), None)
+
+
+def _buffer_region(buffer: Any) -> tuple[str, int, int]:
+    """``(region name, address, nbytes)`` of a caller's writable buffer."""
+    view = byte_view(buffer, writable=True, field="buffer")
+    address = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    return f"user-{address:x}-{view.nbytes}", address, view.nbytes
+
+
+class Peers:
+    def __init__(self, cache: MetadataCache, scope: str, timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
+        self.cache, self.scope, self.timeout_s = cache, scope, timeout_s
+        self._transport: NixlTransport | None = None
+        self._stage: np.ndarray | None = None
+        self._connected: dict[str, str] = {}  #: node id -> the transport's peer name
+        self._registered: dict[str, tuple[int, int]] = {}  #: caller buffers: region name -> (address, nbytes)
+
+    @property
+    def transport(self) -> NixlTransport:
+        if self._transport is None:
+            self._transport = NixlTransport(scope=self.scope)
+        return self._transport
+
+    @property
+    def registrations(self) -> int:
+        """Memory regions registered with the transport (staging, caller buffers)."""
+        return 0 if self._transport is None else self._transport.registrations
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    # -- buffers ---------------------------------------------------------------------------------------
+
+    def register(self, buffer: Any) -> None:
+        name, address, nbytes = _buffer_region(buffer)
+        if name not in self._registered:
+            self.transport.register(name, address, nbytes)
+            self._registered[name] = (address, nbytes)
+
+    def unregister(self, buffer: Any) -> None:
+        name, _, _ = _buffer_region(buffer)
+        if self._registered.pop(name, None) is not None:
+            self.transport.deregister(name)
+
+    def registered_address(self, dest: memoryview) -> int | None:
+        """The address of ``dest`` if it lies inside a registered buffer."""
+        if not self._registered:
+            return None
+        address = np.frombuffer(dest, dtype=np.uint8).ctypes.data
+        for start, length in self._registered.values():
+            if start <= address and address + dest.nbytes <= start + length:
+                return int(address)
+        return None
+
+    def staging(self, nbytes: int) -> np.ndarray:
+        """A buffer registered with the transport, at least ``nbytes`` long (grown on demand)."""
+        if self._stage is None or self._stage.nbytes < nbytes:
+            if self._stage is not None:
+                self.transport.deregister("staging")
+            self._stage = np.empty(max(nbytes, 16 << 20), dtype=np.uint8)
+            self.transport.register("staging", self._stage.ctypes.data, self._stage.nbytes)
+        return self._stage
+
+    # -- transfers -------------------------------------------------------------------------------------
+
+    def _peer(self, node_id: str) -> str:
+        """The transport peer of a pool node, connected from the descriptor in its node record."""
+        if node_id not in self._connected:
+            record = node_record(self.cache, node_id)
+            if record is None or not record.address:
+                raise NodeUnreachable(f"pool node {node_id[:12]} is gone or publishes no transfer address")
+            try:
+                self._connected[node_id] = self.transport.connect(record.address)
+            except TransferError as exc:
+                raise NodeUnreachable(f"pool node {node_id[:12]} cannot be reached: {exc}") from exc
+        return self._connected[node_id]
+
+    def write(self, node_id: str, ops: list[Op]) -> None:
+        """One batched one-sided WRITE to ``node_id``; ``TransferError`` if it failed."""
+        self.transport.write(self._peer(node_id), ops, timeout_s=self.timeout_s)
+
+    def read(self, node_id: str, ops: list[Op]) -> bool:
+        """One batched one-sided READ from ``node_id``; False (logged) if the transfer failed."""
+        try:
+            self.transport.read(self._peer(node_id), ops, timeout_s=self.timeout_s)
+        except TransferError as exc:  # NodeUnreachable included
+            log.warning("reading from %s failed: %s", node_id[:12], exc)
+            self._connected.pop(node_id, None)
+            return False
+        return True

@@ -1,0 +1,148 @@
+"""The read path from pool nodes: chunks out of this node's mapped DRAM, or out of a peer's by one-sided READs.
+
+Per holder, one call pins the chunks (promoting NVMe hits to DRAM), one copy or one batched READ moves them, one
+call (not waited for) releases them.  Chunks in this node's DRAM are first copied with no call at all, at the
+offsets their placements give; a copy whose checksum does not match (the chunk moved meanwhile) goes the pinned
+way.  Every chunk is verified against its checksum before it counts: the caller never gets wrong bytes.
+"""
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from kvpool.errors import ChunkNotFound, UndecodableChunk
+from kvpool.pool.buffers import byte_view
+from kvpool.pool.chunks import SEGMENT_NAMES, StoredChunk, checksum
+from kvpool.pool.node_handle import NodeHandles, call
+from kvpool.pool.peers import STAGING_BYTES, Peers, rounds
+from kvpool.pool.segment import DramSegment
+from kvpool.pool.tiers.codecs import decode
+from kvpool.pool.types import Placement, Tier
+from kvpool.transport.base import Op
+
+Outcome = bool | None  #: per chunk: True intact, False failed its checksum, None not read (moved, gone, unreachable)
+
+
+def fill(dest: memoryview, data: Any, codec: str, expected: int) -> bool:
+    """Put a chunk's stored bytes (encoded with ``codec``) into ``dest`` if they match their checksum and
+    decode to exactly ``dest``'s size; whether they did."""
+    if codec == "raw":
+        dest[:] = data
+        return checksum(dest) == expected
+    if checksum(data) != expected:
+        return False
+    try:
+        flat = byte_view(decode(data))
+    except UndecodableChunk:
+        return False
+    if flat.nbytes != dest.nbytes:
+        return False
+    dest[:] = flat
+    return True
+
+
+class NodeReads:
+    """Reads by a client on Ray node ``node_id``; ``segment`` and ``local`` are the mapped DRAM segment and the
+    actor of the pool node there (None when the Ray node has none)."""
+
+    def __init__(
+        self, node_id: str, handles: NodeHandles, peers: Peers, segment: DramSegment | None, local: Any
+    ) -> None:
+        self.node_id, self.handles, self.peers, self.segment, self.local = node_id, handles, peers, segment, local
+
+    def unpinned(
+        self, nearest: list[Placement], dests: list[memoryview], on_done: Callable[[int], None] | None
+    ) -> set[int]:
+        """Copy the chunks held in this node's DRAM straight out of the mapped segment, with no call to the node;
+        the indexes that came out intact.  The node is told of the hits afterwards (LRU order, counters),
+        without waiting."""
+        if self.segment is None:
+            return set()
+        read: set[int] = set()
+        for i, p in enumerate(nearest):
+            if p.node != self.node_id or p.tier is not Tier.DRAM or p.stored != dests[i].nbytes:
+                continue
+            if p.offset + p.stored > self.segment.capacity:
+                continue
+            self.segment.read_into(p.offset, dests[i])
+            if checksum(dests[i]) == p.checksum:
+                read.add(i)
+                if on_done is not None:
+                    on_done(i)
+        if read:
+            self.local.touch_batch.remote([nearest[i].key for i in read])
+        return read
+
+    def pinned(
+        self, node_id: str, keys: list[bytes], dests: list[memoryview], on_done: Callable[[int], None] | None = None
+    ) -> list[Outcome]:
+        """Pin ``keys`` on ``node_id``, move their bytes into ``dests``, release them; an :data:`Outcome` per key
+        (``NodeUnreachable`` if the node is gone).  ``on_done(j)`` as soon as ``keys[j]`` is in place, intact."""
+        local = node_id == self.node_id and self.segment is not None
+        node = self.local if local else self.handles[node_id]
+        chunks: list[StoredChunk | None] = call(node.locate_batch.remote(keys))
+        result: list[Outcome] = [None] * len(keys)
+
+        def mark(j: int, intact: bool) -> None:
+            result[j] = intact
+            if intact and on_done is not None:
+                on_done(j)
+
+        try:
+            usable = [(j, c) for j, c in enumerate(chunks) if c is not None and c.size == dests[j].nbytes]
+            if local:
+                for j, c in usable:
+                    with contextlib.suppress(ChunkNotFound):
+                        mark(j, self._copy_local(c, dests[j]))
+            else:
+                self._from_peer(node_id, node, usable, dests, mark)
+            return result
+        finally:
+            node.release_batch.remote(keys)
+
+    def _copy_local(self, chunk: StoredChunk, dest: memoryview) -> bool:
+        """Copy a pinned chunk of this node into ``dest``; whether it came out intact."""
+        assert self.segment is not None
+        if chunk.tier is not Tier.DRAM:  # not promoted (promote_on_hit off, or DRAM full): read via the node
+            [data] = call(self.local.read_batch.remote([chunk.key]))
+            if data is None:
+                raise ChunkNotFound(f"chunk {chunk.key.hex()[:16]} left this node")
+            return fill(dest, data, chunk.codec, chunk.checksum)
+        self.segment.read_into(chunk.offset, dest)
+        return checksum(dest) == chunk.checksum
+
+    def _from_peer(
+        self, node_id: str, node: Any, usable: list[tuple[int, StoredChunk]], dests: list[memoryview],
+        mark: Callable[[int, bool], None],
+    ) -> None:  # fmt: skip
+        """Chunks left on the peer's NVMe come back as call results (the transport reaches DRAM only); DRAM chunks
+        by READs straight into the caller's registered buffers, the rest through the staging buffer."""
+        on_nvme = [(j, c) for j, c in usable if c.tier is not Tier.DRAM]
+        if on_nvme:
+            copies = call(node.read_batch.remote([c.key for _, c in on_nvme]))
+            for (j, c), data in zip(on_nvme, copies, strict=True):
+                if data is not None:
+                    mark(j, fill(dests[j], data, c.codec, c.checksum))
+        in_dram = [(j, c) for j, c in usable if c.tier is Tier.DRAM]
+        addresses = {j: self.peers.registered_address(dests[j]) for j, _ in in_dram}
+        direct = [(j, c, a) for j, c in in_dram if (a := addresses[j]) is not None]
+        if direct:  # no staging, no copy
+            ops = [Op(SEGMENT_NAMES[Tier.DRAM], c.offset, a, c.stored) for _, c, a in direct]
+            if not self.peers.read(node_id, ops):
+                return
+            for j, c, _ in direct:
+                mark(j, checksum(dests[j]) == c.checksum)
+        staged = [(j, c) for j, c in in_dram if addresses[j] is None]
+        for r in rounds([c.stored for _, c in staged], STAGING_BYTES):
+            staging = self.peers.staging(sum(c.stored for _, c in staged[r]))
+            ops, at = [], 0
+            for _, c in staged[r]:
+                ops.append(Op(SEGMENT_NAMES[Tier.DRAM], c.offset, staging.ctypes.data + at, c.stored))
+                at += c.stored
+            if not self.peers.read(node_id, ops):
+                return
+            at = 0
+            for j, c in staged[r]:
+                dests[j][:] = staging[at : at + c.stored].data
+                mark(j, checksum(dests[j]) == c.checksum)
+                at += c.stored

@@ -1,0 +1,104 @@
+"""The S3 (remote) tier's settings, checked when they are made: importing this needs neither boto3 nor torch."""
+
+import math
+import re
+import urllib.parse
+from dataclasses import dataclass, field
+
+from kvpool.errors import ConfigError
+from kvpool.metadata.config import validate_name
+
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_IPV4 = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
+_PREFIX_SEGMENT = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+GC_GRACE_S = 3600.0  #: ``kvpool gc`` leaves objects younger than this alone (flushes in flight)
+
+
+def check_codec(spec: object) -> None:
+    """``ConfigError`` naming the spec and the grammar unless ``spec`` is a codec spec; the codecs (and torch) are
+    imported only for a spec other than ``raw``."""
+    if spec != "raw":
+        from kvpool.pool.tiers.codecs import parse_codec
+
+        parse_codec(spec)  # type: ignore[arg-type]
+
+
+def _seconds(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """Where the remote (S3) tier keeps chunks, and when chunks go there.
+
+    Empty ``endpoint_url``, ``region``, ``access_key_id`` and ``secret_access_key`` fall back to boto3's own
+    resolution (the ``AWS_*`` environment, ``~/.aws``); see the module docstring.
+    """
+
+    bucket: str = ""  #: the S3 bucket; empty: the remote tier is off
+    endpoint_url: str = ""  #: e.g. ``http://127.0.0.1:8333``; empty: ``AWS_ENDPOINT_URL(_S3)``, else AWS
+    prefix: str = "kvpool"  #: objects are ``<prefix>/<cluster>/<chunk key hex>``; '/'-separated segments
+    region: str = ""  #: empty: ``AWS_REGION``, ``AWS_DEFAULT_REGION`` or ``~/.aws/config``, else us-east-1
+    access_key_id: str = ""  #: with ``secret_access_key``; both empty: boto3's credential chain
+    secret_access_key: str = field(default="", repr=False)  #: never shown in a repr or a log line
+    codec: str = "raw"  #: the codec chunks are stored with in this tier (a spec ``parse_codec`` accepts)
+    flush_after_s: float = 86400.0  #: NVMe chunks idle longer than this are flushed to the remote tier
+    promote_on_hit: bool = True  #: a hit on a remote chunk copies it back into the node's DRAM
+    timeout_s: float = 5.0  #: connect and read timeout of one request (each is retried once)
+    name: str = "s3"  #: the holder name placements in this tier record (a node_id, so the same rules)
+
+    def __post_init__(self) -> None:
+        for name in ("bucket", "endpoint_url", "prefix", "region", "access_key_id", "secret_access_key", "codec"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise ConfigError(f"{name} must be a string, got {type(value).__name__}")
+        if self.bucket:
+            _check_bucket(self.bucket)
+        if self.endpoint_url:
+            url = urllib.parse.urlsplit(self.endpoint_url)
+            if url.scheme not in ("http", "https") or not url.hostname:
+                raise ConfigError(
+                    f"endpoint_url must be an http:// or https:// URL such as http://127.0.0.1:8333, "
+                    f"or empty for AWS_ENDPOINT_URL / AWS, got {self.endpoint_url!r}"
+                )
+        segments = self.prefix.split("/")
+        if not all(_PREFIX_SEGMENT.match(s) and s not in (".", "..") for s in segments):
+            raise ConfigError(
+                f"prefix must be '/'-separated segments of letters, digits, '_', '.' or '-' "
+                f"(no leading, trailing or double '/'), got {self.prefix!r}"
+            )
+        if any(c.isspace() for c in self.region):
+            raise ConfigError(f"region must be a region name such as us-east-1, or empty, got {self.region!r}")
+        if bool(self.access_key_id) != bool(self.secret_access_key):
+            raise ConfigError(
+                "access_key_id and secret_access_key: give both, or neither for boto3's credential chain "
+                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws/credentials)"
+            )
+        check_codec(self.codec)
+        if not _seconds(self.flush_after_s):
+            raise ConfigError(f"flush_after_s must be a number of seconds > 0, got {self.flush_after_s!r}")
+        if not isinstance(self.promote_on_hit, bool):
+            raise ConfigError(f"promote_on_hit must be True or False, got {self.promote_on_hit!r}")
+        if not _seconds(self.timeout_s):
+            raise ConfigError(f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
+        validate_name("name", self.name)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the remote tier is on (a bucket is set)."""
+        return bool(self.bucket)
+
+
+def _check_bucket(bucket: str) -> None:
+    problem = ""
+    if not _BUCKET.match(bucket):
+        problem = (
+            "3-63 characters of lowercase letters, digits, '.' and '-', starting and ending with a letter or digit"
+        )
+    elif ".." in bucket or ".-" in bucket or "-." in bucket:
+        problem = "no '..', '.-' or '-.'"
+    elif _IPV4.match(bucket):
+        problem = "not formatted as an IP address"
+    if problem:
+        raise ConfigError(f"bucket must be an S3 bucket name ({problem}), got {bucket!r}")

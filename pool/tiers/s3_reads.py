@@ -1,0 +1,98 @@
+"""A client's reads from the S3 (remote) tier: a chunk whose only copies are there is fetched by the client
+itself (several GETs at once), verified, decoded and, with ``remote.promote_on_hit``, put back into the pool.
+Also the removal of S3 copies and the reconciliation of the bucket with etcd (``kvpool gc``)."""
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError, MetadataUnavailable, RemoteUnavailable
+from kvpool.metadata.cache import MetadataCache
+from kvpool.metadata.client import EtcdClient
+from kvpool.metadata.placement import PlacementStore
+from kvpool.pool.reads import Outcome, fill
+from kvpool.pool.tiers.codecs import TensorFormat
+from kvpool.pool.tiers.s3 import RemoteStore, collect_garbage
+from kvpool.pool.tiers.s3_config import RemoteConfig
+from kvpool.pool.types import Placement
+
+log = logging.getLogger(__name__)
+
+S3_THREADS = 8  #: concurrent GETs from the S3 tier in one batch
+
+
+class S3Reads:
+    """``put_back`` puts promoted chunks into the pool (the client's ``put_batch``)."""
+
+    def __init__(
+        self, config: RemoteConfig, cluster: str, etcd: EtcdClient, cache: MetadataCache, placements: PlacementStore,
+        put_back: Callable[[list[tuple[bytes, Any]]], None], wait_s: float,
+    ) -> None:  # fmt: skip
+        self.config, self.cluster = config, cluster
+        self.etcd, self.cache, self.placements, self.put_back, self.wait_s = etcd, cache, placements, put_back, wait_s
+        self._store: RemoteStore | None = None  #: made on first use
+
+    def store(self) -> RemoteStore | None:
+        if self._store is None and self.config.enabled:
+            self._store = RemoteStore(self.config, self.cluster)
+        return self._store
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+
+    def read(self, replicas: list[Placement], dests: list[memoryview]) -> list[Outcome]:
+        """Fetch chunks (concurrently), verify and decode them into ``dests``; an :data:`Outcome` per chunk (None:
+        the object is gone — its placement is dropped — or the tier is unavailable or not configured here)."""
+        s3 = self.store()
+        if s3 is None:
+            log.warning("%d chunks are only in the S3 tier, which this client has no config for", len(replicas))
+            return [None] * len(replicas)
+        with ThreadPoolExecutor(S3_THREADS, thread_name_prefix="kvpool-s3") as pool:
+            fetches = [pool.submit(s3.get, p.key, p.codec) for p in replicas]
+        out: list[Outcome] = []
+        gone: list[Placement] = []
+        promote: list[tuple[bytes, Any]] = []
+        for p, dest, fetch in zip(replicas, dests, fetches, strict=True):
+            try:
+                data = fetch.result()
+            except ChunkNotFound:
+                gone.append(p)
+                out.append(None)
+                continue
+            except RemoteUnavailable as exc:
+                log.warning("chunk %s: S3 tier unavailable, a miss: %s", p.key.hex()[:16], exc)
+                out.append(None)
+                continue
+            out.append(fill(dest, data, p.codec, p.checksum))
+            if out[-1] and self.config.promote_on_hit:
+                fmt = TensorFormat.of_encoded(data) if p.codec != "raw" else None
+                promote.append((p.key, fmt.view(dest) if fmt is not None else dest))
+        if gone:
+            log.warning("%d S3 placements named objects that are gone: dropping them", len(gone))
+            with contextlib.suppress(MetadataUnavailable):  # a read does not fail for etcd; the next reader drops them
+                self.drop(gone, delete_objects=False)
+        if promote and self.cache.nodes():
+            try:
+                self.put_back(promote)
+            except KvPoolError as exc:  # the read succeeded; only the promotion did not
+                log.info("could not promote %d chunks from the S3 tier: %s", len(promote), exc)
+        return out
+
+    def drop(self, replicas: Sequence[Placement], *, delete_objects: bool = True) -> None:
+        """Delete S3 copies: their objects, then their placements (a placement left behind by a failure names a
+        missing object, which the next reader drops; an object left behind is :meth:`gc`'s)."""
+        if delete_objects and (s3 := self.store()) is not None:
+            s3.delete([(p.key, p.codec) for p in replicas])
+        self.placements.delete(replicas)
+        revision = self.etcd.revision()
+        self.cache.wait_until(lambda c: c.revision >= revision, timeout_s=self.wait_s)
+
+    def gc(self, grace_s: float) -> tuple[int, int]:
+        """Reconcile the bucket with etcd (see :func:`~kvpool.pool.tiers.s3.collect_garbage`)."""
+        s3 = self.store()
+        if s3 is None:
+            raise ConfigError("no remote tier configured: set remote.bucket")
+        return collect_garbage(s3, self.cache, self.placements, grace_s)

@@ -1,0 +1,66 @@
+"""The pool's own vocabulary: storage tiers, where a chunk's replica lives, and what a node contributes.
+
+Plain frozen values with no encoding; how they are stored in etcd is :mod:`kvpool.metadata.records`.
+"""
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Tier(enum.Enum):
+    """Storage tiers, nearest first: readers prefer a lower rank."""
+
+    GPU = "gpu"
+    DRAM = "dram"
+    NVME = "nvme"
+    REMOTE = "remote"
+
+    @property
+    def rank(self) -> int:
+        return _TIER_RANK[self]
+
+
+_TIER_RANK = {t: i for i, t in enumerate(Tier)}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one replica of one chunk lives, and how to check it."""
+
+    key: bytes  #: chunk key (32 bytes)
+    node: str  #: holder: a node id, or the remote tier's name
+    tier: Tier
+    offset: int  #: where the stored bytes start in the holder's segment of ``tier`` (0 on the remote tier)
+    stored: int  #: bytes stored, after the codec: what a transfer moves
+    size: int  #: bytes of the chunk itself, what a reader gets (equals ``stored`` under the raw codec)
+    checksum: int  #: of the stored bytes
+    codec: str = "raw"
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """One storage segment a node contributes to the pool."""
+
+    name: str
+    tier: Tier
+    capacity: int
+    used: int = 0
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """A node of the pool, as published on its lease."""
+
+    node_id: str
+    host: str
+    pid: int
+    address: bytes = b""  #: the transport's address of this node (e.g. NIXL agent metadata)
+    segments: tuple[SegmentInfo, ...] = field(default_factory=tuple)
+    started: float = 0.0  #: when the node came up (seconds since the epoch; 0: not known)
+    metrics: str = ""  #: host:port of the node's Prometheus endpoint ("" when it serves none)
+
+    def capacity(self, tier: Tier) -> int:
+        return sum(s.capacity for s in self.segments if s.tier is tier)
+
+    def used(self, tier: Tier) -> int:
+        return sum(s.used for s in self.segments if s.tier is tier)

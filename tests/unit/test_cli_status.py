@@ -1,0 +1,131 @@
+"""``kvpool status`` rendered in-process from a hand-built snapshot: compact at 80 columns, ``--wide``, ``--json``."""
+
+import json
+from contextlib import nullcontext
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from kvpool.cli import app, connect, root, status
+from kvpool.cli.figures import short_duration, short_size
+from kvpool.cli.status import NodeStatus, PoolStatus, RemoteTier, TierUse
+
+MiB, GiB = 2**20, 2**30
+runner = CliRunner()
+
+
+def node(i: int, **changes: object) -> NodeStatus:
+    fields: dict[str, object] = dict(
+        node_id=f"{i:02d}c0ffee7d0d0d0d0d0d0d0d0d0d0d0", host=f"127.0.0.{2 + i}", pid=40_000 + i,
+        dram=TierUse(12 * MiB + i, 256 * MiB), nvme=TierUse(0, 1024 * MiB), replicas=21, up_s=4000.0,
+        metrics=f"127.0.0.1:{9100 + i}", watermarks=(0.6, 0.8), puts=37, gets=1234, moves=5, lookup_hits=78,
+        lookups=100,
+    )  # fmt: skip
+    return NodeStatus(**{**fields, **changes})  # type: ignore[arg-type]
+
+
+def snapshot(nodes: tuple[NodeStatus, ...], remote: RemoteTier = RemoteTier(0, 0, 0, ())) -> PoolStatus:
+    return PoolStatus(
+        cluster="default", endpoints=("127.0.0.1:23791",), revision=812, nodes=nodes, chunks=56, replicas=63,
+        malformed=0, remote=remote,
+    )  # fmt: skip
+
+
+def text(renderable: object, width: int) -> str:
+    console = Console(width=width, record=True, color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_the_default_fits_80_columns_without_cutting_a_cell() -> None:
+    nodes = (
+        node(0),
+        node(1, host="node-with-a-long-name.cluster.example", dram=TierUse(3 * GiB // 2, 4 * GiB), up_s=None),
+        node(2, nvme=TierUse(0, 0), lookups=0, lookup_hits=0, metrics="", watermarks=None, puts=None),
+    )
+    out = text(status.render(snapshot(nodes)), 80)
+    assert max(len(line) for line in out.splitlines()) <= 80
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("00c0", "01c0", "02c0"))]
+    assert rows[0] == ["00c0ffee", "127.0.0.2", "12M/256M", "0B/1.0G", "21", "78%", "66m"]
+    # a host too long for the rest folds onto a second line; every other cell stays whole
+    assert rows[1][:1] + rows[1][2:] == ["01c0ffee", "1.5G/4.0G", "0B/1.0G", "21", "78%", "?"]
+    lines = out.splitlines()
+    folded = lines[next(i for i, line in enumerate(lines) if line.startswith("01c0")) + 1].strip()
+    assert rows[1][1] + folded == "node-with-a-long-name.cluster.example"
+    assert rows[2] == ["02c0ffee", "127.0.0.4", "12M/256M", "-", "21", "-", "66m"]
+    assert "chunks: 56   replicas: 63   malformed records skipped: 0" in out
+
+
+def test_wide_shows_every_column() -> None:
+    nodes = (node(0), node(1, nvme=TierUse(0, 0), metrics="", watermarks=None, puts=None, gets=None, moves=None))
+    out = text(status.render(snapshot(nodes), wide=True), 220)
+    for col in status.WIDE_COLUMNS:
+        assert col in out
+    first, second = (line for line in out.splitlines() if "c0ffee7d0d" in line)
+    cells = [c.strip() for c in first.split("│")[1:-1]]
+    assert cells == [
+        "00c0ffee7d0d", "127.0.0.2", "40000", "12.0 MiB / 256.0 MiB", "0.0 MiB / 1.00 GiB", "60%-80%", "21",
+        "37", "1234", "5", "78% of 100", "4000 s", "127.0.0.1:9100",
+    ]  # fmt: skip
+    assert "no segment" in second and "60%-80%" not in second
+
+
+def test_no_nodes_and_the_remote_tier_line() -> None:
+    remote = RemoteTier(chunks=3, stored=3 * MiB, chunk_bytes=12 * MiB, codecs=("int4+zstd", "raw"))
+    out = text(status.render(snapshot((), remote)), 80)
+    assert "(no live nodes)" in out
+    assert "remote tier: 3 chunks, 3.0 MiB stored (12.0 MiB of KV; int4+zstd, raw)" in out
+
+
+def test_json_holds_the_whole_snapshot() -> None:
+    data = json.loads(status.to_json(snapshot((node(0),))))
+    assert data["revision"] == 812 and data["endpoints"] == ["127.0.0.1:23791"]
+    (n,) = data["nodes"]
+    assert n["dram"] == {"held": 12 * MiB, "capacity": 256 * MiB} and n["watermarks"] == [0.6, 0.8]
+    assert n["lookup_hits"] == 78 and n["metrics"] == "127.0.0.1:9100"
+
+
+@pytest.fixture
+def fake_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvpool status`` against a snapshot instead of etcd, on an 80-column console."""
+    monkeypatch.setattr(connect, "running_cache", lambda *args: nullcontext(None))
+    monkeypatch.setattr(status, "gather", lambda cache: snapshot((node(0), node(1))))
+    monkeypatch.setattr(root, "console", Console(width=80, color_system=None))
+
+
+@pytest.mark.usefixtures("fake_pool")
+@pytest.mark.parametrize("flags", [[], ["--wide"], ["--json"]])
+def test_the_command_prints_each_view(flags: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    if flags == ["--wide"]:
+        monkeypatch.setattr(root, "console", Console(width=250, color_system=None))
+    result = runner.invoke(app, ["status", "--etcd", "127.0.0.1:2379", *flags])
+    assert result.exit_code == 0, result.output
+    if flags == ["--json"]:
+        assert [n["host"] for n in json.loads(result.stdout)["nodes"]] == ["127.0.0.2", "127.0.0.3"]
+    elif flags == ["--wide"]:
+        assert "pid" in result.stdout and "watermarks" in result.stdout
+    else:
+        assert "pid" not in result.stdout and "12M/256M" in result.stdout
+        assert all(len(line) <= 80 for line in result.stdout.splitlines())
+
+
+def test_without_an_etcd_the_error_says_how_to_give_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVPOOL_ETCD_ENDPOINTS", raising=False)
+    result = runner.invoke(app, ["status"])
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr.strip() == (
+        "error (ConfigError): status needs the pool's etcd: pass --etcd host:port or set KVPOOL_ETCD_ENDPOINTS"
+    )
+
+
+@pytest.mark.parametrize(
+    ("n", "shown"), [(0, "0B"), (512 * 1024, "512K"), (64 * MiB, "64M"), (3 * GiB // 2, "1.5G"), (1000 * MiB, "1.0G")]
+)
+def test_short_size(n: int, shown: str) -> None:
+    assert short_size(n) == shown
+
+
+@pytest.mark.parametrize(("s", "shown"), [(0.4, "0s"), (119, "119s"), (4000, "66m"), (7200, "2h"), (3 * 86400, "3d")])
+def test_short_duration(s: float, shown: str) -> None:
+    assert short_duration(s) == shown
