@@ -35,7 +35,38 @@ from kvpool.servers.ray_cluster import LocalRayCluster
 IDENT = CacheIdentity(model="bench", kv_dtype="uint8", layout="bytes", chunk_size=1)
 
 
-def measure(client: PoolClient, remote: Any, head: str, size: int, total: int, nvme_dir: str) -> dict[str, Any]:
+def _get_one_by_one(client: PoolClient, keys: list[bytes], buf: np.ndarray) -> float:
+    """Seconds to read every key with the single-key ``get_into``, one after the other."""
+    t0 = time.perf_counter()
+    for k in keys:
+        client.get_into(k, buf)
+    return time.perf_counter() - t0
+
+
+def _replicated_put(
+    client: PoolClient, keys: list[bytes], data: np.ndarray, peer: str, put_local_s: float
+) -> dict[str, float]:
+    """GB/s (of one copy) of a put to the other node alone, and of a replicas=2 put (this node and the other);
+    beside them what the two copies written one after the other would take (this node's put + the peer's)."""
+    nbytes = len(keys) * data.nbytes
+    t0 = time.perf_counter()
+    client.put_batch([(k, data) for k in keys], nodes=[peer])
+    put_peer_s = time.perf_counter() - t0
+    client.remove_batch(keys)
+    t0 = time.perf_counter()
+    client.put_batch([(k, data) for k in keys], replicas=2)
+    both_s = time.perf_counter() - t0
+    client.remove_batch(keys)
+    return {
+        "put_peer": gbps(nbytes, put_peer_s),
+        "put_2": gbps(nbytes, both_s),
+        "put_2_sequential": gbps(nbytes, put_local_s + put_peer_s),
+    }
+
+
+def measure(
+    client: PoolClient, remote: Any, head: str, second: str, size: int, total: int, nvme_dir: str
+) -> dict[str, Any]:
     """One row: put and get of ``total`` bytes in ``size``-byte values on the head node (this process), then
     from the second node (``remote``) to and from the head; beside them, memcpy and raw disk."""
     n = max(1, total // size)
@@ -45,10 +76,13 @@ def measure(client: PoolClient, remote: Any, head: str, size: int, total: int, n
 
     t0 = time.perf_counter()
     client.put_batch([(k, data) for k in keys])
-    row["put_same"] = gbps(n * size, time.perf_counter() - t0)
+    put_local_s = time.perf_counter() - t0
+    row["put_same"] = gbps(n * size, put_local_s)
     bufs = [np.empty(size, dtype=np.uint8) for _ in range(min(n, 8))]
     row["get_same"] = gbps(n * size, median_seconds(partial(get_all, client, keys, bufs), 3))
+    row["get_one"] = gbps(n * size, median_seconds(partial(_get_one_by_one, client, keys, bufs[0]), 3))
     client.remove_batch(keys)
+    row.update(_replicated_put(client, keys, data, second, put_local_s))
 
     put = ray.get(remote.put.remote(keys, size, head, batch=len(keys)))
     row["put_cross"] = gbps(n * size, put.wall_s)
@@ -75,8 +109,11 @@ def measure_all(sizes: list[int], total: int, console: Console) -> list[dict[str
             # a client on the second node: puts there (so a get from the head crosses nodes), reads from there
             remote = node_clients(config, [second])
             with PoolClient(config) as client:
+                warm = chunk_keys(IDENT, [0])  # connect to the peer once, before anything is timed
+                client.put_batch([(warm[0], b"w" * 4096)], nodes=[second])
+                client.remove_batch(warm)
                 for size in sizes:
-                    rows.append(measure(client, remote[0], head, size, total, nvme_dir))
+                    rows.append(measure(client, remote[0], head, second, size, total, nvme_dir))
                     console.print(f"{size // MiB} MiB done")
         finally:
             close_clients(remote)
@@ -87,13 +124,14 @@ def measure_all(sizes: list[int], total: int, console: Console) -> list[dict[str
 
 def render(rows: list[dict[str, Any]], mib_per_size: int, console: Console) -> None:
     table = Table(title=f"kvpool pool throughput, GB/s ({mib_per_size} MiB moved per cell; cross node = NIXL/UCX)")
-    for col in ("value", "put same node", "get same node", "put cross node", "get cross node",
-                "memcpy (1 thread)", "raw disk O_DIRECT w / r"):  # fmt: skip
+    for col in ("value", "put here", "get here", "get here 1 key/call", "put to peer",
+                "get from peer", "put 2 replicas (in turn)", "memcpy", "disk O_DIRECT w / r"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
-            f"{r['size_mib']} MiB", f"{r['put_same']:.2f}", f"{r['get_same']:.2f}", f"{r['put_cross']:.2f}",
-            f"{r['get_cross']:.2f}", f"{r['memcpy']:.2f}", f"{r['disk_write']:.2f} / {r['disk_read']:.2f}",
+            f"{r['size_mib']} MiB", f"{r['put_same']:.2f}", f"{r['get_same']:.2f}", f"{r['get_one']:.2f}",
+            f"{r['put_cross']:.2f}", f"{r['get_cross']:.2f}", f"{r['put_2']:.2f} ({r['put_2_sequential']:.2f})",
+            f"{r['memcpy']:.2f}", f"{r['disk_write']:.2f} / {r['disk_read']:.2f}",
         )  # fmt: skip
     console.print(table)
 
@@ -104,7 +142,7 @@ def main() -> None:
     ap.add_argument("--mib-per-size", type=int, default=256, help="bytes moved per measurement, MiB (default 256)")
     ap.add_argument("--json", default="bench/results/pool.json", help="where to write the figures")
     args = ap.parse_args()
-    console = Console()
+    console = Console(width=max(Console().width, 120))
     rows = measure_all([int(s) * MiB for s in args.sizes.split(",")], args.mib_per_size * MiB, console)
     render(rows, args.mib_per_size, console)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -184,6 +184,16 @@ class EtcdClient:
                 out.append(r)
         return bool(ok), out
 
+    def write(self, ops: Sequence[Any]) -> int:
+        """Puts and deletes in one unconditional transaction; the etcd revision that shows them (from the
+        transaction's own reply: no second round trip to learn it)."""
+        _, responses = self.txn([], ops)
+        revision = 0
+        for r in responses:
+            kind = r.WhichOneof("response")  # response_put or response_delete_range
+            revision = max(revision, int(getattr(r, kind).header.revision))
+        return revision
+
     # -- leases ---------------------------------------------------------------------------------------
 
     def grant_lease(self, ttl_s: int, deadline_s: float | None = None) -> int:

@@ -32,14 +32,21 @@ class PlacementStore:
     def _etcd_key(self, p: Placement) -> bytes:
         return self.namespace.replica(p.key, p.node)
 
-    def publish(self, placements: Sequence[Placement], lease_id: int) -> None:
-        """Write (or overwrite) placements bound to ``lease_id`` (0: none), one transaction per ``txn_max_ops``."""
+    def publish(self, placements: Sequence[Placement], lease_id: int) -> int:
+        """Write (or overwrite) placements bound to ``lease_id`` (0: none), one transaction per ``txn_max_ops``;
+        the etcd revision that shows them all (0: nothing to write)."""
+        revision = 0
         for batch in batches(placements, self.max_ops):
-            self.etcd.txn([], [Put(self._etcd_key(p), encode_placement(p), lease_id) for p in batch])
+            ops = [Put(self._etcd_key(p), encode_placement(p), lease_id) for p in batch]
+            revision = max(revision, self.etcd.write(ops))
+        return revision
 
-    def delete(self, placements: Sequence[Placement]) -> None:
+    def delete(self, placements: Sequence[Placement]) -> int:
+        """Delete placements; the etcd revision that shows them gone (0: nothing to delete)."""
+        revision = 0
         for batch in batches(placements, self.max_ops):
-            self.etcd.txn([], [Delete(self._etcd_key(p)) for p in batch])
+            revision = max(revision, self.etcd.write([Delete(self._etcd_key(p)) for p in batch]))
+        return revision
 
     def held_by(self, node: str) -> list[Placement]:
         """Every replica ``node`` holds, straight from etcd (one range read of every placement)."""

@@ -32,6 +32,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -65,7 +66,7 @@ from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.s3_config import GC_GRACE_S
 from kvpool.pool.tiers.s3_reads import S3Reads
 from kvpool.pool.types import Placement, Tier
-from kvpool.pool.writes import put_local, put_peer
+from kvpool.pool.writes import Item, Summary, put_local, put_peer
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class PoolClient:
         self.nodes = NodeHandles(config.namespace)
         self.peers = Peers(self.cache, scope=config.metadata.cluster)
         self._wait_s = config.metadata.retry_deadline_s  #: how long a call waits for the watch cache to catch up
-        self.s3 = S3Reads(config.remote, config.metadata.cluster, self.etcd, self.cache, self.placements,
+        self.s3 = S3Reads(config.remote, config.metadata.cluster, self.cache, self.placements,
                           self.put_batch, self._wait_s)  # fmt: skip
         self._segment: DramSegment | None = None
         self._local: Any = None
@@ -143,17 +144,24 @@ class PoolClient:
             raise NodeUnreachable(f"no live pool node {', '.join(u[:12] for u in unknown)}: pick from kvpool status")
         targets = list(dict.fromkeys(nodes)) or self._targets(replicas)
         sums = [(checksum(v), TensorFormat.of(d)) for (_, v), (_, d) in zip(views, items, strict=True)]
-        revision, replicated = 0, len(targets) > 1
-        for node_id in targets:
-            if node_id == self.node_id and self._segment is not None:
-                revision = max(revision, put_local(self._local, self._segment, views, sums, replicated))
-                continue
-            record = node_record(self.cache, node_id)
-            if record is None:  # it left the pool since the put chose it
-                raise NodeUnreachable(f"pool node {node_id[:12]} left the pool during the put; put again")
-            dram = record.capacity(Tier.DRAM)
-            revision = max(revision, put_peer(self.nodes[node_id], self.peers, node_id, dram, views, sums, replicated))
+        replicated = len(targets) > 1
+        segment = self._segment if self.node_id in targets else None
+        with ThreadPoolExecutor(1, thread_name_prefix="kvpool-put") as pool:  # this node's copy beside the peers'
+            mine = None if segment is None else pool.submit(put_local, self._local, segment, views, sums, replicated)
+            revision = 0
+            for node_id in targets:
+                if node_id != self.node_id or segment is None:  # peers one at a time: they share the staging buffer
+                    revision = max(revision, self._put_peer(node_id, views, sums, replicated))
+            if mine is not None:
+                revision = max(revision, mine.result())
         self._caught_up(revision)
+
+    def _put_peer(self, node_id: str, views: list[Item], sums: list[Summary], replicated: bool) -> int:
+        record = node_record(self.cache, node_id)
+        if record is None:  # it left the pool since the put chose it
+            raise NodeUnreachable(f"pool node {node_id[:12]} left the pool during the put; put again")
+        dram = record.capacity(Tier.DRAM)
+        return put_peer(self.nodes[node_id], self.peers, node_id, dram, views, sums, replicated)
 
     def _targets(self, replicas: int) -> list[str]:
         nodes = self.cache.nodes()
@@ -184,8 +192,12 @@ class PoolClient:
         return [bytes(b) for b in buffers]
 
     def get_into(self, key: bytes, buffer: Any) -> int:
-        """Copy the chunk into ``buffer`` (exactly its size); returns the number of bytes."""
-        dest = byte_view(buffer, writable=True, field="buffer")
+        """Copy the chunk into ``buffer`` (exactly its size); returns the number of bytes.  The same path as
+        :meth:`get_into_batch` (a chunk in this node's DRAM is copied with no call to the node)."""
+        return self.get_into_batch([key], [buffer])[0]
+
+    def _read_any_replica(self, key: bytes, dest: memoryview) -> int:
+        """Read ``key`` from its replicas in turn, nearest first, dropping corrupt ones, until one is intact."""
         corrupt: list[Placement] = []
         for replica in self._replicas(key):
             if replica.size != dest.nbytes:
@@ -243,7 +255,7 @@ class PoolClient:
                              done, None)  # fmt: skip
         for i, key in enumerate(keys):
             if not done[i]:
-                self.get_into(key, dests[i])
+                self._read_any_replica(key, dests[i])
                 if on_done is not None:
                     on_done(i)
         by_source = dict.fromkeys(SOURCES, 0)

@@ -121,19 +121,15 @@ class PoolNode:
             final[change.chunk.key] = (change.kind, change.chunk)
         puts = [self._placement(c) for kind, c in final.values() if kind is not ChangeKind.DROPPED]
         drops = [self._placement(c) for kind, c in final.values() if kind is ChangeKind.DROPPED]
-        lease = self.registration.lease_id
         try:
-            if puts:
-                self.placements.publish(puts, lease)
-            if drops:
-                self.placements.delete(drops)
+            revision = max(self.placements.publish(puts, self.registration.lease_id), self.placements.delete(drops))
         except MetadataUnavailable:
             self.etcd_errors += 1
             self._unpublished = changes  # publishing is idempotent: all of them again next time
             raise
         if final:
             self._record_dirty.set()
-        return self.etcd.revision() if final else 0
+        return revision
 
     def _refresh_record(self) -> None:
         """Thread: publish the node record's usage figures at most every RECORD_REFRESH_S, when changed."""

@@ -10,7 +10,6 @@ from typing import Any
 
 from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError, MetadataUnavailable, RemoteUnavailable
 from kvpool.metadata.cache import MetadataCache
-from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.reads import Outcome, fill
 from kvpool.pool.tiers.codecs import TensorFormat
@@ -27,11 +26,11 @@ class S3Reads:
     """``put_back`` puts promoted chunks into the pool (the client's ``put_batch``)."""
 
     def __init__(
-        self, config: RemoteConfig, cluster: str, etcd: EtcdClient, cache: MetadataCache, placements: PlacementStore,
+        self, config: RemoteConfig, cluster: str, cache: MetadataCache, placements: PlacementStore,
         put_back: Callable[[list[tuple[bytes, Any]]], None], wait_s: float,
     ) -> None:  # fmt: skip
         self.config, self.cluster = config, cluster
-        self.etcd, self.cache, self.placements, self.put_back, self.wait_s = etcd, cache, placements, put_back, wait_s
+        self.cache, self.placements, self.put_back, self.wait_s = cache, placements, put_back, wait_s
         self._store: RemoteStore | None = None  #: made on first use
 
     def store(self) -> RemoteStore | None:
@@ -86,8 +85,7 @@ class S3Reads:
         missing object, which the next reader drops; an object left behind is :meth:`gc`'s)."""
         if delete_objects and (s3 := self.store()) is not None:
             s3.delete([(p.key, p.codec) for p in replicas])
-        self.placements.delete(replicas)
-        revision = self.etcd.revision()
+        revision = self.placements.delete(replicas)
         self.cache.wait_until(lambda c: c.revision >= revision, timeout_s=self.wait_s)
 
     def gc(self, grace_s: float) -> tuple[int, int]:
