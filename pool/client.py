@@ -44,6 +44,7 @@ from kvpool.errors import (
     ChunkNotFound,
     ConfigError,
     CorruptChunk,
+    MetadataUnavailable,
     NodeUnreachable,
     PoolFull,
     RemoteUnavailable,
@@ -187,7 +188,7 @@ class PoolClient:
 
     def get_batch(self, keys: Sequence[bytes]) -> list[bytes]:
         keys = check_keys(keys)
-        buffers = [bytearray(self._replicas(k)[0].size) for k in keys]
+        buffers = [bytearray(r[0].size) for r in self._replicas_of(keys)]
         self.get_into_batch(keys, buffers)
         return [bytes(b) for b in buffers]
 
@@ -237,7 +238,7 @@ class PoolClient:
             raise ConfigError(f"on_done must be a function of the key's index, got {on_done!r:.60}")
         started = time.perf_counter()
         dests = [byte_view(b, writable=True, field="buffer") for b in buffers]
-        nearest = [self._replicas(key)[0] for key in keys]
+        nearest = [r[0] for r in self._replicas_of(keys)]
         done = [False] * len(keys)
         for i in self.reads.unpinned(nearest, dests, on_done):
             done[i] = True
@@ -283,7 +284,7 @@ class PoolClient:
         if len(keys) != len(tensors):
             raise ConfigError(f"{len(keys)} keys but {len(tensors)} tensors: pass one tensor per key")
         flats = [device_bytes(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
-        self.device.get_into(keys, flats, [self._replicas(k)[0] for k in keys], self.get_into_batch)
+        self.device.get_into(keys, flats, [r[0] for r in self._replicas_of(keys)], self.get_into_batch)
         return [f.numel() for f in flats]
 
     @property
@@ -296,10 +297,21 @@ class PoolClient:
 
     def _replicas(self, key: bytes) -> list[Placement]:
         """Nearest first: this node, then DRAM before NVMe before the S3 tier."""
-        replicas = self.cache.replicas(check_key(key))
-        if not replicas:
-            raise ChunkNotFound(f"chunk {short(key)} is not in the pool; recompute it")
-        return sorted(replicas, key=lambda p: (p.node != self.node_id, p.tier.rank))
+        return self._replicas_of([key])[0]
+
+    def _replicas_of(self, keys: Sequence[bytes]) -> list[list[Placement]]:
+        """The replicas of each key, nearest first; ``ChunkNotFound`` for a key the pool does not hold.  A key this
+        watch cache does not show may have been put by another client a moment ago: the cache is caught up with
+        etcd once (a read-your-writes barrier, one etcd write) before it counts as missing."""
+        found = [self.cache.replicas(check_key(k)) for k in keys]
+        if not all(found):
+            with contextlib.suppress(MetadataUnavailable):  # etcd away: what the cache shows is all there is
+                self.cache.sync(timeout_s=self._wait_s)
+            found = [f or self.cache.replicas(k) for f, k in zip(found, keys, strict=True)]
+        for f, k in zip(found, keys, strict=True):
+            if not f:
+                raise ChunkNotFound(f"chunk {short(k)} is not in the pool; recompute it")
+        return [sorted(f, key=lambda p: (p.node != self.node_id, p.tier.rank)) for f in found]
 
     def _drop_corrupt(self, replica: Placement) -> None:
         if replica.tier is Tier.REMOTE:
