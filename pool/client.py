@@ -40,7 +40,6 @@ import ray
 import torch
 
 from kvpool.errors import (
-    ChunkBusy,
     ChunkNotFound,
     ConfigError,
     CorruptChunk,
@@ -59,7 +58,7 @@ from kvpool.pool.config import PoolConfig
 from kvpool.pool.device_reads import DeviceReads, device_bytes
 from kvpool.pool.keys import check_items, check_key, check_keys, check_list
 from kvpool.pool.metrics import SOURCES, StatsReporter
-from kvpool.pool.node_handle import NodeHandles, NodeInfo, Settled, call
+from kvpool.pool.node_handle import NodeHandles, NodeInfo, call
 from kvpool.pool.peers import Peers, node_record
 from kvpool.pool.reads import NodeReads, Outcome
 from kvpool.pool.segment import DramSegment
@@ -385,11 +384,8 @@ class PoolClient:
         meanwhile is skipped), then wait until the local placement cache shows the etcd revision the calls
         returned.  Returns how many of ``keys`` had a replica.
 
-        A node leaves a chunk that a reader has pinned as it is and names it (:class:`Settled`); those keys
-        are asked again, with back-off, until ``config.busy_wait_s`` has passed — then :class:`ChunkBusy`.
-        Reads hold their pins only for one transfer, and this client's own releases always reach a node
-        before its next call there (Ray runs one caller's calls to an actor in order), so the wait is for
-        *other* clients' reads: one that released its pins without waiting, or one still in flight."""
+        Keys a reader had pinned are asked again for up to ``config.busy_wait_s`` (see
+        :meth:`~kvpool.pool.node_handle.NodeHandles.settle`), then :class:`ChunkBusy`."""
         by_node: dict[str, list[bytes]] = {}
         held = 0
         for key in keys:
@@ -398,26 +394,7 @@ class PoolClient:
             for p in replicas:
                 if p.tier is not Tier.REMOTE:
                     by_node.setdefault(p.node, []).append(key)
-        revision, pause = 0, 0.005
-        deadline = time.monotonic() + self.config.busy_wait_s
-        while by_node:
-            busy: dict[str, list[bytes]] = {}
-            for node_id, node_keys in by_node.items():
-                with contextlib.suppress(NodeUnreachable):
-                    settled: Settled = call(change(self.nodes[node_id], node_keys))
-                    revision = max(revision, settled.revision)
-                    if settled.busy:
-                        busy[node_id] = settled.busy
-            by_node = busy
-            if by_node and time.monotonic() + pause > deadline:
-                keys_left = [k for ks in by_node.values() for k in ks]
-                raise ChunkBusy(
-                    f"{len(keys_left)} chunks (first {short(keys_left[0])}) were still being read after "
-                    f"{self.config.busy_wait_s:g} s (busy_wait_s): retry once those reads end; the rest are done"
-                )
-            if by_node:
-                time.sleep(pause)
-                pause = min(pause * 2, 0.5)
+        revision = self.nodes.settle(by_node, change, self.config.busy_wait_s)
         self._caught_up(revision)
         return held
 

@@ -5,12 +5,15 @@ that is dead, stopped, or does not answer within the timeout is :class:`~kvpool.
 else in the client catches a Ray exception.
 """
 
+import contextlib
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-from kvpool.errors import KvPoolError, NodeUnreachable
+from kvpool.errors import ChunkBusy, KvPoolError, NodeUnreachable
 
 CALL_TIMEOUT_S = 60.0  #: a node call that has not answered by then counts as the node being unreachable
 
@@ -70,3 +73,34 @@ class NodeHandles:
                     f"no pool node actor for node {node_id[:12]} (it died or was stopped): see kvpool status"
                 ) from None
         return self._handles[node_id]
+
+    def settle(self, by_node: dict[str, list[bytes]], change: Callable[[Any, list[bytes]], Any], wait_s: float) -> int:
+        """``change(actor, its keys)`` once per node of ``by_node`` (a node gone meanwhile is skipped); the etcd
+        revision that shows what the calls changed.
+
+        A node leaves a chunk that a reader has pinned as it is and names it (:class:`Settled`); those keys are
+        asked again, with back-off (5 ms doubling to 0.5 s), until ``wait_s`` has passed — then ``ChunkBusy``.
+        Reads hold their pins only for one transfer, and a client's own releases always reach a node before its
+        next call there (Ray runs one caller's calls to an actor in order), so the wait is for *other* clients'
+        reads: one that released its pins without waiting, or one still in flight."""
+        revision, pause = 0, 0.005
+        deadline = time.monotonic() + wait_s
+        while by_node:
+            busy: dict[str, list[bytes]] = {}
+            for node_id, node_keys in by_node.items():
+                with contextlib.suppress(NodeUnreachable):
+                    settled: Settled = call(change(self[node_id], node_keys))
+                    revision = max(revision, settled.revision)
+                    if settled.busy:
+                        busy[node_id] = settled.busy
+            by_node = busy
+            if by_node and time.monotonic() + pause > deadline:
+                left = [k for ks in by_node.values() for k in ks]
+                raise ChunkBusy(
+                    f"{len(left)} chunks (first {left[0].hex()[:16]}) were still being read after {wait_s:g} s "
+                    "(busy_wait_s): retry once those reads end; the rest are done"
+                )
+            if by_node:
+                time.sleep(pause)
+                pause = min(pause * 2, 0.5)
+        return revision
