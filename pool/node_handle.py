@@ -14,6 +14,7 @@ from typing import Any
 import ray
 
 from kvpool.errors import ChunkBusy, KvPoolError, NodeUnreachable
+from kvpool.pool.chunks import short
 
 CALL_TIMEOUT_S = 60.0  #: a node call that has not answered by then counts as the node being unreachable
 
@@ -97,7 +98,7 @@ class NodeHandles:
             if by_node and time.monotonic() + pause > deadline:
                 left = [k for ks in by_node.values() for k in ks]
                 raise ChunkBusy(
-                    f"{len(left)} chunks (first {left[0].hex()[:16]}) were still being read after {wait_s:g} s "
+                    f"{len(left)} chunks (first {short(left[0])}) were still being read after {wait_s:g} s "
                     "(busy_wait_s): retry once those reads end; the rest are done"
                 )
             if by_node:

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvpool.errors import ChunkNotFound, UndecodableChunk
 from kvpool.pool.buffers import byte_view
-from kvpool.pool.chunks import SEGMENT_NAMES, StoredChunk, checksum
+from kvpool.pool.chunks import SEGMENT_NAMES, StoredChunk, checksum, short
 from kvpool.pool.node_handle import NodeHandles, call
 from kvpool.pool.peers import STAGING_BYTES, Peers, rounds
 from kvpool.pool.segment import DramSegment
@@ -106,7 +106,7 @@ class NodeReads:
         if chunk.tier is not Tier.DRAM:  # not promoted (promote_on_hit off, or DRAM full): read via the node
             [data] = call(self.local.read_batch.remote([chunk.key]))
             if data is None:
-                raise ChunkNotFound(f"chunk {chunk.key.hex()[:16]} left this node")
+                raise ChunkNotFound(f"chunk {short(chunk.key)} left this node")
             return fill(dest, data, chunk.codec, chunk.checksum)
         self.segment.read_into(chunk.offset, dest)
         return checksum(dest) == chunk.checksum

@@ -11,6 +11,7 @@ from typing import Any
 from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError, MetadataUnavailable, RemoteUnavailable
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.placement import PlacementStore
+from kvpool.pool.chunks import short
 from kvpool.pool.reads import Outcome, fill
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.s3 import RemoteStore, collect_garbage
@@ -62,7 +63,7 @@ class S3Reads:
                 out.append(None)
                 continue
             except RemoteUnavailable as exc:
-                log.warning("chunk %s: S3 tier unavailable, a miss: %s", p.key.hex()[:16], exc)
+                log.warning("chunk %s: S3 tier unavailable, a miss: %s", short(p.key), exc)
                 out.append(None)
                 continue
             out.append(fill(dest, data, p.codec, p.checksum))
