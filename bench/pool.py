@@ -2,14 +2,17 @@
 
 Starts its own pool (embedded etcd, a local 2-node Ray cluster on loopback, one PoolNode per node) and
 prints each figure beside the limits of this machine measured in the same run: single-thread memcpy
-and raw O_DIRECT disk I/O.  Cross-node data moves by one-sided NIXL/UCX READ/WRITE.
+and raw O_DIRECT disk I/O.  Cross-node data moves by one-sided NIXL/UCX READ/WRITE.  The NVMe rows read chunks
+moved to the NVMe tier before each pass (the node reads them, promoting them to DRAM, several at once).
 
     python bench/pool.py [--sizes 1,4,16,64] [--mib-per-size 256] [--json bench/results/pool.json]
 """
 
 import argparse
 import json
+import mmap
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -29,6 +32,7 @@ from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node import start_pool, stop_pool
+from kvpool.pool.types import Tier
 from kvpool.servers.etcd import EmbeddedEtcd
 from kvpool.servers.ray_cluster import LocalRayCluster
 
@@ -41,6 +45,33 @@ def _get_one_by_one(client: PoolClient, keys: list[bytes], buf: np.ndarray) -> f
     for k in keys:
         client.get_into(k, buf)
     return time.perf_counter() - t0
+
+
+def _get_from_nvme(client: PoolClient, keys: list[bytes], bufs: list[np.ndarray], raw: list[float]) -> float:
+    """Seconds to read ``keys`` after moving them to this node's NVMe (the move is not timed): each hit is read
+    from NVMe (and promoted to DRAM, the default) by the node, then copied here.  Just before, the same byte
+    ranges of the segment file are read with O_DIRECT in one thread (no pool): their seconds go to ``raw``."""
+    client.move(keys, Tier.NVME)
+    client.cache.sync()
+    ranges = [(p.offset, p.stored) for k in keys for p in client.cache.replicas(k) if p.tier is Tier.NVME]
+    assert client.info is not None
+    raw.append(_read_ranges(client.info.nvme_path, ranges))
+    return get_all(client, keys, bufs)
+
+
+def _read_ranges(path: str, ranges: list[tuple[int, int]]) -> float:
+    """Seconds to read ``ranges`` of ``path`` with O_DIRECT into one page-aligned buffer, one after the other."""
+    buf = mmap.mmap(-1, max(n for _, n in ranges))
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    try:
+        t0 = time.perf_counter()
+        for offset, n in ranges:
+            with memoryview(buf) as view:
+                os.preadv(fd, [view[:n]], offset)
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        buf.close()
 
 
 def _replicated_put(
@@ -81,6 +112,10 @@ def measure(
     bufs = [np.empty(size, dtype=np.uint8) for _ in range(min(n, 8))]
     row["get_same"] = gbps(n * size, median_seconds(partial(get_all, client, keys, bufs), 3))
     row["get_one"] = gbps(n * size, median_seconds(partial(_get_one_by_one, client, keys, bufs[0]), 3))
+    raw: list[float] = []
+    row["get_nvme"] = gbps(n * size, median_seconds(partial(_get_from_nvme, client, keys, bufs, raw), 3))
+    row["nvme_raw"] = gbps(n * size, sorted(raw)[len(raw) // 2])
+    row["get_nvme_peer"] = gbps(n * size, ray.get(remote.get.remote(keys, size, tier=Tier.NVME.value, repeat=3)))
     client.remove_batch(keys)
     row.update(_replicated_put(client, keys, data, second, put_local_s))
 
@@ -100,8 +135,8 @@ def measure_all(sizes: list[int], total: int, console: Console) -> list[dict[str
         head, second = cluster.node_ids()
         nvme_dir = tempfile.mkdtemp(prefix="kvpool-bench-nvme-")
         config = PoolConfig(
-            metadata=MetadataConfig(endpoints=(etcd.endpoint,), cluster="bench"),
-            dram_bytes=total + 256 * MiB, nvme_bytes=-1, namespace=f"bench-{uuid.uuid4().hex[:6]}",
+            metadata=MetadataConfig(endpoints=(etcd.endpoint,), cluster="bench"), dram_bytes=total + 256 * MiB,
+            nvme_bytes=total + 64 * MiB, nvme_dir=nvme_dir, namespace=f"bench-{uuid.uuid4().hex[:6]}",
         )  # fmt: skip
         start_pool(config)
         remote: list[Any] = []
@@ -118,18 +153,19 @@ def measure_all(sizes: list[int], total: int, console: Console) -> list[dict[str
         finally:
             close_clients(remote)
             stop_pool(config)
-            os.rmdir(nvme_dir)
+            shutil.rmtree(nvme_dir, ignore_errors=True)
     return rows
 
 
 def render(rows: list[dict[str, Any]], mib_per_size: int, console: Console) -> None:
     table = Table(title=f"kvpool pool throughput, GB/s ({mib_per_size} MiB moved per cell; cross node = NIXL/UCX)")
-    for col in ("value", "put here", "get here", "get here 1 key/call", "put to peer",
+    for col in ("value", "put here", "get here", "get here 1 key/call", "get NVMe here / from peer (O_DIRECT same bytes)", "put to peer",
                 "get from peer", "put 2 replicas (in turn)", "memcpy", "disk O_DIRECT w / r"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
             f"{r['size_mib']} MiB", f"{r['put_same']:.2f}", f"{r['get_same']:.2f}", f"{r['get_one']:.2f}",
+            f"{r['get_nvme']:.2f} / {r['get_nvme_peer']:.2f} ({r['nvme_raw']:.2f})",
             f"{r['put_cross']:.2f}", f"{r['get_cross']:.2f}", f"{r['put_2']:.2f} ({r['put_2_sequential']:.2f})",
             f"{r['memcpy']:.2f}", f"{r['disk_write']:.2f} / {r['disk_read']:.2f}",
         )  # fmt: skip

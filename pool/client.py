@@ -101,7 +101,8 @@ class PoolClient:
         except NodeUnreachable:
             log.info("no pool node on this Ray node (%s): every transfer goes to peers", self.node_id[:12])
         self._stats = StatsReporter(self._local)  #: what this client saw, for its node's metrics
-        self.reads = NodeReads(self.node_id, self.nodes, self.peers, self._segment, self._local)
+        self.info = info  #: what the pool node on this Ray node told of itself (None: there is none)
+        self.reads = NodeReads(self.node_id, self.nodes, self.peers, self._segment, self._local, info)
         self.device = DeviceReads(self.node_id, info, self._local)
 
     def close(self) -> None:
@@ -109,6 +110,7 @@ class PoolClient:
         self.peers.close()
         self.s3.close()
         self.device.close()
+        self.reads.close()
         self.cache.close()
         self.etcd.close()
         if self._segment is not None:

@@ -1,12 +1,14 @@
 """The node's flush to the S3 tier: which NVMe chunks go up, how they are encoded, and the back-off after a refused
 upload.  A plain class on an injected clock; the ``PoolNode`` runs a turn and publishes what it returns."""
 
-import contextlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
-from kvpool.errors import CorruptChunk, RemoteUnavailable
+from kvpool.errors import RemoteUnavailable
+from kvpool.pool.chunks import Recoded, StoredChunk
+from kvpool.pool.moves import read_stored, recode
 from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.s3 import RemoteStore
 from kvpool.pool.tiers.s3_config import RemoteConfig
@@ -14,7 +16,7 @@ from kvpool.pool.types import Placement, Tier
 
 log = logging.getLogger(__name__)
 
-FLUSH_BYTES = 64 << 20  #: one flush turn uploads at most this much (the node serves no call meanwhile)
+FLUSH_BYTES = 64 << 20  #: one flush turn uploads at most this much
 FLUSH_THREADS = 4  #: concurrent uploads in a flush turn
 MIN_PAUSE_S, MAX_PAUSE_S = 1.0, 60.0  #: back-off after a turn the S3 endpoint refused: doubled each time
 
@@ -32,14 +34,26 @@ class Flusher:
     def due(self) -> bool:
         return self.clock.monotonic() >= self.not_before
 
-    def turn(self, max_bytes: int = FLUSH_BYTES) -> list[Placement]:
-        """Upload what is idle (at most ``max_bytes``); the S3 placements of what went up, to publish."""
-        ready = []
-        for chunk in self.store.idle(Tier.NVME, self.config.flush_after_s, max_bytes):
-            with contextlib.suppress(CorruptChunk):  # dropped by the store; the node publishes that
-                ready.append((chunk, self.store.encoded(chunk.key, self.config.codec)))
-        with ThreadPoolExecutor(FLUSH_THREADS, thread_name_prefix="kvpool-flush") as pool:
-            uploads = [(c, r, pool.submit(self.s3.put, c.key, r.codec, r.data)) for c, r in ready]
+    def turn(self, lock: AbstractContextManager[object], max_bytes: int = FLUSH_BYTES) -> list[Placement]:
+        """Upload what is idle (at most ``max_bytes``); the S3 placements of what went up, to publish.  The chunks
+        are pinned (under ``lock``, the store's) while they are read, encoded and uploaded (without it)."""
+        with lock:
+            chunks = [self.store.pin(c.key) for c in self.store.idle(Tier.NVME, self.config.flush_after_s, max_bytes)]
+        encoded: list[Recoded | None] = []
+        try:
+            with ThreadPoolExecutor(FLUSH_THREADS, thread_name_prefix="kvpool-flush") as pool:
+                encoded = list(pool.map(self._encoded, chunks))
+                uploads = [
+                    (c, r, pool.submit(self.s3.put, c.key, r.codec, r.data))
+                    for c, r in zip(chunks, encoded, strict=True) if r is not None
+                ]  # fmt: skip
+        finally:
+            with lock:
+                for chunk in chunks:
+                    self.store.release(chunk.key)
+                for chunk, recoded in zip(chunks, encoded, strict=False):  # none if the reads failed
+                    if recoded is None:
+                        self.store.drop_corrupt(chunk)
         placements: list[Placement] = []
         error: RemoteUnavailable | None = None
         for chunk, recoded, upload in uploads:
@@ -63,3 +77,8 @@ class Flusher:
                 error,
             )  # fmt: skip
         return placements
+
+    def _encoded(self, chunk: StoredChunk) -> Recoded | None:
+        """A pinned chunk's bytes under the remote codec (None: they failed their checksum)."""
+        stored = read_stored(self.store.segments[chunk.tier], chunk.offset, chunk.stored)
+        return recode(chunk, stored, self.config.codec)

@@ -7,6 +7,11 @@ with the node).  With a remote tier configured it also flushes NVMe chunks that 
 the chunk stays on NVMe, marked as having a copy, so a full NVMe drops it first.  It is named
 ``kvpool-node-<ray node id>`` in the pool's Ray namespace, detached, and pinned to its node with
 ``NodeAffinitySchedulingStrategy``.
+
+Its calls run in several threads at once (a threaded actor): the store's books are kept under one lock, held
+only between I/O steps, so an NVMe read, a demotion or an S3 upload never holds up another caller's reserve,
+commit or pin.  Publishing is ordered by a second lock (an etcd round trip does not hold the store).  Demotions
+above the high watermark and flushes to S3 run on the node's own threads, not as calls.
 """
 
 import contextlib
@@ -17,13 +22,14 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, MetadataUnavailable, RemoteUnavailable
+from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, MetadataUnavailable, PoolFull, RemoteUnavailable
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
@@ -32,6 +38,7 @@ from kvpool.pool.chunks import SEGMENT_NAMES, Change, ChangeKind, Reservation, S
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.flush import FLUSH_BYTES, Flusher
 from kvpool.pool.metrics import ClientStats, StoreCollector, serve_metrics
+from kvpool.pool.moves import read_stored, run_moves
 from kvpool.pool.node_handle import NodeInfo, Settled, actor_name
 from kvpool.pool.segment import DramSegment, NvmeSegment, reap_stale_segments
 from kvpool.pool.store import ChunkStore
@@ -43,10 +50,14 @@ from kvpool.transport.nixl import NixlTransport
 
 log = logging.getLogger(__name__)
 RECORD_REFRESH_S = 1.0  #: the node record's usage figures lag by at most this
+NODE_CALLS = 8  #: calls the actor runs at once
+IO_THREADS = 4  #: NVMe reads and writes of a batch (promotions, demotions) in flight at once
+DEMOTE_BYTES = 64 << 20  #: one demotion step moves at most this much from DRAM to NVMe, then publishes
+LATER_S = 0.1  #: what a call leaves to publish later is published within this
 
 
 class PoolNode:
-    """Plain class; :func:`start_pool` wraps it as a Ray actor.  Calls run one at a time."""
+    """Plain class; :func:`start_pool` wraps it as a threaded Ray actor."""
 
     def __init__(self, config: PoolConfig, node_id: str) -> None:
         self.config = config
@@ -61,9 +72,15 @@ class PoolNode:
         self.transport = NixlTransport(f"kvpool-node-{tag}", serve=True, scope=config.metadata.cluster)
         self.transport.register(SEGMENT_NAMES[Tier.DRAM], self.dram.base_address, self.dram.capacity)
         self.store = ChunkStore(
-            self.dram, self.nvme, watermarks=config.watermarks,
-            promote_on_hit=config.promote_on_hit, alignment=config.alignment, codecs={Tier.NVME: config.nvme_codec},
+            self.dram, self.nvme, watermarks=config.watermarks, promote_on_hit=config.promote_on_hit,
+            alignment=config.alignment, codecs={Tier.NVME: config.nvme_codec}, demote_inline=False,
         )  # fmt: skip
+        self._lock = threading.Lock()  #: the store's books: held only between I/O steps
+        self._publish_lock = threading.RLock()  #: one publish at a time, in the order the store changed
+        self._revision = 0  #: the etcd revision of the last publish
+        self._flush_lock = threading.Lock()
+        self._publish_later = threading.Event()  #: changes a call left for the background thread to publish
+        self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvpool-io")
         self.store.counters.update(flushed=0, flushed_bytes=0, remote_errors=0)
         self.s3 = RemoteStore(config.remote, config.metadata.cluster) if config.remote.enabled else None
         self.flusher = None if self.s3 is None else Flusher(self.s3, config.remote, self.store)
@@ -90,15 +107,16 @@ class PoolNode:
             self._record(), on_new_lease=self._republish
         )
         threading.Thread(target=self._refresh_record, name="kvpool-node-record", daemon=True).start()
-        if ray.is_initialized() and ray.get_runtime_context().get_actor_id():
-            me = ray.get_runtime_context().current_actor  # an actor: reaping is one of its own calls, in turn
-            threading.Thread(target=self._timer, args=(me,), name="kvpool-node-timer", daemon=True).start()
+        threading.Thread(target=self._timer, name="kvpool-node-timer", daemon=True).start()
+        threading.Thread(target=self._background, name="kvpool-node-background", daemon=True).start()
         log.info("pool node %s up: DRAM %d B at %s, NVMe %d B", node_id, self.dram.capacity, self.dram.path, nvme_bytes)
 
     # -- etcd ------------------------------------------------------------------------------------------
 
     def _record(self) -> NodeRecord:
-        segments = tuple(SegmentInfo(SEGMENT_NAMES[t], t, cap, used) for t, (used, cap) in self.store.usage().items())
+        with self._lock:
+            usage = self.store.usage()
+        segments = tuple(SegmentInfo(SEGMENT_NAMES[t], t, cap, used) for t, (used, cap) in usage.items())
         return NodeRecord(
             node_id=self.node_id, host=socket.gethostname(), pid=os.getpid(),
             address=self.transport.descriptor(), segments=segments, metrics=self.metrics_address,
@@ -115,21 +133,24 @@ class PoolNode:
         reader must reach to see it.  If etcd is unreachable the changes are kept for the next publish —
         every call that changes the store publishes, and so does the reaper — and the caller gets
         ``MetadataUnavailable``, so nothing is acknowledged that etcd does not show."""
-        changes, self._unpublished = [*self._unpublished, *self.store.take_changes()], []
-        final: dict[bytes, tuple[ChangeKind, StoredChunk]] = {}
-        for change in changes:
-            final[change.chunk.key] = (change.kind, change.chunk)
-        puts = [self._placement(c) for kind, c in final.values() if kind is not ChangeKind.DROPPED]
-        drops = [self._placement(c) for kind, c in final.values() if kind is ChangeKind.DROPPED]
-        try:
-            revision = max(self.placements.publish(puts, self.registration.lease_id), self.placements.delete(drops))
-        except MetadataUnavailable:
-            self.etcd_errors += 1
-            self._unpublished = changes  # publishing is idempotent: all of them again next time
-            raise
-        if final:
-            self._record_dirty.set()
-        return revision
+        with self._publish_lock:
+            with self._lock:
+                changes, self._unpublished = [*self._unpublished, *self.store.take_changes()], []
+            final: dict[bytes, tuple[ChangeKind, StoredChunk]] = {}
+            for change in changes:
+                final[change.chunk.key] = (change.kind, change.chunk)
+            puts = [self._placement(c) for kind, c in final.values() if kind is not ChangeKind.DROPPED]
+            drops = [self._placement(c) for kind, c in final.values() if kind is ChangeKind.DROPPED]
+            try:
+                revision = max(self.placements.publish(puts, self.registration.lease_id), self.placements.delete(drops))
+            except MetadataUnavailable:
+                self.etcd_errors += 1
+                self._unpublished = changes  # publishing is idempotent: all of them again next time
+                raise
+            if final:
+                self._record_dirty.set()
+            self._revision = max(self._revision, revision)  # a publish of nothing: what the last one showed
+            return self._revision
 
     def _refresh_record(self) -> None:
         """Thread: publish the node record's usage figures at most every RECORD_REFRESH_S, when changed."""
@@ -143,28 +164,56 @@ class PoolNode:
                     log.warning("node record not refreshed: %s", exc)
                     self._record_dirty.set()
 
-    def _timer(self, me: Any) -> None:
-        """Thread: ask this actor (queued like any call) to reclaim expired reservations every half TTL, and to
-        flush idle NVMe chunks to the remote tier every quarter of ``flush_after_s`` (at least every 0.1 s,
-        at most every half TTL), one turn at a time."""
+    def _timer(self) -> None:
+        """Thread: reclaim expired reservations every half TTL, and flush idle NVMe chunks to the remote tier every
+        quarter of ``flush_after_s`` (at least every 0.1 s, at most every half TTL)."""
         period = self.config.reservation_ttl_s / 2
         if self.s3 is not None:
             period = min(period, max(self.config.remote.flush_after_s / 4, 0.1))
         reaped_at = time.monotonic()
         while not self._closing.wait(period):
-            if time.monotonic() - reaped_at >= self.config.reservation_ttl_s / 2:
-                me.reap.remote()
-                reaped_at = time.monotonic()
-            if self.s3 is not None:
+            try:
+                if time.monotonic() - reaped_at >= self.config.reservation_ttl_s / 2:
+                    self.reap()
+                    reaped_at = time.monotonic()
+                if self.s3 is not None:
+                    self.flush()
+            except Exception as exc:  # a failed turn is retried next time; one during shutdown is moot
+                if not self._closing.is_set():
+                    log.warning("timer turn failed: %s", exc)
+
+    def _background(self) -> None:
+        """Thread: when a commit or promotion left DRAM above its high watermark, move LRU chunks to NVMe until the
+        low one, ``DEMOTE_BYTES`` at a time, publishing after each step; and publish what calls left for later
+        (promotions: the reader has its chunks already) within ``LATER_S``."""
+        while not self._closing.is_set():
+            if self.store.over_high.wait(LATER_S):
+                self.store.over_high.clear()
                 try:
-                    ray.get(me.flush.remote(), timeout=max(60.0, 4 * self.config.remote.timeout_s))
-                except Exception as exc:  # a flush that failed is retried next turn; one during shutdown is moot
+                    self._demote()
+                except Exception as exc:  # the next commit above the watermark tries again
                     if not self._closing.is_set():
-                        log.warning("flush turn failed: %s", exc)
+                        log.warning("demotion step failed: %s", exc)
+            if self._publish_later.is_set():
+                self._publish_later.clear()
+                with contextlib.suppress(MetadataUnavailable):  # kept for the next publish
+                    self._publish()
+
+    def _demote(self) -> None:
+        while not self._closing.is_set():
+            with self._lock:
+                moves = self.store.demotions(DEMOTE_BYTES)
+            if not moves:
+                return
+            run_moves(self.store, moves, self._lock, self._io)
+            with contextlib.suppress(MetadataUnavailable):  # kept for the next publish
+                self._publish()
 
     def _republish(self, lease_id: int) -> None:
         """The lease was lost and replaced: every placement on the old one is gone; publish them again."""
-        self.placements.publish([self._placement(c) for c in self.store.chunks()], lease_id)
+        with self._lock:
+            chunks = self.store.chunks()
+        self.placements.publish([self._placement(c) for c in chunks], lease_id)
         self.registration.update(self._record())
 
     # -- the actor's calls -----------------------------------------------------------------------------
@@ -179,13 +228,15 @@ class PoolNode:
         """DRAM room for each ``(key, length)``, written next by a same-node client, then committed."""
         out: list[Reservation] = []
         try:
-            for key, length in items:
-                out.append(self.store.reserve(key, length))
-        except BaseException:
-            for r in out:
-                if not r.already_stored:
-                    self.store.abort(r.key)
-            raise
+            with self._lock:
+                try:
+                    for key, length in items:
+                        out.append(self.store.reserve(key, length))
+                except BaseException:
+                    for r in out:
+                        if not r.already_stored:
+                            self.store.abort(r.key)
+                    raise
         finally:
             self._publish()  # migrations made to find room
         return out
@@ -193,132 +244,165 @@ class PoolNode:
     def commit_batch(self, items: Sequence[tuple[bytes, int, TensorFormat | None]], replicated: bool = False) -> int:
         """Make reserved chunks visible: ``(key, checksum, tensor format or None)`` each."""
         try:
-            for key, checksum, fmt in items:
-                self.store.commit(key, checksum, replicated=replicated, fmt=fmt)
+            with self._lock:
+                for key, checksum, fmt in items:
+                    self.store.commit(key, checksum, replicated=replicated, fmt=fmt)
         finally:
             revision = self._publish()
         return revision
 
     def abort_batch(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self.store.abort(key)
+        with self._lock:
+            for key in keys:
+                self.store.abort(key)
 
     def put_batch(self, items: Sequence[tuple[bytes, bytes, int]], replicated: bool = False) -> int:
         """Store bytes sent as call arguments (small values, tests; clients write through the transport)."""
         try:
-            for key, data, checksum in items:
-                if not isinstance(data, (bytes, bytearray, memoryview)):
-                    raise ConfigError(f"put_batch takes bytes, got {type(data).__name__}")
-                self.store.put(key, memoryview(data), checksum, replicated=replicated)
-                self.store.counters["bytes_via_ray"] += len(data)
+            with self._lock:
+                for key, data, checksum in items:
+                    if not isinstance(data, (bytes, bytearray, memoryview)):
+                        raise ConfigError(f"put_batch takes bytes, got {type(data).__name__}")
+                    self.store.put(key, memoryview(data), checksum, replicated=replicated)
+                    self.store.counters["bytes_via_ray"] += len(data)
         finally:
             revision = self._publish()
         return revision
 
     def locate_batch(self, keys: Sequence[bytes], promote: bool | None = None) -> list[StoredChunk | None]:
-        """Pin each held chunk for a reader (None: not held here), promoting NVMe hits to DRAM if ``promote``
-        (default: ``promote_on_hit``); release with release_batch."""
+        """Pin each held chunk for a reader (None: not held here), promoting NVMe hits to DRAM first if ``promote``
+        (default: ``promote_on_hit``) — their NVMe reads run without the lock, several at once; release with
+        release_batch."""
+        if self.store.promote_on_hit if promote is None else promote:
+            with self._lock:
+                moves = self.store.begin_promotions(keys)
+            if moves:
+                run_moves(self.store, moves, self._lock, self._io)
+                self._publish_later.set()  # the reader needs no placement of them: it gets where they are now
         out: list[StoredChunk | None] = []
-        for key in keys:
-            try:
-                out.append(self.store.locate(key, promote))
-            except ChunkNotFound:
-                self.store.counters["misses"] += 1
-                out.append(None)
-        with contextlib.suppress(MetadataUnavailable):  # promotions: a read does not fail for etcd; kept for later
-            self._publish()
+        with self._lock:
+            for key in keys:
+                try:
+                    out.append(self.store.locate(key, promote=False))
+                except ChunkNotFound:
+                    self.store.counters["misses"] += 1
+                    out.append(None)
         return out
 
     def touch_batch(self, keys: Sequence[bytes]) -> None:
         """Hits a same-node client read without pinning (see ``PoolClient``): count them, refresh their LRU place."""
-        for key in keys:
-            if key in self.store:  # anything but a held key (a stale hit, a malformed key) is passed over
-                self.store.policy.touch(key)
-                self.store.counters["gets"] += 1
+        with self._lock:
+            for key in keys:
+                if key in self.store:  # anything but a held key (a stale hit, a malformed key) is passed over
+                    self.store.policy.touch(key)
+                    self.store.counters["gets"] += 1
 
     def report_clients(self, stats: ClientStats) -> None:
         """Add what a client on this node saw since its last report (lookups, gets) to the node's metrics."""
-        self.client_stats.merge(stats)
+        with self._lock:
+            self.client_stats.merge(stats)
 
     def release_batch(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self.store.release(key)
+        with self._lock:
+            for key in keys:
+                self.store.release(key)
 
     def read_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """Copies of the stored bytes as call results: only for chunks left on NVMe (promote_on_hit off
-        or DRAM full), which the transport cannot reach; DRAM chunks are read one-sided."""
-        out: list[bytes | None] = []
-        for key in keys:
-            try:
-                out.append(self.store.read(key))
-                self.store.counters["bytes_via_ray"] += len(out[-1] or b"")
-                self.store.policy.touch(key)
-            except ChunkNotFound:
-                out.append(None)
+        """Copies of the stored bytes as call results: only for chunks left on a peer's NVMe (promote_on_hit off or
+        DRAM full), which the transport cannot reach; DRAM chunks are read one-sided.  Read without the lock."""
+        with self._lock:
+            chunks = [self.store.pin(k) if k in self.store else None for k in keys]
+        try:
+            out = list(self._io.map(self._read_pinned, chunks))
+        finally:
+            with self._lock:
+                for c in chunks:
+                    if c is not None and c.key in self.store:
+                        self.store.release(c.key)
+                        self.store.policy.touch(c.key)
+        with self._lock:
+            self.store.counters["bytes_via_ray"] += sum(len(d) for d in out if d is not None)
         return out
+
+    def _read_pinned(self, chunk: StoredChunk | None) -> bytes | None:
+        if chunk is None:
+            return None
+        return bytes(read_stored(self.store.segments[chunk.tier], chunk.offset, chunk.stored))
 
     def remove_batch(self, keys: Sequence[bytes], corrupt: bool = False) -> Settled:
         """Remove held chunks (``corrupt``: even if pinned, counted as corrupt); see :class:`Settled`."""
-        return self._each(keys, lambda key: self.store.remove(key, corrupt=corrupt))
-
-    def move_batch(self, keys: Sequence[bytes], tier: Tier) -> Settled:
-        """Move held chunks to ``tier``; see :class:`Settled`."""
-        return self._each(keys, lambda key: self.store.move(key, tier))
-
-    def _each(self, keys: Sequence[bytes], change: Callable[[bytes], object]) -> Settled:
-        """``change`` each held key; a key a reader has pinned is left as it is and named in the result, the
-        rest of the batch goes on.  Published whatever happens."""
         busy: list[bytes] = []
         try:
-            for key in keys:
-                if key in self.store:
-                    try:
-                        change(key)
-                    except ChunkBusy:
-                        busy.append(key)
+            with self._lock:
+                for key in keys:
+                    if key in self.store:
+                        try:
+                            self.store.remove(key, corrupt=corrupt)
+                        except ChunkBusy:
+                            busy.append(key)
         finally:
             revision = self._publish()
+        return Settled(revision, busy)
+
+    def move_batch(self, keys: Sequence[bytes], tier: Tier) -> Settled:
+        """Move held chunks to ``tier`` (their I/O without the lock); see :class:`Settled`.  ``PoolFull`` once the
+        rest is done if ``tier`` had no room for some."""
+        with self._lock:
+            moves, busy, full = self.store.begin_moves(keys, tier)
+        try:
+            run_moves(self.store, moves, self._lock, self._io)
+        finally:
+            revision = self._publish()
+        failed = [m.failed for m in moves if m.failed]
+        if full or failed:
+            raise PoolFull(full or failed[0])
         return Settled(revision, busy)
 
     def reap(self) -> int:
         """Reclaim reservations older than ``reservation_ttl_s`` (see ``ChunkStore.reap``), and retry a
         publish that etcd refused earlier."""
-        reaped = self.store.reap(self.config.reservation_ttl_s)
+        with self._lock:
+            reaped = self.store.reap(self.config.reservation_ttl_s)
         with contextlib.suppress(MetadataUnavailable):
             self._publish()
         return reaped
 
     def flush(self, max_bytes: int = FLUSH_BYTES) -> int:
-        """Upload NVMe chunks idle for ``remote.flush_after_s`` to the S3 tier (a :class:`Flusher` turn) and
-        publish their S3 placements on no lease.  Returns how many were flushed.  A failed upload leaves the
-        chunks on NVMe, unflushed: a later turn tries again; nothing is lost."""
-        if self.flusher is None or not self.flusher.due():
-            return 0
-        placements = self.flusher.turn(max_bytes)
-        with contextlib.suppress(MetadataUnavailable):
-            self._publish()  # chunks found corrupt
-        try:
-            self.placements.publish(placements, 0)  # no lease: the copy outlives this node
-        except MetadataUnavailable as exc:
-            self.etcd_errors += 1
-            log.warning("flushed %d chunks but could not publish them (retried next turn): %s", len(placements), exc)
-            return 0
-        self.store.mark_in_s3(p.key for p in placements)
-        self.store.counters["flushed"] += len(placements)
-        self.store.counters["flushed_bytes"] += sum(p.stored for p in placements)
-        return len(placements)
+        """Upload NVMe chunks idle for ``remote.flush_after_s`` to the S3 tier (a :class:`Flusher` turn, its reads and
+        uploads without the lock) and publish their S3 placements on no lease.  Returns how many were flushed.  A
+        failed upload leaves the chunks on NVMe, unflushed: a later turn tries again; nothing is lost."""
+        with self._flush_lock:  # the timer's turn, or a caller's (tests, benchmarks): one at a time
+            if self.flusher is None or not self.flusher.due():
+                return 0
+            placements = self.flusher.turn(self._lock, max_bytes)
+            with contextlib.suppress(MetadataUnavailable):
+                self._publish()  # chunks found corrupt
+            try:
+                self.placements.publish(placements, 0)  # no lease: the copy outlives this node
+            except MetadataUnavailable as exc:
+                self.etcd_errors += 1
+                log.warning("flushed %d chunks, could not publish them (retried next turn): %s", len(placements), exc)
+                return 0
+            with self._lock:
+                self.store.mark_in_s3(p.key for p in placements)
+                self.store.counters["flushed"] += len(placements)
+                self.store.counters["flushed_bytes"] += sum(p.stored for p in placements)
+            return len(placements)
 
     def audit(self) -> list[str]:
         """What disagrees in this node (empty: nothing): its allocators against its chunks and reservations
         (``ChunkStore.audit``), and its chunks against the placements etcd shows for it, after publishing
         what is pending."""
-        problems = self.store.audit()
+        with self._lock:
+            problems = self.store.audit()
         try:
-            self._publish()
-            published = {p.key: p for p in self.placements.held_by(self.node_id)}
+            with self._publish_lock:  # no publish in flight while the two are compared
+                self._publish()
+                with self._lock:
+                    held = {c.key: c for c in self.store.chunks()}
+                published = {p.key: p for p in self.placements.held_by(self.node_id)}
         except MetadataUnavailable as exc:
             return [*problems, f"etcd not reachable, placements not compared: {exc}"]
-        held = {c.key: c for c in self.store.chunks()}
         for key in held.keys() - published.keys():
             problems.append(f"chunk {short(key)} is held but has no placement")
         for key in published.keys() - held.keys():
@@ -330,6 +414,10 @@ class PoolNode:
         return problems
 
     def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict[str, Any]:
         return {
             "node_id": self.node_id,
             "tiers": {
@@ -355,6 +443,7 @@ class PoolNode:
     def shutdown(self) -> None:
         """Leave the pool now: revoke the lease (its placements go with it) and free the segments."""
         self._closing.set()
+        self._io.shutdown(wait=True)
         self.registration.close(revoke=True)
         self.etcd.close()
         self.transport.close()
@@ -383,6 +472,7 @@ def start_pool(config: PoolConfig, node_ids: Sequence[str] | None = None) -> dic
             namespace=config.namespace,
             lifetime="detached",
             get_if_exists=True,
+            max_concurrency=NODE_CALLS,
             scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
         ).remote(config, nid)
         for nid in ids

@@ -13,9 +13,9 @@ from typing import Any
 from kvpool.errors import ChunkNotFound, UndecodableChunk
 from kvpool.pool.buffers import byte_view
 from kvpool.pool.chunks import SEGMENT_NAMES, StoredChunk, checksum, short
-from kvpool.pool.node_handle import NodeHandles, call
+from kvpool.pool.node_handle import NodeHandles, NodeInfo, call
 from kvpool.pool.peers import STAGING_BYTES, Peers, rounds
-from kvpool.pool.segment import DramSegment
+from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import decode
 from kvpool.pool.types import Placement, Tier
 from kvpool.transport.base import Op
@@ -43,12 +43,19 @@ def fill(dest: memoryview, data: Any, codec: str, expected: int) -> bool:
 
 class NodeReads:
     """Reads by a client on Ray node ``node_id``; ``segment`` and ``local`` are the mapped DRAM segment and the
-    actor of the pool node there (None when the Ray node has none)."""
+    actor of the pool node there (None when the Ray node has none), ``info`` what that node told of itself."""
 
     def __init__(
-        self, node_id: str, handles: NodeHandles, peers: Peers, segment: DramSegment | None, local: Any
-    ) -> None:
+        self, node_id: str, handles: NodeHandles, peers: Peers, segment: DramSegment | None, local: Any,
+        info: NodeInfo | None = None,
+    ) -> None:  # fmt: skip
         self.node_id, self.handles, self.peers, self.segment, self.local = node_id, handles, peers, segment, local
+        self._nvme_file = (info.nvme_path, info.nvme_capacity) if info is not None and info.nvme_path else None
+        self._nvme: NvmeSegment | None = None  #: the node's NVMe segment file, opened read-only on first use
+
+    def close(self) -> None:
+        if self._nvme is not None:
+            self._nvme.close()
 
     def unpinned(
         self, nearest: list[Placement], dests: list[memoryview], on_done: Callable[[int], None] | None
@@ -101,15 +108,20 @@ class NodeReads:
             node.release_batch.remote(keys)
 
     def _copy_local(self, chunk: StoredChunk, dest: memoryview) -> bool:
-        """Copy a pinned chunk of this node into ``dest``; whether it came out intact."""
+        """Copy a pinned chunk of this node into ``dest``; whether it came out intact.  One left on NVMe (not
+        promoted: promote_on_hit off, or DRAM full) is read from the segment file, no byte through the node."""
         assert self.segment is not None
-        if chunk.tier is not Tier.DRAM:  # not promoted (promote_on_hit off, or DRAM full): read via the node
-            [data] = call(self.local.read_batch.remote([chunk.key]))
-            if data is None:
-                raise ChunkNotFound(f"chunk {short(chunk.key)} left this node")
-            return fill(dest, data, chunk.codec, chunk.checksum)
-        self.segment.read_into(chunk.offset, dest)
-        return checksum(dest) == chunk.checksum
+        if chunk.tier is Tier.DRAM:
+            self.segment.read_into(chunk.offset, dest)
+            return checksum(dest) == chunk.checksum
+        if self._nvme is None and self._nvme_file is not None:
+            self._nvme = NvmeSegment.attach(*self._nvme_file)
+        if self._nvme is None:
+            raise ChunkNotFound(f"chunk {short(chunk.key)} is on an NVMe segment this client cannot open")
+        if chunk.codec == "raw":
+            self._nvme.read_into(chunk.offset, dest)
+            return checksum(dest) == chunk.checksum
+        return fill(dest, self._nvme.read(chunk.offset, chunk.stored), chunk.codec, chunk.checksum)
 
     def _from_peer(
         self, node_id: str, node: Any, usable: list[tuple[int, StoredChunk]], dests: list[memoryview],

@@ -23,6 +23,8 @@ import uuid
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Self
 
+import numpy as np
+
 from kvpool.errors import ConfigError, PoolFull
 
 if TYPE_CHECKING:
@@ -184,16 +186,18 @@ class NvmeSegment(_Segment):
 
     Invariants: offsets are multiples of :data:`ALIGN`; the file holds ``capacity`` rounded up to ``ALIGN``.
     In direct mode a write of ``n`` bytes at ``offset`` rewrites ``[offset, offset + round_up(n))``, the tail
-    padded with zeros, so the allocator must give every chunk whole ``ALIGN`` blocks.  Direct I/O goes
-    through one page-aligned bounce buffer of :data:`CHUNK` bytes, guarded by a lock, so memory stays
-    bounded and concurrent calls serialise; buffered I/O reads and writes the caller's buffer directly.
+    padded with zeros, so the allocator must give every chunk whole ``ALIGN`` blocks.  Direct I/O moves a
+    page-aligned buffer of whole blocks (a mapped segment's range, say) as it is; any other buffer goes through
+    a page-aligned bounce buffer of :data:`CHUNK` bytes per thread, so calls from several threads run at once
+    (the kernel does the I/O without the GIL).  Buffered I/O reads and writes the caller's buffer directly.
     """
 
     def __init__(self, path: str, capacity: int, fd: int, direct: bool, owner: bool) -> None:
         super().__init__(path, capacity, owner)
         self.direct = direct
         self._fd: int | None = fd
-        self._bounce = mmap.mmap(-1, CHUNK) if direct else None
+        self._bounces: list[mmap.mmap] = []  #: every thread's bounce buffer, closed with the segment
+        self._local = threading.local()
         self._lock = threading.Lock()
 
     @property
@@ -249,14 +253,26 @@ class NvmeSegment(_Segment):
         self._check(offset, length)
         return self._fd
 
+    def _bounce(self, buf: memoryview) -> memoryview | None:
+        """A view of this thread's bounce buffer, to move ``buf`` through (None: ``buf`` moves as it is)."""
+        if not self.direct or _aligned(buf):
+            return None
+        mm: mmap.mmap | None = getattr(self._local, "bounce", None)
+        if mm is None:
+            mm = self._local.bounce = mmap.mmap(-1, CHUNK)
+            with self._lock:
+                self._bounces.append(mm)
+        return memoryview(mm)
+
     def write(self, offset: int, data: Buffer) -> None:
         """Write ``data`` (any C-contiguous buffer) at ``offset``."""
         with _buffer(data) as src:
             fd = self._fd_for(offset, src.nbytes)
-            if self._bounce is None:
+            bounce = self._bounce(src)
+            if bounce is None:
                 _transfer(os.pwritev, fd, src, offset)
                 return
-            with self._lock, memoryview(self._bounce) as bounce:
+            with bounce:
                 for pos in range(0, src.nbytes, CHUNK):
                     n = min(CHUNK, src.nbytes - pos)
                     padded = _round_up(n)
@@ -268,10 +284,11 @@ class NvmeSegment(_Segment):
         """Fill the writable buffer ``dest`` from ``offset``; returns the number of bytes read."""
         with _buffer(dest, writable=True) as dst:
             fd = self._fd_for(offset, dst.nbytes)
-            if self._bounce is None:
+            bounce = self._bounce(dst)
+            if bounce is None:
                 _transfer(os.preadv, fd, dst, offset)
                 return dst.nbytes
-            with self._lock, memoryview(self._bounce) as bounce:
+            with bounce:
                 for pos in range(0, dst.nbytes, CHUNK):
                     n = min(CHUNK, dst.nbytes - pos)
                     _transfer(os.preadv, fd, bounce[: _round_up(n)], offset + pos)
@@ -290,10 +307,18 @@ class NvmeSegment(_Segment):
             return
         os.close(self._fd)
         self._fd = None
-        if self._bounce is not None:
-            self._bounce.close()
+        with self._lock:
+            for buf in self._bounces:
+                with contextlib.suppress(BufferError):  # a thread is mid-transfer: freed when it is collected
+                    buf.close()
+            self._bounces.clear()
         if self.owner if remove is None else remove:
             os.unlink(self.path)
+
+
+def _aligned(buf: memoryview) -> bool:
+    """Whether O_DIRECT can move ``buf`` as it is: page-aligned, whole blocks."""
+    return buf.nbytes % ALIGN == 0 and np.frombuffer(buf, np.uint8).ctypes.data % ALIGN == 0
 
 
 def _transfer(op: Callable[[int, list[memoryview], int], int], fd: int, buf: memoryview, offset: int) -> None:

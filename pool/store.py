@@ -17,18 +17,20 @@ one-sided, straight into their buffers.
 """
 
 import logging
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
-from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, CorruptChunk, KvPoolError, PoolFull
+from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, CorruptChunk, PoolFull
 from kvpool.pool.allocator import OffsetAllocator
-from kvpool.pool.chunks import Change, ChangeKind, Recoded, Reservation, StoredChunk, check_checksum, checksum, short
+from kvpool.pool.chunks import Change, ChangeKind, Recoded, Reservation, StoredChunk, check_checksum, short
 from kvpool.pool.config import Watermarks
 from kvpool.pool.eviction import EvictionPolicy
 from kvpool.pool.keys import check_key
+from kvpool.pool.moves import Move, read_stored, recode, run_moves, whole_blocks
 from kvpool.pool.segment import DramSegment, NvmeSegment
-from kvpool.pool.tiers.codecs import Buffer, TensorFormat, parse_codec, transcode
+from kvpool.pool.tiers.codecs import TensorFormat, parse_codec
 from kvpool.pool.types import Tier
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class ChunkStore:
         alignment: int = 4096,
         clock: Clock = SYSTEM_CLOCK,
         codecs: Mapping[Tier, str] | None = None,
+        demote_inline: bool = True,
     ) -> None:
         self.segments: dict[Tier, DramSegment | NvmeSegment] = {Tier.DRAM: dram}
         self.allocators = {Tier.DRAM: OffsetAllocator(dram.capacity, alignment)}
@@ -58,10 +61,13 @@ class ChunkStore:
             )
         self.watermarks = watermarks or Watermarks()
         self.promote_on_hit = promote_on_hit
+        self.demote_inline = demote_inline  #: a commit above the high watermark demotes at once (else: ``over_high``)
+        self.over_high = threading.Event()  #: set by a commit or promotion that left DRAM above its high watermark
         self.clock = clock
         self.policy = EvictionPolicy(clock)
         self._chunks: dict[bytes, StoredChunk] = {}
         self._reserved: dict[bytes, Reservation] = {}
+        self._moving: dict[bytes, Move] = {}  #: moves begun and not finished; each owns its target room
         self._changes: list[Change] = []  #: since the last take_changes()
         self.counters = {
             "puts": 0, "gets": 0, "misses": 0, "migrations": 0, "promotions": 0, "drops": 0, "corrupt": 0, "reaped": 0,
@@ -116,7 +122,10 @@ class ChunkStore:
         self.policy.add(key, Tier.DRAM, self.allocators[Tier.DRAM].size_of(r.offset), replicated=replicated)
         self.counters["puts"] += 1
         self._changes.append(Change(ChangeKind.ADDED, chunk))
-        self.maintain()
+        if self.demote_inline:
+            self.maintain()
+        elif self._over_high():
+            self.over_high.set()
         return self._chunks[key]
 
     def abort(self, key: bytes) -> None:
@@ -154,25 +163,43 @@ class ChunkStore:
         if chunk.tier is Tier.NVME and (self.promote_on_hit if promote is None else promote):
             try:
                 chunk = self._move(chunk, Tier.DRAM)
-                self.counters["promotions"] += 1
-            except PoolFull as exc:
+            except (PoolFull, ChunkBusy) as exc:  # no room, or another reader has it pinned where it is
                 log.info("not promoting %s to DRAM: %s", short(key), exc)
         self.policy.pin(key)
         self.policy.touch(key)
         self.counters["gets"] += 1
         return chunk
 
+    def pin(self, key: bytes) -> StoredChunk:
+        """Pin a chunk where it is, counting no read (the node reads it for a caller, then releases it)."""
+        chunk = self._require(key)
+        self.policy.pin(key)
+        return chunk
+
+    def begin_promotions(self, keys: Iterable[bytes]) -> list[Move]:
+        """Begun moves to DRAM of the held chunks among ``keys`` that are on NVMe and not pinned (a reader's hit
+        promoted before the reader pins it); a chunk DRAM has no room for stays where it is."""
+        out: list[Move] = []
+        for key in keys:
+            chunk = self._chunks.get(key) if isinstance(key, bytes) else None
+            if chunk is None or chunk.tier is not Tier.NVME or self.policy.state(key).pins or key in self._moving:
+                continue
+            try:
+                out.append(self.begin_move(key, Tier.DRAM))
+            except PoolFull as exc:
+                log.info("not promoting %s to DRAM: %s", short(key), exc)
+                break
+        return out
+
     def release(self, key: bytes) -> None:
-        if isinstance(key, bytes) and key in self.policy:
+        """Unpin a chunk; a key not held or not pinned (dropped as corrupt and put again meanwhile) is passed over."""
+        if isinstance(key, bytes) and key in self.policy and self.policy.state(key).pins:
             self.policy.unpin(key)
 
     def read(self, key: bytes) -> bytes:
         """A copy of the chunk's stored bytes (for chunks on NVMe that a reader cannot reach one-sided, and tests)."""
         chunk = self._require(key)
-        seg = self.segments[chunk.tier]
-        if isinstance(seg, DramSegment):
-            return bytes(seg.view(chunk.offset, chunk.stored))
-        return bytes(seg.read(chunk.offset, chunk.stored))
+        return bytes(read_stored(self.segments[chunk.tier], chunk.offset, chunk.stored))
 
     def _require(self, key: bytes) -> StoredChunk:
         chunk = self._chunks.get(key) if isinstance(key, bytes) else None
@@ -235,7 +262,6 @@ class ChunkStore:
         if tier is Tier.DRAM and Tier.NVME in self.segments:
             try:
                 self._move(chunk, Tier.NVME)
-                self.counters["migrations"] += 1
                 return
             except CorruptChunk:
                 return  # dropped: that made the room
@@ -245,93 +271,169 @@ class ChunkStore:
         self.counters["drops"] += 1
 
     def _move(self, chunk: StoredChunk, tier: Tier) -> StoredChunk:
-        """Re-store ``chunk`` in ``tier``, with that tier's codec; ``CorruptChunk`` (and the chunk dropped) if
-        it has to be re-encoded and its bytes fail their checksum."""
-        target = self.codecs.get(tier, "raw") if chunk.fmt is not None else "raw"
-        recoded = self.encoded(chunk.key, target) if target != chunk.codec else None
-        length = chunk.stored if recoded is None else len(recoded.data)
-        self.policy.pin(chunk.key)  # not a victim of the room we make for it
-        try:
-            offset = self._allocate(tier, length)
-        finally:
-            self.policy.unpin(chunk.key)
-        src, dst = self.segments[chunk.tier], self.segments[tier]
-        data: Buffer
-        if recoded is not None:
-            data = recoded.data
-        elif isinstance(src, DramSegment):
-            data = src.view(chunk.offset, chunk.stored)
-        else:
-            data = src.read(chunk.offset, chunk.stored)
-        try:
-            dst.write(offset, data)
-        finally:
-            if isinstance(data, memoryview):
-                data.release()
-        self.allocators[chunk.tier].free(chunk.offset)
-        moved = replace(chunk, tier=tier, offset=offset)
-        if recoded is not None:
-            moved = replace(moved, stored=length, checksum=recoded.checksum, codec=recoded.codec, fmt=recoded.fmt)
-            if recoded.codec != chunk.codec:
-                self.counters["encoded" if recoded.codec != "raw" else "decoded"] += 1
-        self._chunks[chunk.key] = moved
-        self.policy.move(chunk.key, tier)
-        self._changes.append(Change(ChangeKind.MOVED, moved))
+        """Re-store ``chunk`` in ``tier`` now, with that tier's codec; ``CorruptChunk`` (and the chunk dropped) if it
+        has to be re-encoded and its bytes fail their checksum, ``PoolFull`` if the tier has no room for it."""
+        move = self.begin_move(chunk.key, tier)
+        [moved] = run_moves(self, [move])
+        if move.corrupt or moved is None:
+            raise CorruptChunk(f"chunk {short(chunk.key)} was corrupt in {chunk.tier.value} and has been dropped")
+        if move.failed:
+            raise PoolFull(move.failed)
         return moved
 
-    def encoded(self, key: bytes, codec: str) -> "Recoded":
-        """A held chunk's bytes as ``codec`` would store them (for a move to a tier with that codec, or the
-        remote tier).  The stored bytes are checked first: a chunk failing its checksum is dropped and
-        ``CorruptChunk`` raised.  A chunk ``codec`` cannot encode (NaN in a quantized codec's input) keeps
-        the codec it has."""
+    # -- moves in steps (see pool/moves.py): the books here, the I/O without the lock -------------------
+
+    def begin_move(self, key: bytes, tier: Tier) -> Move:
+        """Start moving a held chunk to ``tier``: it is pinned for the move, and given its room there now if its
+        bytes move as they are (else after :func:`~kvpool.pool.moves.load`, by :meth:`place`).  ``ChunkBusy`` if a
+        reader has it pinned or it is moving already, ``PoolFull`` if ``tier`` has no room."""
         chunk = self._require(key)
-        stored = self.read(key)
-        if checksum(stored) != chunk.checksum:
-            log.warning("chunk %s fails its checksum in %s: dropped", short(key), chunk.tier.value)
-            self._drop(chunk)
-            self.counters["corrupt"] += 1
-            raise CorruptChunk(f"chunk {short(key)} was corrupt in {chunk.tier.value} and has been dropped")
+        if self.policy.state(key).pins or key in self._moving:
+            self.counters["busy"] += 1
+            raise ChunkBusy(f"chunk {short(key)} is being read or moved; move it after that")
+        move = Move(chunk, tier, self.codecs.get(tier, "raw") if chunk.fmt is not None else "raw")
+        self.policy.pin(key)  # not a victim of the room we make for it, nor of anyone else's
+        self._moving[key] = move
+        if not move.recoding:
+            try:
+                self.place(move)
+            finally:
+                if move.failed:
+                    self._moving.pop(key)
+                    self.policy.unpin(key)
+            if move.failed:
+                raise PoolFull(move.failed)
+        return move
+
+    def place(self, move: Move) -> None:
+        """Give a begun move its room in the target tier (once its length is known); no room: ``move.failed``."""
+        if move.offset is not None or move.failed or move.corrupt:
+            return
         try:
-            data, fmt = transcode(stored, chunk.codec, codec, chunk.fmt)
-        except KvPoolError as exc:  # UnencodableTensor (NaN/inf), UndecodableChunk
-            log.info("chunk %s stays %s: %s", short(key), chunk.codec, exc)
-            return Recoded(stored, chunk.codec, chunk.fmt, chunk.checksum)
-        return Recoded(data, codec, fmt, chunk.checksum if data is stored else checksum(data))
+            move.offset = self._allocate(move.tier, move.length)
+        except PoolFull as exc:
+            move.failed = str(exc)
+            return
+        move.span = move.chunk.stored
+        if self._chunks.get(move.key) is move.chunk:  # not dropped meanwhile: its room is still its own
+            rooms = (
+                self.allocators[move.chunk.tier].size_of(move.chunk.offset),
+                self.allocators[move.tier].size_of(move.offset),
+            )
+            move.span = whole_blocks(move.chunk.stored, *rooms)
+
+    def finish_move(self, move: Move) -> StoredChunk | None:
+        """End a move: the chunk in its new place, or where it was if the move failed, a reader pinned it
+        meanwhile, or it was dropped or replaced; dropped if its bytes were found corrupt.  What the chunk is now
+        (None: not held)."""
+        key = self._moving.pop(move.key)
+        assert key is move
+        current = self._chunks.get(move.key)
+        same = current is not None and (current.tier, current.offset) == (move.chunk.tier, move.chunk.offset)
+        if same:
+            self.policy.unpin(move.key)
+        done = same and not move.failed and not move.corrupt and not self.policy.state(move.key).pins
+        if not done and move.offset is not None:
+            self.allocators[move.tier].free(move.offset)
+        if same and move.corrupt:
+            log.warning("chunk %s fails its checksum in %s: dropped", short(move.key), move.chunk.tier.value)
+            assert current is not None
+            self._drop(current)
+            self.counters["corrupt"] += 1
+            return None
+        if not done or current is None or move.offset is None:
+            return current
+        self.allocators[current.tier].free(current.offset)
+        moved = replace(current, tier=move.tier, offset=move.offset)
+        if move.recoded is not None:
+            r = move.recoded
+            moved = replace(moved, stored=len(r.data), checksum=r.checksum, codec=r.codec, fmt=r.fmt)
+            if r.codec != current.codec:
+                self.counters["encoded" if r.codec != "raw" else "decoded"] += 1
+        self._chunks[move.key] = moved
+        self.policy.move(move.key, move.tier)
+        self.counters["migrations" if move.tier is Tier.NVME else "promotions"] += 1
+        self._changes.append(Change(ChangeKind.MOVED, moved))
+        if move.tier is Tier.DRAM and self._over_high():  # promoted past the high watermark: demote others
+            self.over_high.set()
+        return moved
+
+    def encoded(self, key: bytes, codec: str) -> Recoded:
+        """A held chunk's bytes as ``codec`` would store them (for the remote tier).  The stored bytes are checked
+        first: a chunk failing its checksum is dropped and ``CorruptChunk`` raised."""
+        chunk = self._require(key)
+        recoded = recode(chunk, read_stored(self.segments[chunk.tier], chunk.offset, chunk.stored), codec)
+        if recoded is None:
+            self.drop_corrupt(chunk)
+            raise CorruptChunk(f"chunk {short(key)} was corrupt in {chunk.tier.value} and has been dropped")
+        return recoded
+
+    def drop_corrupt(self, chunk: StoredChunk) -> None:
+        """``chunk``'s bytes failed their checksum where it was read: drop it, unless it has moved since."""
+        current = self._chunks.get(chunk.key)
+        if current is not None and (current.tier, current.offset) == (chunk.tier, chunk.offset):
+            log.warning("chunk %s fails its checksum in %s: dropped", short(chunk.key), chunk.tier.value)
+            self._drop(current)
+            self.counters["corrupt"] += 1
 
     def move(self, key: bytes, tier: Tier) -> StoredChunk:
         """Move a chunk to ``tier`` now (an operator's or a benchmark's demotion; eviction does it by itself)."""
         chunk = self._require(key)
+        self._check_tier(tier)
+        return chunk if chunk.tier is tier else self._move(chunk, tier)
+
+    def begin_moves(self, keys: Iterable[bytes], tier: Tier) -> tuple[list[Move], list[bytes], str]:
+        """Begun moves to ``tier`` of the held chunks among ``keys`` that are elsewhere; the keys left as they are
+        because a reader has them pinned; and why the rest were not begun ("": they were) — ``tier`` is full."""
+        self._check_tier(tier)
+        moves: list[Move] = []
+        busy: list[bytes] = []
+        for key in keys:
+            chunk = self._chunks.get(key) if isinstance(key, bytes) else None
+            if chunk is None or chunk.tier is tier:
+                continue
+            try:
+                moves.append(self.begin_move(key, tier))
+            except ChunkBusy:
+                busy.append(key)
+            except PoolFull as exc:
+                return moves, busy, str(exc)
+        return moves, busy, ""
+
+    def _check_tier(self, tier: Tier) -> None:
         if tier not in self.segments:
             raise ConfigError(
                 f"this node has no {tier.value} tier"
                 if isinstance(tier, Tier)
                 else f"tier must be a Tier, got {tier!r:.40}"
             )
-        if chunk.tier is tier:
-            return chunk
-        if self.policy.state(key).pins:
-            self.counters["busy"] += 1
-            raise ChunkBusy(f"chunk {short(key)} is being read; move it after the read")
-        moved = self._move(chunk, tier)
-        self.counters["migrations" if tier is Tier.NVME else "promotions"] += 1
-        return moved
 
-    def maintain(self) -> None:
-        """DRAM above its high watermark: migrate LRU chunks to NVMe until the low watermark."""
+    def _over_high(self) -> bool:
         alloc = self.allocators[Tier.DRAM]
-        if Tier.NVME not in self.segments or alloc.used <= self.watermarks.high * alloc.capacity:
-            return
+        return Tier.NVME in self.segments and alloc.used > self.watermarks.high * alloc.capacity
+
+    def demotions(self, max_bytes: int | None = None) -> list[Move]:
+        """DRAM above its high watermark: begun moves of LRU chunks to NVMe that bring it to the low watermark
+        (at most ``max_bytes`` of them), for the caller to run."""
+        if not self._over_high():
+            return []
+        alloc = self.allocators[Tier.DRAM]
+        excess, planned = alloc.used - self.watermarks.low * alloc.capacity, 0
+        out: list[Move] = []
         for key in list(self.policy.lru(Tier.DRAM)):
-            if alloc.used <= self.watermarks.low * alloc.capacity:
+            if planned >= excess or (max_bytes is not None and out and planned >= max_bytes):
                 break
             try:
-                self._move(self._chunks[key], Tier.NVME)
-            except CorruptChunk:
-                continue
+                out.append(self.begin_move(key, Tier.NVME))
             except PoolFull as exc:
                 log.warning("DRAM above its high watermark but NVMe cannot take more: %s", exc)
                 break
-            self.counters["migrations"] += 1
+            planned += alloc.size_of(self._chunks[key].offset)
+        return out
+
+    def maintain(self) -> None:
+        """DRAM above its high watermark: migrate LRU chunks to NVMe until the low watermark, now."""
+        run_moves(self, self.demotions())
 
     # -- the remote tier: which chunks to flush there, and which already are -----------------------
 
@@ -365,9 +467,9 @@ class ChunkStore:
         return isinstance(key, bytes) and key in self._chunks
 
     def audit(self) -> list[str]:
-        """What disagrees between the allocators and the chunks and reservations they hold (empty: nothing):
-        every allocation belongs to exactly one chunk or reservation, and the eviction policy tracks every
-        chunk in its tier."""
+        """What disagrees between the allocators and the chunks, reservations and moves they hold (empty: nothing):
+        every allocation belongs to exactly one chunk, reservation or move in flight, and the eviction policy
+        tracks every chunk in its tier."""
         problems = []
         for tier, alloc in self.allocators.items():
             try:
@@ -377,6 +479,7 @@ class ChunkStore:
             owners = [c.offset for c in self._chunks.values() if c.tier is tier]
             if tier is Tier.DRAM:
                 owners += [r.offset for r in self._reserved.values()]
+            owners += [m.offset for m in self._moving.values() if m.tier is tier and m.offset is not None]
             if len(set(owners)) != len(owners):
                 problems.append(f"{tier.value}: two chunks or reservations share an offset")
             try:

@@ -1,11 +1,13 @@
 import ctypes
 import errno
 import logging
+import mmap
 import os
 import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -280,3 +282,27 @@ def test_too_large_nvme_segment_fails_now() -> None:
     st = os.statvfs(SHM)  # tmpfs refuses at once; a real disk would fill up before saying no
     with pytest.raises(PoolFull, match="bytes free"):
         NvmeSegment.create(2 * st.f_blocks * st.f_frsize + (1 << 30), SHM)
+
+
+def test_nvme_reads_and_writes_from_several_threads_at_once(tmp_path: Path) -> None:
+    """Each thread has its own bounce buffer; page-aligned whole blocks (a mapped DRAM range) need none."""
+    n, size = 16, 3 * 4096 + 123
+    seg = NvmeSegment.create(n * 4 * 4096, str(tmp_path))
+    blobs = [os.urandom(size) for _ in range(n)]
+    aligned = mmap.mmap(-1, n * 4 * 4096)  # page-aligned, as a mapped segment is
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda i: seg.write(i * 4 * 4096, blobs[i]), range(n)))
+            outs = list(pool.map(lambda i: seg.read(i * 4 * 4096, size), range(n)))
+            assert outs == blobs
+            with memoryview(aligned) as whole:
+                views = [whole[i * 4 * 4096 : (i + 1) * 4 * 4096] for i in range(n)]
+                list(pool.map(lambda i: seg.read_into(i * 4 * 4096, views[i]), range(n)))
+                assert all(bytes(views[i][:size]) == blobs[i] for i in range(n))
+                list(pool.map(lambda i: seg.write(i * 4 * 4096, views[(i + 1) % n]), range(n)))
+                for v in views:
+                    v.release()
+        assert [seg.read(i * 4 * 4096, size) for i in range(n)] == blobs[1:] + blobs[:1]
+    finally:
+        seg.close()
+        aligned.close()

@@ -15,7 +15,7 @@ from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, CorruptChunk, P
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.keys import CacheIdentity, chunk_keys
-from kvpool.pool.node import actor_name
+from kvpool.pool.node import actor_name, start_pool, stop_pool
 from kvpool.pool.types import Tier
 
 IDENT = CacheIdentity(model="test", kv_dtype="uint8", layout="bytes", chunk_size=4)
@@ -114,11 +114,46 @@ def test_eviction_to_nvme_keeps_data_intact(client: PoolClient) -> None:
     client.put_batch([(k, blob(i)) for i, k in enumerate(keys[:24])])  # 6 MiB into 4 MiB of DRAM + 8 of NVMe
     tiers = [p.tier for k in keys[:24] for p in client.cache.replicas(k)]
     assert Tier.NVME in tiers and Tier.DRAM in tiers
-    stats = client.stats()["nodes"][client.node_id]
-    assert stats["migrations"] > 0
     assert client.get_batch(keys[:24]) == [blob(i) for i in range(24)]
-    assert stats["tiers"]["dram"]["used"] <= 0.8 * 4 * MiB
+
+    def below_high() -> dict[str, Any] | None:  # the node's demoter thread gets DRAM under its high watermark
+        stats: dict[str, Any] = client.stats()["nodes"][client.node_id]
+        return stats if stats["tiers"]["dram"]["used"] <= 0.8 * 4 * MiB else None
+
+    stats = wait_for(below_high)
+    assert stats["migrations"] > 0
     assert 0 <= stats["tiers"]["nvme"]["fragmentation"] < 1 and stats["tiers"]["nvme"]["chunks"] > 0
+
+
+def wait_for(probe: Any, timeout_s: float = 60.0) -> Any:
+    """``probe()``'s first truthy answer, asking every 50 ms (a generous bound: not a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while not (answer := probe()):
+        assert time.monotonic() < deadline, "the pool did not get there in time"
+        time.sleep(0.05)
+    return answer
+
+
+def test_chunks_left_on_nvme_are_read_from_the_file_here_and_as_call_results_by_peers(
+    pool: PoolConfig, ray_cluster: list[str]
+) -> None:
+    config = dataclasses.replace(pool, promote_on_hit=False, namespace=pool.namespace + "-np")
+    start_pool(config)
+    try:
+        with PoolClient(config) as client:
+            keys = chunk_keys(IDENT, range(4 * 50))[:6]
+            client.put_batch([(k, blob(i, 100_000)) for i, k in enumerate(keys)])
+            client.move(keys, Tier.NVME)
+            assert client.get_batch(keys) == [blob(i, 100_000) for i in range(6)]  # straight from the NVMe file
+            outs = [bytearray(100_000), bytearray(100_000)]
+            assert client.get_into_batch(keys[:2], outs) == [100_000, 100_000] and outs[1] == blob(1, 100_000)
+            other = remote_client(config, ray_cluster[1])
+            assert ray.get(other.call.remote("get_batch", keys)) == [blob(i, 100_000) for i in range(6)]
+            nodes = client.stats()["nodes"][client.node_id]
+            assert nodes["promotions"] == 0 and nodes["bytes_via_ray"] == 6 * 100_000  # the peer's reads only
+            assert ray.get(ray.get_actor(actor_name(client.node_id), namespace=config.namespace).audit.remote()) == []
+    finally:
+        stop_pool(config)
 
 
 def test_corrupt_bytes_are_a_miss_never_wrong_data(client: PoolClient) -> None:

@@ -1,0 +1,142 @@
+"""A chunk's move between tiers, in steps, so that its I/O runs without the node's lock.
+
+A move is begun, finished and (for a re-encoded chunk) given its room by the :class:`~kvpool.pool.store.ChunkStore`,
+which keeps the books; its bytes are read, re-encoded and written by :func:`load` and :func:`write`, which touch
+nothing but the segments and the move itself, so a ``PoolNode`` runs them for many chunks at once in threads while
+its other calls go on.  :func:`run_moves` drives the steps; ``ChunkStore`` runs it inline, the node with its lock.
+
+While a chunk moves it stays readable where it was: the move holds a pin (it is no eviction victim, and a plain
+remove is ``ChunkBusy``), and the room it moves to is owned by the move until it finishes.  The move is called off
+at its finish (the target's room given back, the chunk where it was) if a reader pinned the chunk meanwhile or it
+was dropped.
+"""
+
+import contextlib
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvpool.errors import KvPoolError
+from kvpool.pool.chunks import Recoded, StoredChunk, checksum, short
+from kvpool.pool.segment import ALIGN, DramSegment, NvmeSegment
+from kvpool.pool.tiers.codecs import Buffer, transcode
+from kvpool.pool.types import Tier
+
+if TYPE_CHECKING:
+    from kvpool.pool.store import ChunkStore
+
+log = logging.getLogger(__name__)
+Segments = Mapping[Tier, DramSegment | NvmeSegment]
+
+
+@dataclass
+class Move:
+    chunk: StoredChunk  #: the chunk as it was when the move began
+    tier: Tier  #: where it goes
+    codec: str  #: the codec it is stored with there
+    offset: int | None = None  #: its room in ``tier`` (None: not given yet)
+    span: int = 0  #: bytes a raw move transfers: the chunk's, or rounded up to whole blocks when both rooms hold them
+    recoded: Recoded | None = None  #: its bytes under ``codec``, when that is another codec than the chunk's
+    corrupt: bool = False  #: its stored bytes failed their checksum: the chunk is dropped at the finish
+    failed: str = ""  #: why it could not be done (no room, an I/O error): the chunk stays where it was
+
+    @property
+    def key(self) -> bytes:
+        return self.chunk.key
+
+    @property
+    def length(self) -> int:
+        """Bytes the chunk takes in ``tier``."""
+        return self.chunk.stored if self.recoded is None else len(self.recoded.data)
+
+    @property
+    def recoding(self) -> bool:
+        return self.codec != self.chunk.codec
+
+
+def read_stored(segment: DramSegment | NvmeSegment, offset: int, length: int) -> Buffer:
+    """A copy of ``length`` stored bytes at ``offset``."""
+    if isinstance(segment, DramSegment):
+        return bytes(segment.view(offset, length))
+    return segment.read(offset, length)
+
+
+def recode(chunk: StoredChunk, stored: Buffer, codec: str) -> Recoded | None:
+    """``chunk``'s stored bytes under ``codec``; None if they fail their checksum.  A chunk ``codec`` cannot encode
+    (NaN in a quantized codec's input) keeps the codec it has."""
+    if checksum(stored) != chunk.checksum:
+        return None
+    try:
+        data, fmt = transcode(stored, chunk.codec, codec, chunk.fmt)
+    except KvPoolError as exc:  # UnencodableTensor (NaN/inf), UndecodableChunk
+        log.info("chunk %s stays %s: %s", short(chunk.key), chunk.codec, exc)
+        return Recoded(stored, chunk.codec, chunk.fmt, chunk.checksum)
+    return Recoded(data, codec, fmt, chunk.checksum if data is stored else checksum(data))
+
+
+def load(move: Move, segments: Segments) -> None:
+    """No lock: read and re-encode the bytes of a move to a tier with another codec (a raw move reads nothing
+    here: :func:`write` copies them)."""
+    if not move.recoding or move.failed:
+        return
+    try:
+        stored = read_stored(segments[move.chunk.tier], move.chunk.offset, move.chunk.stored)
+    except OSError as exc:
+        move.failed = f"reading {short(move.key)}: {exc}"
+        return
+    move.recoded = recode(move.chunk, stored, move.codec)
+    move.corrupt = move.recoded is None
+
+
+def write(move: Move, segments: Segments) -> None:
+    """No lock: put the chunk's bytes in its new room: the re-encoded ones, or the stored ones copied across —
+    straight between the mapped DRAM range and the NVMe file, in whole blocks where both rooms have them."""
+    if move.offset is None or move.failed or move.corrupt:
+        return
+    src, dst = segments[move.chunk.tier], segments[move.tier]
+    try:
+        if move.recoded is not None:
+            dst.write(move.offset, move.recoded.data)
+        elif isinstance(src, DramSegment):
+            with src.view(move.chunk.offset, move.span) as view:
+                dst.write(move.offset, view)
+        elif isinstance(dst, DramSegment):
+            with dst.view(move.offset, move.span) as view:
+                src.read_into(move.chunk.offset, view)
+        else:
+            dst.write(move.offset, src.read(move.chunk.offset, move.chunk.stored))
+    except OSError as exc:
+        move.failed = f"writing {short(move.key)} to {move.tier.value}: {exc}"
+
+
+def whole_blocks(length: int, *rooms: int) -> int:
+    """``length`` rounded up to whole I/O blocks if every room (allocation) holds that much, else ``length``."""
+    padded = -(-length // ALIGN) * ALIGN
+    return padded if all(padded <= r for r in rooms) else length
+
+
+def _each(step: Callable[[Move, Segments], None], moves: Sequence[Move], segments: Segments,
+          executor: Executor | None) -> None:  # fmt: skip
+    if executor is None or len(moves) < 2:
+        for m in moves:
+            step(m, segments)
+    else:
+        list(executor.map(step, moves, [segments] * len(moves)))
+
+
+def run_moves(
+    store: "ChunkStore", moves: Sequence[Move], lock: contextlib.AbstractContextManager[object] | None = None,
+    executor: Executor | None = None,
+) -> list[StoredChunk | None]:  # fmt: skip
+    """Do begun moves: their I/O without ``lock`` (in ``executor``'s threads, if given), the store's books with it.
+    What each chunk is now (None: dropped as corrupt)."""
+    held = lock if lock is not None else contextlib.nullcontext()
+    _each(load, moves, store.segments, executor)
+    with held:
+        for m in moves:
+            store.place(m)
+    _each(write, moves, store.segments, executor)
+    with held:
+        return [store.finish_move(m) for m in moves]
