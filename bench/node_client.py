@@ -73,6 +73,17 @@ class NodeClient:
 
         return median_seconds(once, repeat)
 
+    def latencies(self, keys: list[bytes], size: int, count: int) -> list[float]:
+        """Seconds of each of ``count`` single-key ``get_into`` calls, cycling through ``keys``, into one registered
+        buffer."""
+        [buf] = self._buffers(size, 1)
+        out = []
+        for i in range(count):
+            t0 = time.perf_counter()
+            self.client.get_into(keys[i % len(keys)], buf)
+            out.append(time.perf_counter() - t0)
+        return out
+
     def _buffers(self, size: int, count: int) -> list[np.ndarray]:
         """``count`` registered buffers of ``size`` bytes, kept for the next pass of the same size."""
         if not self.bufs or self.bufs[0].nbytes != size or len(self.bufs) < count:
