@@ -2,7 +2,7 @@
 
 ``save`` cuts the full chunks of a cache into pool objects (see :mod:`.layout`) and puts them.  ``load``
 fetches the first ``n`` chunks of a prefix into one reusable host buffer and hands back a ``DynamicCache``
-that views it.  With the per-layer layout the fetch runs on a thread, layer by layer, and a forward
+that views it.  With a per-layer or groups-of-G layout the fetch runs on a thread, group by group, and a forward
 pre-hook on each decoder layer waits only for *its* layer: layer ``l+1`` arrives while layer ``l``
 computes.  A chunk that cannot be fetched (its node died, it was evicted, it is corrupt) surfaces as
 :class:`~kvpool.errors.ChunkNotFound` from the model's forward; the caller recomputes.
@@ -121,10 +121,9 @@ class Loading:
     def attached(self, model: Any) -> Iterator[None]:
         """While inside, each decoder layer of ``model`` waits for its own layer's KV before it runs."""
         layers = model.model.layers
-        per_layer = self.buffer.layout.per_layer
+        group = self.buffer.layout.group
         hooks = [
-            layer.register_forward_pre_hook(lambda *_, i=i: self.wait(i if per_layer else 0))
-            for i, layer in enumerate(layers)
+            layer.register_forward_pre_hook(lambda *_, i=i: self.wait(i // group)) for i, layer in enumerate(layers)
         ]
         try:
             yield
@@ -185,7 +184,7 @@ class PoolConnector:
 
     def put_buffer(self, buffer: KVBuffer, keys: Sequence[Sequence[bytes]], replicas: int = 1) -> int:
         """Put a filled buffer's chunks, named by ``keys`` (one entry per chunk of the buffer); bytes put."""
-        items = [(keys[c][max(layer, 0)], view) for c, layer, view in buffer.object_views()]
+        items = [(keys[c][g], view) for c, g, view in buffer.object_views()]
         self.client.put_batch(items, replicas=replicas)
         return buffer.chunks * self.layout.chunk_size * self.layout.token_bytes
 
@@ -193,7 +192,7 @@ class PoolConnector:
         self, keys: Sequence[Sequence[bytes]], chunks: int, *, tokens: int | None = None, pipelined: bool = True
     ) -> Loading:
         """Start fetching the first ``chunks`` chunks, for a cache of their first ``tokens`` positions (default:
-        all); ``pipelined`` (per-layer layout only) fetches on a thread, layer by layer, for
+        all); ``pipelined`` (layouts of more than one object per chunk) fetches on a thread, group by group, for
         :meth:`Loading.attached` to wait on."""
         if not 0 < chunks <= len(keys):
             raise ConfigError(f"chunks must be in [1, {len(keys)}], got {chunks}")
@@ -202,12 +201,12 @@ class PoolConnector:
         )
         buffer = KVBuffer(self.layout, chunks, storage=self._buffer_storage(chunks, register=from_peer))
         by_round: dict[int, tuple[list[bytes], list[torch.Tensor]]] = {}
-        for c, layer, view in buffer.object_views():
-            ks, vs = by_round.setdefault(max(layer, 0), ([], []))
-            ks.append(keys[c][max(layer, 0)])
+        for c, g, view in buffer.object_views():
+            ks, vs = by_round.setdefault(g, ([], []))
+            ks.append(keys[c][g])
             vs.append(view)
         rounds = [by_round[r] for r in sorted(by_round)]
-        return Loading(buffer, rounds, tokens).start(self.client, background=pipelined and self.layout.per_layer)
+        return Loading(buffer, rounds, tokens).start(self.client, background=pipelined and self.layout.groups > 1)
 
     def _buffer_storage(self, chunks: int, *, register: bool) -> torch.Tensor:
         """The reusable load buffer, grown as needed; registered with the transport (once) when chunks

@@ -5,9 +5,13 @@ chunks of a prefix, laid end to end, *are* the cache:
 
 - ``all-layers``: one pool object per chunk, ``[T, L, 2, H, D]`` (tokens, layers, K/V, KV heads, head dim);
 - ``per-layer``: one pool object per chunk and layer, ``[T, 2, H, D]``, keyed by
-  :func:`kvpool.pool.keys.layer_key`, so layer ``l+1`` can be fetched while layer ``l`` computes.
+  :func:`kvpool.pool.keys.layer_key`, so layer ``l+1`` can be fetched while layer ``l`` computes;
+- ``groups-of-G``: one pool object per chunk and group of ``G`` consecutive layers, ``[T, G, 2, H, D]``, keyed by
+  the group's index: ``G`` times fewer objects (and placements) than per-layer, still fetched group by group
+  while the model computes the group before.
 
-A :class:`KVBuffer` is one host tensor for a whole prefix (``[N, L, 2, H, D]`` or ``[L, N, 2, H, D]``).
+A :class:`KVBuffer` is one host tensor for a whole prefix, ``[L/G, N, G, 2, H, D]`` (``G`` layers per object:
+``[N, L, 2, H, D]`` for all-layers, ``[L, N, 2, H, D]`` for per-layer).
 Chunks are read from the pool straight into their slice of it, and the ``DynamicCache`` built from it
 holds *views* — ``K_l = buffer[..., l, 0, :, :].permute(1, 0, 2)`` is ``[H, N, D]`` with no copy — so
 it can be handed to the model before the chunks have arrived.  transformers copies once, when the first
@@ -26,7 +30,22 @@ from transformers.cache_utils import DynamicLayer
 from kvpool.errors import ConfigError
 from kvpool.pool.keys import DEFAULT_CHUNK_SIZE, CacheIdentity, chunk_keys, layer_key
 
-LAYOUTS = ("all-layers", "per-layer")
+LAYOUTS = ("all-layers", "per-layer", "groups-of-G")  #: G: layers per object, a divisor of the model's layers
+
+
+def layers_per_object(layout: str, layers: int) -> int:
+    """How many layers one pool object of ``layout`` holds, for a model of ``layers`` layers."""
+    if layout == "all-layers":
+        return layers
+    if layout == "per-layer":
+        return 1
+    group = layout.removeprefix("groups-of-")
+    if not group.isdigit() or not 0 < int(group) <= layers or layers % int(group):
+        raise ConfigError(
+            f"layout must be all-layers, per-layer or groups-of-G with G a divisor of the model's {layers} layers, "
+            f"got {layout!r}"
+        )
+    return int(group)
 
 
 @dataclass(frozen=True)
@@ -45,8 +64,9 @@ class KVLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"KVLayout.{name} must be a positive int, got {value!r}")
-        if self.layout not in LAYOUTS:
-            raise ConfigError(f"KVLayout.layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if not isinstance(self.layout, str):
+            raise ConfigError(f"KVLayout.layout must be a string such as per-layer, got {self.layout!r:.40}")
+        layers_per_object(self.layout, self.layers)
         if not isinstance(self.dtype, torch.dtype):
             raise ConfigError(f"KVLayout.dtype must be a torch.dtype, got {self.dtype!r}")
 
@@ -61,8 +81,14 @@ class KVLayout:
         return cls(cfg.num_hidden_layers, kv_heads, head_dim, dtype, chunk_size, layout)
 
     @property
-    def per_layer(self) -> bool:
-        return self.layout == "per-layer"
+    def group(self) -> int:
+        """Layers per pool object."""
+        return layers_per_object(self.layout, self.layers)
+
+    @property
+    def groups(self) -> int:
+        """Pool objects per chunk: fetched one after the other, each group's while the group before computes."""
+        return self.layers // self.group
 
     @property
     def token_bytes(self) -> int:
@@ -71,11 +97,11 @@ class KVLayout:
 
     @property
     def object_bytes(self) -> int:
-        """Bytes of one pool object: a chunk of all layers, or of one layer."""
-        return self.chunk_size * self.token_bytes // (self.layers if self.per_layer else 1)
+        """Bytes of one pool object: a chunk of its group of layers."""
+        return self.chunk_size * self.token_bytes // self.groups
 
     def shape_string(self) -> str:
-        dims = "T,2,H,D" if self.per_layer else "T,L,2,H,D"
+        dims = {1: "T,2,H,D", self.layers: "T,L,2,H,D"}.get(self.group, f"T,{self.group},2,H,D")
         return f"{self.layout}:[{dims}] L={self.layers} H={self.kv_heads} D={self.head_dim}"
 
     def identity(self, model: str, *, tp_size: int = 1, tp_rank: int = 0, codec: str = "raw") -> CacheIdentity:
@@ -84,13 +110,13 @@ class KVLayout:
         return CacheIdentity(model, dtype, self.shape_string(), self.chunk_size, tp_size, tp_rank, codec)
 
     def keys(self, identity: CacheIdentity, tokens: Any) -> list[list[bytes]]:
-        """Per full chunk of ``tokens``, the keys of its pool objects: one (all-layers) or one per layer."""
+        """Per full chunk of ``tokens``, the keys of its pool objects: one (all-layers) or one per group of layers."""
         if identity.chunk_size != self.chunk_size:
             raise ConfigError(f"identity chunk size {identity.chunk_size} != layout chunk size {self.chunk_size}")
         chain = chunk_keys(identity, tokens)
-        if not self.per_layer:
+        if self.groups == 1:
             return [[k] for k in chain]
-        return [[layer_key(k, layer) for layer in range(self.layers)] for k in chain]
+        return [[layer_key(k, g) for g in range(self.groups)] for k in chain]
 
 
 class KVBuffer:
@@ -104,11 +130,7 @@ class KVBuffer:
         self.chunks = chunks
         tokens = chunks * layout.chunk_size
         lay = layout
-        shape = (
-            (lay.layers, tokens, 2, lay.kv_heads, lay.head_dim)
-            if lay.per_layer
-            else (tokens, lay.layers, 2, lay.kv_heads, lay.head_dim)
-        )
+        shape = (lay.groups, tokens, lay.group, 2, lay.kv_heads, lay.head_dim)
         numel = int(np.prod(shape))
         if storage is None:
             storage = torch.empty(numel, dtype=lay.dtype, pin_memory=pin)
@@ -117,20 +139,17 @@ class KVBuffer:
         self.tensor = storage[:numel].view(shape)
 
     def object_views(self) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """``(chunk, layer, view)`` for every pool object, in the order :meth:`KVLayout.keys` names them
-        (layer is -1 for all-layers objects); each view is contiguous, ready for ``get_into``."""
+        """``(chunk, group, view)`` for every pool object, in the order :meth:`KVLayout.keys` names them; each view
+        is contiguous, ready for ``get_into``."""
         t = self.layout.chunk_size
         for c in range(self.chunks):
-            if self.layout.per_layer:
-                for layer in range(self.layout.layers):
-                    yield c, layer, self.tensor[layer, c * t : (c + 1) * t]
-            else:
-                yield c, -1, self.tensor[c * t : (c + 1) * t]
+            for g in range(self.layout.groups):
+                yield c, g, self.tensor[g, c * t : (c + 1) * t]
 
     def layer_kv(self, layer: int, tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``(K, V)`` of one layer, ``[1, H, N, D]`` each, as transformers expects them (the first
         ``tokens`` positions only, when given)."""
-        per = self.tensor[layer] if self.layout.per_layer else self.tensor[:, layer]  # [N, 2, H, D]
+        per = self.tensor[layer // self.layout.group, :, layer % self.layout.group]  # [N, 2, H, D]
         per = per[:tokens]
         return per[:, 0].permute(1, 0, 2).unsqueeze(0), per[:, 1].permute(1, 0, 2).unsqueeze(0)
 

@@ -54,8 +54,12 @@ class WorkerConfig:
             raise ConfigError(
                 f"model_options must be a tuple of (name, value) pairs, e.g. (('seed', 1),), got {self.model_options!r:.80}"
             )
-        if self.layout not in LAYOUTS:
-            raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if not isinstance(self.layout, str) or not (
+            self.layout in LAYOUTS[:2] or self.layout.removeprefix("groups-of-").isdigit()
+        ):
+            raise ConfigError(
+                f"layout must be one of {', '.join(LAYOUTS)} (G: layers per object), got {self.layout!r:.40}"
+            )
         if self.hardware is not None and not isinstance(self.hardware, Hardware):
             raise ConfigError(f"hardware must be None (measure) or a Hardware, got {type(self.hardware).__name__}")
         for name, low in (("chunk_size", 1), ("replicas", 1), ("torch_threads", 0), ("device_budget_mib", 0)):

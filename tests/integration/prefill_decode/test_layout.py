@@ -8,7 +8,7 @@ from kvpool.prefill_decode.layout import KVBuffer, KVLayout
 from kvpool.prefill_decode.model import LoadedModel, forward, kv_cache
 
 
-@pytest.mark.parametrize("layout", ["per-layer", "all-layers"])
+@pytest.mark.parametrize("layout", ["per-layer", "all-layers", "groups-of-2"])
 def test_objects_laid_end_to_end_are_the_cache(model: LoadedModel, layout: str) -> None:
     lay = KVLayout.of(model.model, chunk_size=16, layout=layout)
     with torch.no_grad():
@@ -48,10 +48,18 @@ def test_keys_depend_on_the_layout(model: LoadedModel) -> None:
     assert all(len(set(k)) == per.layers for k in per_keys) and all(len(k) == 1 for k in whole_keys)
     assert not {k for ks in per_keys for k in ks} & {k for ks in whole_keys for k in ks}
     assert per.object_bytes * per.layers == whole.object_bytes == 32 * per.token_bytes
+    pairs = KVLayout.of(model.model, chunk_size=32, layout="groups-of-2")
+    pair_keys = pairs.keys(pairs.identity("m"), tokens)
+    assert all(len(set(k)) == pairs.layers // 2 == pairs.groups for k in pair_keys)
+    assert pairs.object_bytes == 2 * per.object_bytes
+    assert not {k for ks in pair_keys for k in ks} & {k for ks in per_keys for k in ks}  # another identity
 
 
 def test_bad_layouts_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="layout"):
         KVLayout(2, 2, 32, torch.float32, layout="rows")
+    for bad in ("groups-of-3", "groups-of-0", "groups-of-8", "groups-of-", None):
+        with pytest.raises(ConfigError, match="layout"):
+            KVLayout(4, 2, 32, torch.float32, layout=bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="chunk_size"):
         KVLayout(2, 2, 32, torch.float32, chunk_size=0)

@@ -33,7 +33,7 @@ def generate(model: LoadedModel, tokens: list[int], n: int) -> list[int]:
     return out[0, len(tokens) :].tolist()
 
 
-@pytest.fixture(params=["per-layer", "all-layers"])
+@pytest.fixture(params=["per-layer", "all-layers", "groups-of-4"])
 def stack(request: pytest.FixtureRequest, model: LoadedModel, pd_client: PoolClient) -> Iterator[tuple]:
     layout = KVLayout.of(model.model, chunk_size=CHUNK, layout=request.param)
     connector = PoolConnector(pd_client, layout, layout.identity(model.name))
