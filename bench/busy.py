@@ -6,13 +6,14 @@ DRAM segment and ``flush_after_s`` short, so that a stream of puts into the head
 to NVMe and uploading idle NVMe chunks to S3.  A hot set of chunks stays in the head node's DRAM; it is read one key
 per call by a client on the head node (same node: out of the mapped segment) and by one on the other node (a peer:
 a pin call on the busy node, a NIXL READ, a release), first with nothing else going on, then while a writer on the
-head node puts ``--busy-mib`` of new chunks.  The table gives p50 and p99 of each, their ratio (the goal: busy p99
-at most 2x idle p99) and what the node did meanwhile (chunks demoted, flushed, dropped).
+head node keeps putting new chunks; each phase lasts ``--seconds``.  The table gives p50 and p99 of each, the ratio
+of busy to idle p99 (the goal: at most 2) and what the node did meanwhile (chunks demoted, flushed, dropped).
 
-The machine's cores are shared by the writer, the node's I/O threads, SeaweedFS and the readers: on 2 cores some of
-the busy p99 is plain CPU contention, which no lock design removes; ``cpu_count`` is printed beside it.
+The machine's cores are shared by the writer, the node's I/O threads, SeaweedFS and the readers: on 2 cores part of
+the busy p99 is plain CPU contention, which no design of the node removes.  So a third phase reads beside a CPU
+burner (one process spinning, nothing else): what the gets lose to a busy CPU alone, to compare the busy node with.
 
-    python bench/busy.py [--size-mib 4] [--gets 200] [--busy-mib 1024] [--json bench/results/busy.json]
+    python bench/busy.py [--size-mib 4] [--seconds 5] [--json bench/results/busy.json]
 """
 
 import argparse
@@ -20,6 +21,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import tempfile
 import uuid
 from pathlib import Path
@@ -56,43 +58,40 @@ def counters(client: PoolClient, node: str) -> dict[str, int]:
     return {k: int(stats[k]) for k in ("migrations", "flushed", "flushed_bytes", "drops", "promotions")}
 
 
-def readers(here: Any, peer: Any, keys: list[bytes], size: int, gets: int) -> dict[str, list[float]]:
-    """Latencies of ``gets`` single-key gets by each reader, both reading at once."""
-    got = ray.get([here.latencies.remote(keys, size, gets), peer.latencies.remote(keys, size, gets)])
+def readers(here: Any, peer: Any, keys: list[bytes], size: int, seconds: float) -> dict[str, list[float]]:
+    """Latencies of the single-key gets each reader makes in ``seconds``, both reading at once."""
+    got = ray.get([here.latencies.remote(keys, size, seconds), peer.latencies.remote(keys, size, seconds)])
     return {"same node": got[0], "from a peer": got[1]}
 
 
-def measure(config: PoolConfig, head: str, second: str, size: int, gets: int, busy_bytes: int) -> dict[str, Any]:
+def measure(config: PoolConfig, head: str, second: str, size: int, seconds: float) -> dict[str, Any]:
     here, peer, writer = node_clients(config, [head, second, head])
     try:
         hot = chunk_keys(IDENT, np.arange(HOT))
         ray.get(here.put.remote(hot, size, head))
-        readers(here, peer, hot, size, 10)  # connections, registrations
-        idle = readers(here, peer, hot, size, gets)
+        readers(here, peer, hot, size, 0.5)  # connections, registrations
+        phases = {"idle": readers(here, peer, hot, size, seconds)}
+        burner = subprocess.Popen(["sh", "-c", "while :; do :; done"])
+        try:
+            phases["cpu burner"] = readers(here, peer, hot, size, seconds)
+        finally:
+            burner.kill()
+            burner.wait()
         with PoolClient(config) as client:
             before = counters(client, head)
-            n = busy_bytes // size
-            cold = chunk_keys(IDENT, np.arange(HOT, HOT + n))
-            work = writer.put.remote(cold, size, head)  # runs while the readers read
-            busy = readers(here, peer, hot, size, gets)
-            put_s = ray.get(work).wall_s
+            work = writer.put_for.remote(uuid.uuid4().hex, size, head, seconds)  # runs while the readers read
+            phases["busy node"] = readers(here, peer, hot, size, seconds)
+            put = ray.get(work)
             after = counters(client, head)
-        row: dict[str, Any] = {
-            "size_mib": size // MiB,
-            "gets": gets,
-            "busy_mib": busy_bytes // MiB,
-            "cpus": os.cpu_count(),
-        }
-        for who in idle:
-            (i50, i99), (b50, b99) = p50_p99(idle[who]), p50_p99(busy[who])
-            row[who] = {
-                "idle_p50_ms": i50,
-                "idle_p99_ms": i99,
-                "busy_p50_ms": b50,
-                "busy_p99_ms": b99,
-                "ratio": b99 / i99,
+        row: dict[str, Any] = {"size_mib": size // MiB, "seconds": seconds, "cpus": os.cpu_count()}
+        for who in ("same node", "from a peer"):
+            cells: dict[str, Any] = {
+                p: dict(zip(("p50_ms", "p99_ms"), p50_p99(got[who]), strict=True)) for p, got in phases.items()
             }
-        row["node_did"] = {k: after[k] - before[k] for k in after} | {"writer_s": put_s}
+            cells["ratio"] = cells["busy node"]["p99_ms"] / cells["idle"]["p99_ms"]
+            cells["gets"] = {p: len(got[who]) for p, got in phases.items()}
+            row[who] = cells
+        row["node_did"] = {k: after[k] - before[k] for k in after} | {"put_mib": put * size // MiB}
         return row
     finally:
         close_clients([here, peer, writer])
@@ -119,7 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             head, second = cluster.node_ids()
             start_pool(config)
             try:
-                return measure(config, head, second, args.size_mib * MiB, args.gets, args.busy_mib * MiB)
+                return measure(config, head, second, args.size_mib * MiB, args.seconds)
             finally:
                 stop_pool(config)
     finally:
@@ -127,28 +126,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def render(row: dict[str, Any], console: Console) -> None:
-    table = Table(title=f"{row['size_mib']} MiB gets, one key a call: idle node vs node demoting and flushing "
-                        f"({row['busy_mib']} MiB put meanwhile; {row['cpus']} CPUs)")  # fmt: skip
-    for col in ("reader", "idle p50 ms", "idle p99 ms", "busy p50 ms", "busy p99 ms", "busy/idle p99 (goal <= 2)"):
+    title = (
+        f"{row['size_mib']} MiB gets, one key a call, {row['seconds']:.0f} s a phase: p50 / p99 ms ({row['cpus']} CPUs)"
+    )
+    table = Table(title=title)
+    phases = ("idle", "cpu burner", "busy node")
+    for col in ("reader", *phases, "busy/idle p99 (goal <= 2)", "gets"):
         table.add_column(col, justify="right")
     for who in ("same node", "from a peer"):
         r = row[who]
-        table.add_row(
-            who, *(f"{r[k]:.2f}" for k in ("idle_p50_ms", "idle_p99_ms", "busy_p50_ms", "busy_p99_ms", "ratio"))
-        )
+        cells = [f"{r[p]['p50_ms']:.2f} / {r[p]['p99_ms']:.2f}" for p in phases]
+        table.add_row(who, *cells, f"{r['ratio']:.2f}", " / ".join(str(r["gets"][p]) for p in phases))
     console.print(table)
     did = row["node_did"]
     console.print(
-        f"meanwhile the node demoted {did['migrations']} chunks to NVMe, flushed {did['flushed']} "
-        f"({did['flushed_bytes'] / MiB:.0f} MiB) to S3, dropped {did['drops']}; the writer took {did['writer_s']:.1f} s"
+        f"busy node: a writer there put {did['put_mib']} MiB; the node demoted {did['migrations']} chunks to NVMe, "
+        f"flushed {did['flushed']} ({did['flushed_bytes'] / MiB:.0f} MiB) to S3 and dropped {did['drops']}"
     )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mib", type=int, default=4, help="chunk size, MiB (default 4)")
-    ap.add_argument("--gets", type=int, default=200, help="gets per reader and phase (default 200)")
-    ap.add_argument("--busy-mib", type=int, default=1024, help="bytes the writer puts while busy, MiB (default 1024)")
+    ap.add_argument("--seconds", type=float, default=5.0, help="length of each phase, seconds (default 5)")
     ap.add_argument("--json", default="bench/results/busy.json", help="where to write the figures")
     args = ap.parse_args()
     console = Console(width=max(Console().width, 120))

@@ -13,6 +13,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from kvpool.bench.limits import median_seconds
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
+from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.types import Tier
 
 BATCH = 8  #: values per get (and put) call unless told otherwise: a serving engine's few reused KV buffers
@@ -73,16 +74,27 @@ class NodeClient:
 
         return median_seconds(once, repeat)
 
-    def latencies(self, keys: list[bytes], size: int, count: int) -> list[float]:
-        """Seconds of each of ``count`` single-key ``get_into`` calls, cycling through ``keys``, into one registered
-        buffer."""
+    def latencies(self, keys: list[bytes], size: int, seconds: float) -> list[float]:
+        """Seconds of each single-key ``get_into`` call made in ``seconds``, cycling through ``keys``, into one
+        registered buffer."""
         [buf] = self._buffers(size, 1)
-        out = []
-        for i in range(count):
-            t0 = time.perf_counter()
-            self.client.get_into(keys[i % len(keys)], buf)
+        out: list[float] = []
+        end = time.perf_counter() + seconds
+        while (t0 := time.perf_counter()) < end:
+            self.client.get_into(keys[len(out) % len(keys)], buf)
             out.append(time.perf_counter() - t0)
         return out
+
+    def put_for(self, tag: str, size: int, holder: str, seconds: float, batch: int = BATCH) -> int:
+        """Put fresh ``size``-byte chunks into ``holder`` for ``seconds``, ``batch`` a call; how many."""
+        data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+        ident = CacheIdentity(model=f"put-for-{tag}", kv_dtype="uint8", layout="bytes", chunk_size=1)
+        end, n = time.perf_counter() + seconds, 0
+        while time.perf_counter() < end:
+            keys = chunk_keys(ident, range(n, n + batch))
+            self.client.put_batch([(k, data) for k in keys], nodes=[holder])
+            n += batch
+        return n
 
     def _buffers(self, size: int, count: int) -> list[np.ndarray]:
         """``count`` registered buffers of ``size`` bytes, kept for the next pass of the same size."""
