@@ -207,7 +207,11 @@ def main() -> None:
     ap.add_argument("--lengths", default="1024,4096,8192", help="prompt lengths, tokens")
     ap.add_argument("--model", default="tiny-llama", help="tiny-llama (default) or smollm2-135m")
     ap.add_argument("--chunk", type=int, default=256, help="tokens per chunk")
-    ap.add_argument("--layout", default="per-layer", help="per-layer (pipelined) or all-layers")
+    ap.add_argument(
+        "--layout",
+        default="per-layer",
+        help="per-layer (pipelined), groups-of-G (G layers per object, pipelined) or all-layers",
+    )
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per cell; the median is reported")
     ap.add_argument("--json", default="bench/results/ttft.json", help="where to write the figures")
     ap.add_argument("--png", default="bench/results/ttft.png", help="where to write the plot")
