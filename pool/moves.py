@@ -41,6 +41,7 @@ class Move:
     recoded: Recoded | None = None  #: its bytes under ``codec``, when that is another codec than the chunk's
     corrupt: bool = False  #: its stored bytes failed their checksum: the chunk is dropped at the finish
     failed: str = ""  #: why it could not be done (no room, an I/O error): the chunk stays where it was
+    pin: object = None  #: the eviction policy's record of the chunk the move pinned (a dropped chunk's is gone)
 
     @property
     def key(self) -> bytes:

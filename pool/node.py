@@ -183,21 +183,22 @@ class PoolNode:
                     log.warning("timer turn failed: %s", exc)
 
     def _background(self) -> None:
-        """Thread: when a commit or promotion left DRAM above its high watermark, move LRU chunks to NVMe until the
-        low one, ``DEMOTE_BYTES`` at a time, publishing after each step; and publish what calls left for later
-        (promotions: the reader has its chunks already) within ``LATER_S``."""
+        """Thread: every ``LATER_S`` (at once when a commit or promotion left DRAM above its high watermark) move LRU
+        chunks to NVMe until the low watermark, ``DEMOTE_BYTES`` at a time, publishing after each step; and publish
+        what calls left for later (promotions: the reader has its chunks already)."""
         while not self._closing.is_set():
-            if self.store.over_high.wait(LATER_S):
-                self.store.over_high.clear()
-                try:
-                    self._demote()
-                except Exception as exc:  # the next commit above the watermark tries again
-                    if not self._closing.is_set():
-                        log.warning("demotion step failed: %s", exc)
-            if self._publish_later.is_set():
-                self._publish_later.clear()
-                with contextlib.suppress(MetadataUnavailable):  # kept for the next publish
+            self.store.over_high.wait(LATER_S)
+            self.store.over_high.clear()
+            try:
+                self._demote()  # nothing unless DRAM is above its high watermark
+                if self._publish_later.is_set():
+                    self._publish_later.clear()
                     self._publish()
+            except MetadataUnavailable:
+                pass  # the changes are kept for the next publish
+            except Exception as exc:  # tried again next turn; one during shutdown is moot
+                if not self._closing.is_set():
+                    log.warning("background turn failed: %s", exc)
 
     def _demote(self) -> None:
         while not self._closing.is_set():
@@ -206,8 +207,7 @@ class PoolNode:
             if not moves:
                 return
             run_moves(self.store, moves, self._lock, self._io)
-            with contextlib.suppress(MetadataUnavailable):  # kept for the next publish
-                self._publish()
+            self._publish()
 
     def _republish(self, lease_id: int) -> None:
         """The lease was lost and replaced: every placement on the old one is gone; publish them again."""

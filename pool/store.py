@@ -293,6 +293,7 @@ class ChunkStore:
             raise ChunkBusy(f"chunk {short(key)} is being read or moved; move it after that")
         move = Move(chunk, tier, self.codecs.get(tier, "raw") if chunk.fmt is not None else "raw")
         self.policy.pin(key)  # not a victim of the room we make for it, nor of anyone else's
+        move.pin = self.policy.state(key)
         self._moving[key] = move
         if not move.recoding:
             try:
@@ -315,7 +316,7 @@ class ChunkStore:
             move.failed = str(exc)
             return
         move.span = move.chunk.stored
-        if self._chunks.get(move.key) is move.chunk:  # not dropped meanwhile: its room is still its own
+        if move.key in self.policy and self.policy.state(move.key) is move.pin:  # not dropped: its room is its own
             rooms = (
                 self.allocators[move.chunk.tier].size_of(move.chunk.offset),
                 self.allocators[move.tier].size_of(move.offset),
@@ -326,10 +327,11 @@ class ChunkStore:
         """End a move: the chunk in its new place, or where it was if the move failed, a reader pinned it
         meanwhile, or it was dropped or replaced; dropped if its bytes were found corrupt.  What the chunk is now
         (None: not held)."""
-        key = self._moving.pop(move.key)
-        assert key is move
+        begun = self._moving.pop(move.key)
+        assert begun is move
         current = self._chunks.get(move.key)
-        same = current is not None and (current.tier, current.offset) == (move.chunk.tier, move.chunk.offset)
+        # the same chunk, still pinned by this move: not dropped (and maybe put again, even at the same offset)
+        same = current is not None and move.key in self.policy and self.policy.state(move.key) is move.pin
         if same:
             self.policy.unpin(move.key)
         done = same and not move.failed and not move.corrupt and not self.policy.state(move.key).pins

@@ -113,3 +113,17 @@ def test_demotions_run_in_threads_reach_the_low_watermark_with_every_byte_intact
     assert all(c is not None and c.tier is Tier.DRAM for c in up) and store.audit() == []
     for i in range(9):
         assert store.read(key(i)) == data(i).tobytes()
+
+
+def test_a_chunk_dropped_and_put_again_at_the_same_offset_meanwhile_is_left_alone(store: ChunkStore) -> None:
+    put(store, 1)
+    move = store.begin_move(key(1), Tier.NVME)
+    store.remove(key(1), corrupt=True)
+    again = store.put(key(1), data(1), checksum(data(1)))  # the freed room is the first fit: the same offset
+    assert again.offset == move.chunk.offset
+    load(move, store.segments)
+    store.place(move)
+    write(move, store.segments)
+    assert store.finish_move(move) == again and again.tier is Tier.DRAM
+    assert store.read(key(1)) == data(1).tobytes() and store.audit() == []
+    store.remove(key(1))  # not pinned by the called-off move
