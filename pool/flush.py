@@ -21,6 +21,24 @@ FLUSH_THREADS = 4  #: concurrent uploads in a flush turn
 MIN_PAUSE_S, MAX_PAUSE_S = 1.0, 60.0  #: back-off after a turn the S3 endpoint refused: doubled each time
 
 
+def idle(store: ChunkStore, tier: Tier, idle_s: float, max_bytes: int) -> list[StoredChunk]:
+    """Unpinned chunks of ``tier`` with no remote copy, not read for ``idle_s`` seconds, least recently used first,
+    at most ``max_bytes`` of them (at least one, if there is one)."""
+    now, total = store.clock.time(), 0
+    out: list[StoredChunk] = []
+    for key in store.policy.lru(tier):
+        chunk = store.held(key)
+        if chunk is None or now - store.policy.state(key).last_access < idle_s:
+            break
+        if chunk.in_s3:
+            continue
+        if out and total + chunk.stored > max_bytes:
+            break
+        out.append(chunk)
+        total += chunk.stored
+    return out
+
+
 class Flusher:
     """Uploads NVMe chunks idle for ``config.flush_after_s`` (least recently used first) to the S3 tier, encoded
     with ``config.codec``.  A turn with a failed upload pauses the next ones (1 s, doubling to 60 s); the chunks
@@ -38,7 +56,7 @@ class Flusher:
         """Upload what is idle (at most ``max_bytes``); the S3 placements of what went up, to publish.  The chunks
         are pinned (under ``lock``, the store's) while they are read, encoded and uploaded (without it)."""
         with lock:
-            chunks = [self.store.pin(c.key) for c in self.store.idle(Tier.NVME, self.config.flush_after_s, max_bytes)]
+            chunks = [self.store.pin(c.key) for c in idle(self.store, Tier.NVME, self.config.flush_after_s, max_bytes)]
         encoded: list[Recoded | None] = []
         try:
             with ThreadPoolExecutor(FLUSH_THREADS, thread_name_prefix="kvpool-flush") as pool:

@@ -3,7 +3,8 @@
 A move is begun, finished and (for a re-encoded chunk) given its room by the :class:`~kvpool.pool.store.ChunkStore`,
 which keeps the books; its bytes are read, re-encoded and written by :func:`load` and :func:`write`, which touch
 nothing but the segments and the move itself, so a ``PoolNode`` runs them for many chunks at once in threads while
-its other calls go on.  :func:`run_moves` drives the steps; ``ChunkStore`` runs it inline, the node with its lock.
+its other calls go on.  :func:`promotions`, :func:`moves_to` and :func:`demotions` choose and begin moves;
+:func:`run_moves` drives their steps — ``ChunkStore`` inline, the node with its lock.
 
 While a chunk moves it stays readable where it was: the move holds a pin (it is no eviction victim, and a plain
 remove is ``ChunkBusy``), and the room it moves to is owned by the move until it finishes.  The move is called off
@@ -13,12 +14,12 @@ was dropped.
 
 import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpool.errors import KvPoolError
+from kvpool.errors import ChunkBusy, KvPoolError, PoolFull
 from kvpool.pool.chunks import Recoded, StoredChunk, checksum, short
 from kvpool.pool.segment import ALIGN, DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import Buffer, transcode
@@ -116,6 +117,68 @@ def whole_blocks(length: int, *rooms: int) -> int:
     """``length`` rounded up to whole I/O blocks if every room (allocation) holds that much, else ``length``."""
     padded = -(-length // ALIGN) * ALIGN
     return padded if all(padded <= r for r in rooms) else length
+
+
+# -- which moves to make: a reader's hits, an operator's batch, the watermark ------------------------------
+
+
+def promotions(store: "ChunkStore", keys: Iterable[bytes]) -> list[Move]:
+    """Begun moves to DRAM of the held chunks among ``keys`` that are on NVMe and neither pinned nor moving (a
+    reader's hits, promoted before the reader pins them); one DRAM has no room for stays where it is."""
+    out: list[Move] = []
+    for key in keys:
+        chunk = store.held(key)
+        if chunk is None or chunk.tier is not Tier.NVME or store.busy(key):
+            continue
+        try:
+            out.append(store.begin_move(key, Tier.DRAM))
+        except PoolFull as exc:
+            log.info("not promoting %s to DRAM: %s", short(key), exc)
+            break
+    return out
+
+
+def moves_to(store: "ChunkStore", keys: Iterable[bytes], tier: Tier) -> tuple[list[Move], list[bytes], str]:
+    """Begun moves to ``tier`` of the held chunks among ``keys`` that are elsewhere; the keys left as they are because
+    a reader has them pinned; and why the rest were not begun ("": they were) — ``tier`` is full."""
+    store.check_tier(tier)
+    moves: list[Move] = []
+    busy: list[bytes] = []
+    for key in keys:
+        chunk = store.held(key)
+        if chunk is None or chunk.tier is tier:
+            continue
+        try:
+            moves.append(store.begin_move(key, tier))
+        except ChunkBusy:
+            busy.append(key)
+        except PoolFull as exc:
+            return moves, busy, str(exc)
+    return moves, busy, ""
+
+
+def demotions(store: "ChunkStore", max_bytes: int | None = None) -> list[Move]:
+    """DRAM above its high watermark: begun moves of LRU chunks to NVMe that bring it to the low watermark (at most
+    ``max_bytes`` of them), for the caller to run."""
+    if not store.over_high_watermark():
+        return []
+    alloc = store.allocators[Tier.DRAM]
+    excess, planned = alloc.used - store.watermarks.low * alloc.capacity, 0
+    out: list[Move] = []
+    for key in list(store.policy.lru(Tier.DRAM)):
+        if planned >= excess or (max_bytes is not None and out and planned >= max_bytes):
+            break
+        try:
+            move = store.begin_move(key, Tier.NVME)
+        except PoolFull as exc:
+            log.warning("DRAM above its high watermark but NVMe cannot take more: %s", exc)
+            break
+        out.append(move)
+        planned += alloc.size_of(move.chunk.offset)
+    return out
+
+
+# -- doing them ------------------------------------------------------------------------------------------------
 
 
 def _each(step: Callable[[Move, Segments], None], moves: Sequence[Move], segments: Segments,

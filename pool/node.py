@@ -1,8 +1,8 @@
 """The ``PoolNode`` Ray actor: one per node, contributing its DRAM and NVMe segments to the pool.
 
-A thin shell around :class:`ChunkStore`: it creates the segments, joins the node registry on a lease,
-and publishes every change of the store as placement records in etcd (bound to its lease, so they vanish
-with the node).  With a remote tier configured it also flushes NVMe chunks that have been idle for
+A thin shell around :class:`ChunkStore`: it creates the segments and has a
+:class:`~kvpool.pool.publish.Publisher` join the node registry on a lease and publish every change of the store as
+placement records in etcd (bound to its lease, so they vanish with the node).  With a remote tier configured it also flushes NVMe chunks that have been idle for
 ``remote.flush_after_s`` to S3, publishing their remote placements on no lease (they outlive the node);
 the chunk stays on NVMe, marked as having a copy, so a full NVMe drops it first.  It is named
 ``kvpool-node-<ray node id>`` in the pool's Ray namespace, detached, and pinned to its node with
@@ -10,7 +10,7 @@ the chunk stays on NVMe, marked as having a copy, so a full NVMe drops it first.
 
 Its calls run in several threads at once (a threaded actor): the store's books are kept under one lock, held
 only between I/O steps, so an NVMe read, a demotion or an S3 upload never holds up another caller's reserve,
-commit or pin.  Publishing is ordered by a second lock (an etcd round trip does not hold the store).  Demotions
+commit or pin.  Publishing is ordered by the publisher's own lock (an etcd round trip does not hold the store).  Demotions
 above the high watermark and flushes to S3 run on the node's own threads, not as calls.
 """
 
@@ -30,26 +30,22 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, MetadataUnavailable, PoolFull, RemoteUnavailable
-from kvpool.metadata.client import EtcdClient
-from kvpool.metadata.namespace import Namespace
-from kvpool.metadata.placement import PlacementStore
-from kvpool.metadata.registry import NodeRegistry
-from kvpool.pool.chunks import SEGMENT_NAMES, Change, ChangeKind, Reservation, StoredChunk, short
+from kvpool.pool.chunks import SEGMENT_NAMES, Reservation, StoredChunk
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.flush import FLUSH_BYTES, Flusher
 from kvpool.pool.metrics import ClientStats, StoreCollector, serve_metrics
-from kvpool.pool.moves import read_stored, run_moves
+from kvpool.pool.moves import demotions, moves_to, promotions, read_stored, run_moves
 from kvpool.pool.node_handle import NodeInfo, Settled, actor_name
+from kvpool.pool.publish import Publisher
 from kvpool.pool.segment import DramSegment, NvmeSegment, reap_stale_segments
 from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.gds import nvme_io_path
 from kvpool.pool.tiers.s3 import RemoteStore
-from kvpool.pool.types import NodeRecord, Placement, SegmentInfo, Tier
+from kvpool.pool.types import NodeRecord, SegmentInfo, Tier
 from kvpool.transport.nixl import NixlTransport
 
 log = logging.getLogger(__name__)
-RECORD_REFRESH_S = 1.0  #: the node record's usage figures lag by at most this
 NODE_CALLS = 8  #: calls the actor runs at once
 IO_THREADS = 4  #: NVMe reads and writes of a batch (promotions, demotions) in flight at once
 DEMOTE_BYTES = 64 << 20  #: one demotion step moves at most this much from DRAM to NVMe, then publishes
@@ -76,8 +72,7 @@ class PoolNode:
             alignment=config.alignment, codecs={Tier.NVME: config.nvme_codec}, demote_inline=False,
         )  # fmt: skip
         self._lock = threading.Lock()  #: the store's books: held only between I/O steps
-        self._publish_lock = threading.RLock()  #: one publish at a time, in the order the store changed
-        self._revision = 0  #: the etcd revision of the last publish
+        self._closing = threading.Event()
         self._flush_lock = threading.Lock()
         self._publish_later = threading.Event()  #: changes a call left for the background thread to publish
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvpool-io")
@@ -90,28 +85,24 @@ class PoolNode:
             except RemoteUnavailable as exc:  # the pool runs without it; flushes retry every turn
                 self.store.counters["remote_errors"] += 1
                 log.warning("remote tier not usable yet: %s", exc)
-        self.etcd_errors = 0
-        self._unpublished: list[Change] = []  #: changes a failed publish still owes etcd, oldest first
         self.client_stats = ClientStats()  #: reported by the clients on this node (see PoolClient)
         self._metrics_server, self.metrics_address = None, ""
         if config.metrics_port >= 0:
-            collector = StoreCollector(node_id, self.store, lambda: self.etcd_errors, self.client_stats)
+            collector = StoreCollector(node_id, self.store, self._etcd_errors, self.client_stats)
             self._metrics_server, self.metrics_address = serve_metrics(
                 collector, config.metrics_host, config.metrics_port
             )
-        self.etcd = EtcdClient(config.metadata)
-        ns = Namespace(config.metadata.cluster)
-        self.placements = PlacementStore(self.etcd, ns)
-        self._record_dirty, self._closing = threading.Event(), threading.Event()
-        self.registration = NodeRegistry(self.etcd, ns, config.metadata.lease_ttl_s).register(
-            self._record(), on_new_lease=self._republish
-        )
-        threading.Thread(target=self._refresh_record, name="kvpool-node-record", daemon=True).start()
+        self.publisher = Publisher(config, node_id, self.store, self._lock, self._record)
         threading.Thread(target=self._timer, name="kvpool-node-timer", daemon=True).start()
         threading.Thread(target=self._background, name="kvpool-node-background", daemon=True).start()
         log.info("pool node %s up: DRAM %d B at %s, NVMe %d B", node_id, self.dram.capacity, self.dram.path, nvme_bytes)
 
-    # -- etcd ------------------------------------------------------------------------------------------
+    # -- the node's own threads ------------------------------------------------------------------------
+
+    def _etcd_errors(self) -> int:
+        """For the metrics, which are served (and collected once) before the publisher exists."""
+        publisher: Publisher | None = getattr(self, "publisher", None)
+        return 0 if publisher is None else publisher.errors
 
     def _record(self) -> NodeRecord:
         with self._lock:
@@ -121,48 +112,6 @@ class PoolNode:
             node_id=self.node_id, host=socket.gethostname(), pid=os.getpid(),
             address=self.transport.descriptor(), segments=segments, metrics=self.metrics_address,
         )  # fmt: skip
-
-    def _placement(self, chunk: StoredChunk) -> Placement:
-        return Placement(
-            key=chunk.key, node=self.node_id, tier=chunk.tier, offset=chunk.offset, stored=chunk.stored,
-            size=chunk.size, checksum=chunk.checksum, codec=chunk.codec,
-        )  # fmt: skip
-
-    def _publish(self) -> int:
-        """Publish what the store changed (and what an earlier publish failed to); returns the etcd revision a
-        reader must reach to see it.  If etcd is unreachable the changes are kept for the next publish —
-        every call that changes the store publishes, and so does the reaper — and the caller gets
-        ``MetadataUnavailable``, so nothing is acknowledged that etcd does not show."""
-        with self._publish_lock:
-            with self._lock:
-                changes, self._unpublished = [*self._unpublished, *self.store.take_changes()], []
-            final: dict[bytes, tuple[ChangeKind, StoredChunk]] = {}
-            for change in changes:
-                final[change.chunk.key] = (change.kind, change.chunk)
-            puts = [self._placement(c) for kind, c in final.values() if kind is not ChangeKind.DROPPED]
-            drops = [self._placement(c) for kind, c in final.values() if kind is ChangeKind.DROPPED]
-            try:
-                revision = max(self.placements.publish(puts, self.registration.lease_id), self.placements.delete(drops))
-            except MetadataUnavailable:
-                self.etcd_errors += 1
-                self._unpublished = changes  # publishing is idempotent: all of them again next time
-                raise
-            if final:
-                self._record_dirty.set()
-            self._revision = max(self._revision, revision)  # a publish of nothing: what the last one showed
-            return self._revision
-
-    def _refresh_record(self) -> None:
-        """Thread: publish the node record's usage figures at most every RECORD_REFRESH_S, when changed."""
-        while not self._closing.wait(RECORD_REFRESH_S):
-            if self._record_dirty.is_set():
-                self._record_dirty.clear()
-                try:
-                    self.registration.update(self._record())
-                except MetadataUnavailable as exc:
-                    self.etcd_errors += 1
-                    log.warning("node record not refreshed: %s", exc)
-                    self._record_dirty.set()
 
     def _timer(self) -> None:
         """Thread: reclaim expired reservations every half TTL, and flush idle NVMe chunks to the remote tier every
@@ -193,7 +142,7 @@ class PoolNode:
                 self._demote()  # nothing unless DRAM is above its high watermark
                 if self._publish_later.is_set():
                     self._publish_later.clear()
-                    self._publish()
+                    self.publisher.publish()
             except MetadataUnavailable:
                 pass  # the changes are kept for the next publish
             except Exception as exc:  # tried again next turn; one during shutdown is moot
@@ -203,18 +152,11 @@ class PoolNode:
     def _demote(self) -> None:
         while not self._closing.is_set():
             with self._lock:
-                moves = self.store.demotions(DEMOTE_BYTES)
+                moves = demotions(self.store, DEMOTE_BYTES)
             if not moves:
                 return
             run_moves(self.store, moves, self._lock, self._io)
-            self._publish()
-
-    def _republish(self, lease_id: int) -> None:
-        """The lease was lost and replaced: every placement on the old one is gone; publish them again."""
-        with self._lock:
-            chunks = self.store.chunks()
-        self.placements.publish([self._placement(c) for c in chunks], lease_id)
-        self.registration.update(self._record())
+            self.publisher.publish()
 
     # -- the actor's calls -----------------------------------------------------------------------------
 
@@ -238,7 +180,7 @@ class PoolNode:
                             self.store.abort(r.key)
                     raise
         finally:
-            self._publish()  # migrations made to find room
+            self.publisher.publish()  # migrations made to find room
         return out
 
     def commit_batch(self, items: Sequence[tuple[bytes, int, TensorFormat | None]], replicated: bool = False) -> int:
@@ -248,7 +190,7 @@ class PoolNode:
                 for key, checksum, fmt in items:
                     self.store.commit(key, checksum, replicated=replicated, fmt=fmt)
         finally:
-            revision = self._publish()
+            revision = self.publisher.publish()
         return revision
 
     def abort_batch(self, keys: Sequence[bytes]) -> None:
@@ -266,7 +208,7 @@ class PoolNode:
                     self.store.put(key, memoryview(data), checksum, replicated=replicated)
                     self.store.counters["bytes_via_ray"] += len(data)
         finally:
-            revision = self._publish()
+            revision = self.publisher.publish()
         return revision
 
     def locate_batch(self, keys: Sequence[bytes], promote: bool | None = None) -> list[StoredChunk | None]:
@@ -275,7 +217,7 @@ class PoolNode:
         release_batch."""
         if self.store.promote_on_hit if promote is None else promote:
             with self._lock:
-                moves = self.store.begin_promotions(keys)
+                moves = promotions(self.store, keys)
             if moves:
                 run_moves(self.store, moves, self._lock, self._io)
                 self._publish_later.set()  # the reader needs no placement of them: it gets where they are now
@@ -341,18 +283,18 @@ class PoolNode:
                         except ChunkBusy:
                             busy.append(key)
         finally:
-            revision = self._publish()
+            revision = self.publisher.publish()
         return Settled(revision, busy)
 
     def move_batch(self, keys: Sequence[bytes], tier: Tier) -> Settled:
         """Move held chunks to ``tier`` (their I/O without the lock); see :class:`Settled`.  ``PoolFull`` once the
         rest is done if ``tier`` had no room for some."""
         with self._lock:
-            moves, busy, full = self.store.begin_moves(keys, tier)
+            moves, busy, full = moves_to(self.store, keys, tier)
         try:
             run_moves(self.store, moves, self._lock, self._io)
         finally:
-            revision = self._publish()
+            revision = self.publisher.publish()
         failed = [m.failed for m in moves if m.failed]
         if full or failed:
             raise PoolFull(full or failed[0])
@@ -364,7 +306,7 @@ class PoolNode:
         with self._lock:
             reaped = self.store.reap(self.config.reservation_ttl_s)
         with contextlib.suppress(MetadataUnavailable):
-            self._publish()
+            self.publisher.publish()
         return reaped
 
     def flush(self, max_bytes: int = FLUSH_BYTES) -> int:
@@ -376,11 +318,11 @@ class PoolNode:
                 return 0
             placements = self.flusher.turn(self._lock, max_bytes)
             with contextlib.suppress(MetadataUnavailable):
-                self._publish()  # chunks found corrupt
+                self.publisher.publish()  # chunks found corrupt
             try:
-                self.placements.publish(placements, 0)  # no lease: the copy outlives this node
+                self.publisher.placements.publish(placements, 0)  # no lease: the copy outlives this node
             except MetadataUnavailable as exc:
-                self.etcd_errors += 1
+                self.publisher.errors += 1
                 log.warning("flushed %d chunks, could not publish them (retried next turn): %s", len(placements), exc)
                 return 0
             with self._lock:
@@ -396,22 +338,9 @@ class PoolNode:
         with self._lock:
             problems = self.store.audit()
         try:
-            with self._publish_lock:  # no publish in flight while the two are compared
-                self._publish()
-                with self._lock:
-                    held = {c.key: c for c in self.store.chunks()}
-                published = {p.key: p for p in self.placements.held_by(self.node_id)}
+            return problems + self.publisher.mismatches()
         except MetadataUnavailable as exc:
             return [*problems, f"etcd not reachable, placements not compared: {exc}"]
-        for key in held.keys() - published.keys():
-            problems.append(f"chunk {short(key)} is held but has no placement")
-        for key in published.keys() - held.keys():
-            problems.append(f"placement of {short(key)} names a chunk this node does not hold")
-        for key in held.keys() & published.keys():
-            c, p = held[key], published[key]
-            if (c.tier, c.offset, c.stored, c.checksum, c.codec) != (p.tier, p.offset, p.stored, p.checksum, p.codec):
-                problems.append(f"chunk {short(key)}: held as {c}, published as {p}")
-        return problems
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -444,8 +373,7 @@ class PoolNode:
         """Leave the pool now: revoke the lease (its placements go with it) and free the segments."""
         self._closing.set()
         self._io.shutdown(wait=True)
-        self.registration.close(revoke=True)
-        self.etcd.close()
+        self.publisher.close()
         self.transport.close()
         if self.s3 is not None:
             self.s3.close()

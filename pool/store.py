@@ -24,11 +24,11 @@ from dataclasses import replace
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, CorruptChunk, PoolFull
 from kvpool.pool.allocator import OffsetAllocator
-from kvpool.pool.chunks import Change, ChangeKind, Recoded, Reservation, StoredChunk, check_checksum, short
+from kvpool.pool.chunks import Change, ChangeKind, Reservation, StoredChunk, check_checksum, short
 from kvpool.pool.config import Watermarks
 from kvpool.pool.eviction import EvictionPolicy
 from kvpool.pool.keys import check_key
-from kvpool.pool.moves import Move, read_stored, recode, run_moves, whole_blocks
+from kvpool.pool.moves import Move, demotions, read_stored, run_moves, whole_blocks
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import TensorFormat, parse_codec
 from kvpool.pool.types import Tier
@@ -124,7 +124,7 @@ class ChunkStore:
         self._changes.append(Change(ChangeKind.ADDED, chunk))
         if self.demote_inline:
             self.maintain()
-        elif self._over_high():
+        elif self.over_high_watermark():
             self.over_high.set()
         return self._chunks[key]
 
@@ -175,21 +175,6 @@ class ChunkStore:
         chunk = self._require(key)
         self.policy.pin(key)
         return chunk
-
-    def begin_promotions(self, keys: Iterable[bytes]) -> list[Move]:
-        """Begun moves to DRAM of the held chunks among ``keys`` that are on NVMe and not pinned (a reader's hit
-        promoted before the reader pins it); a chunk DRAM has no room for stays where it is."""
-        out: list[Move] = []
-        for key in keys:
-            chunk = self._chunks.get(key) if isinstance(key, bytes) else None
-            if chunk is None or chunk.tier is not Tier.NVME or self.policy.state(key).pins or key in self._moving:
-                continue
-            try:
-                out.append(self.begin_move(key, Tier.DRAM))
-            except PoolFull as exc:
-                log.info("not promoting %s to DRAM: %s", short(key), exc)
-                break
-        return out
 
     def release(self, key: bytes) -> None:
         """Unpin a chunk; a key not held or not pinned (dropped as corrupt and put again meanwhile) is passed over."""
@@ -288,7 +273,7 @@ class ChunkStore:
         bytes move as they are (else after :func:`~kvpool.pool.moves.load`, by :meth:`place`).  ``ChunkBusy`` if a
         reader has it pinned or it is moving already, ``PoolFull`` if ``tier`` has no room."""
         chunk = self._require(key)
-        if self.policy.state(key).pins or key in self._moving:
+        if self.busy(key):
             self.counters["busy"] += 1
             raise ChunkBusy(f"chunk {short(key)} is being read or moved; move it after that")
         move = Move(chunk, tier, self.codecs.get(tier, "raw") if chunk.fmt is not None else "raw")
@@ -356,19 +341,9 @@ class ChunkStore:
         self.policy.move(move.key, move.tier)
         self.counters["migrations" if move.tier is Tier.NVME else "promotions"] += 1
         self._changes.append(Change(ChangeKind.MOVED, moved))
-        if move.tier is Tier.DRAM and self._over_high():  # promoted past the high watermark: demote others
+        if move.tier is Tier.DRAM and self.over_high_watermark():  # promoted past the high watermark: demote others
             self.over_high.set()
         return moved
-
-    def encoded(self, key: bytes, codec: str) -> Recoded:
-        """A held chunk's bytes as ``codec`` would store them (for the remote tier).  The stored bytes are checked
-        first: a chunk failing its checksum is dropped and ``CorruptChunk`` raised."""
-        chunk = self._require(key)
-        recoded = recode(chunk, read_stored(self.segments[chunk.tier], chunk.offset, chunk.stored), codec)
-        if recoded is None:
-            self.drop_corrupt(chunk)
-            raise CorruptChunk(f"chunk {short(key)} was corrupt in {chunk.tier.value} and has been dropped")
-        return recoded
 
     def drop_corrupt(self, chunk: StoredChunk) -> None:
         """``chunk``'s bytes failed their checksum where it was read: drop it, unless it has moved since."""
@@ -381,28 +356,11 @@ class ChunkStore:
     def move(self, key: bytes, tier: Tier) -> StoredChunk:
         """Move a chunk to ``tier`` now (an operator's or a benchmark's demotion; eviction does it by itself)."""
         chunk = self._require(key)
-        self._check_tier(tier)
+        self.check_tier(tier)
         return chunk if chunk.tier is tier else self._move(chunk, tier)
 
-    def begin_moves(self, keys: Iterable[bytes], tier: Tier) -> tuple[list[Move], list[bytes], str]:
-        """Begun moves to ``tier`` of the held chunks among ``keys`` that are elsewhere; the keys left as they are
-        because a reader has them pinned; and why the rest were not begun ("": they were) — ``tier`` is full."""
-        self._check_tier(tier)
-        moves: list[Move] = []
-        busy: list[bytes] = []
-        for key in keys:
-            chunk = self._chunks.get(key) if isinstance(key, bytes) else None
-            if chunk is None or chunk.tier is tier:
-                continue
-            try:
-                moves.append(self.begin_move(key, tier))
-            except ChunkBusy:
-                busy.append(key)
-            except PoolFull as exc:
-                return moves, busy, str(exc)
-        return moves, busy, ""
-
-    def _check_tier(self, tier: Tier) -> None:
+    def check_tier(self, tier: Tier) -> None:
+        """``ConfigError`` unless this store has a segment of ``tier``."""
         if tier not in self.segments:
             raise ConfigError(
                 f"this node has no {tier.value} tier"
@@ -410,51 +368,24 @@ class ChunkStore:
                 else f"tier must be a Tier, got {tier!r:.40}"
             )
 
-    def _over_high(self) -> bool:
+    def over_high_watermark(self) -> bool:
+        """Whether DRAM is above its high watermark (with an NVMe tier below it to demote to)."""
         alloc = self.allocators[Tier.DRAM]
         return Tier.NVME in self.segments and alloc.used > self.watermarks.high * alloc.capacity
 
-    def demotions(self, max_bytes: int | None = None) -> list[Move]:
-        """DRAM above its high watermark: begun moves of LRU chunks to NVMe that bring it to the low watermark
-        (at most ``max_bytes`` of them), for the caller to run."""
-        if not self._over_high():
-            return []
-        alloc = self.allocators[Tier.DRAM]
-        excess, planned = alloc.used - self.watermarks.low * alloc.capacity, 0
-        out: list[Move] = []
-        for key in list(self.policy.lru(Tier.DRAM)):
-            if planned >= excess or (max_bytes is not None and out and planned >= max_bytes):
-                break
-            try:
-                out.append(self.begin_move(key, Tier.NVME))
-            except PoolFull as exc:
-                log.warning("DRAM above its high watermark but NVMe cannot take more: %s", exc)
-                break
-            planned += alloc.size_of(self._chunks[key].offset)
-        return out
-
     def maintain(self) -> None:
         """DRAM above its high watermark: migrate LRU chunks to NVMe until the low watermark, now."""
-        run_moves(self, self.demotions())
+        run_moves(self, demotions(self))
 
-    # -- the remote tier: which chunks to flush there, and which already are -----------------------
+    def held(self, key: object) -> StoredChunk | None:
+        """The chunk held under ``key`` (None: none, or not a key)."""
+        return self._chunks.get(key) if isinstance(key, bytes) else None
 
-    def idle(self, tier: Tier, idle_s: float, max_bytes: int) -> list[StoredChunk]:
-        """Unpinned chunks of ``tier`` with no remote copy, not read for ``idle_s`` seconds, least recently
-        used first, at most ``max_bytes`` of them (at least one, if there is one)."""
-        now, total = self.clock.time(), 0
-        out: list[StoredChunk] = []
-        for key in self.policy.lru(tier):
-            chunk = self._chunks[key]
-            if now - self.policy.state(key).last_access < idle_s:
-                break
-            if chunk.in_s3:
-                continue
-            if out and total + chunk.stored > max_bytes:
-                break
-            out.append(chunk)
-            total += chunk.stored
-        return out
+    def busy(self, key: bytes) -> bool:
+        """Whether a held chunk is pinned by a reader or being moved."""
+        return bool(self.policy.state(key).pins) or key in self._moving
+
+    # -- the remote tier: which chunks have a copy there (pool/flush.py picks what to flush) ---------
 
     def mark_in_s3(self, keys: Iterable[bytes]) -> None:
         """These chunks have a copy in the remote tier now: a full tier drops them first."""

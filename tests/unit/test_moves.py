@@ -13,7 +13,7 @@ from kvpool.clock import ManualClock
 from kvpool.errors import ChunkBusy
 from kvpool.pool.chunks import ChangeKind, checksum
 from kvpool.pool.config import Watermarks
-from kvpool.pool.moves import load, run_moves, write
+from kvpool.pool.moves import demotions, load, moves_to, promotions, run_moves, write
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.codecs import TensorFormat
@@ -76,7 +76,7 @@ def test_a_reader_that_pins_the_chunk_meanwhile_calls_the_move_off(store: ChunkS
 
 def test_a_chunk_dropped_as_corrupt_meanwhile_is_gone_and_its_new_room_given_back(store: ChunkStore) -> None:
     put(store, 1)
-    [move] = store.begin_moves([key(1)], Tier.NVME)[0]
+    [move] = moves_to(store, [key(1)], Tier.NVME)[0]
     store.remove(key(1), corrupt=True)
     load(move, store.segments)
     store.place(move)
@@ -103,13 +103,13 @@ def test_demotions_run_in_threads_reach_the_low_watermark_with_every_byte_intact
         put(store, i)
     assert store.over_high.is_set() and store.counters["migrations"] == 0
     with ThreadPoolExecutor(4) as io:
-        moved = run_moves(store, store.demotions(), executor=io)
+        moved = run_moves(store, demotions(store), executor=io)
     assert [c.key for c in moved if c is not None] == [key(i) for i in range(5)]  # LRU first, down to 4/16
-    assert store.usage()[Tier.DRAM][0] == 4 * BLOCK and store.demotions() == []
+    assert store.usage()[Tier.DRAM][0] == 4 * BLOCK and demotions(store) == []
     for i in range(9):
         assert store.read(key(i)) == data(i).tobytes()
     with ThreadPoolExecutor(4) as io:  # and back up, several at once
-        up = run_moves(store, store.begin_promotions([key(i) for i in range(5)]), executor=io)
+        up = run_moves(store, promotions(store, [key(i) for i in range(5)]), executor=io)
     assert all(c is not None and c.tier is Tier.DRAM for c in up) and store.audit() == []
     for i in range(9):
         assert store.read(key(i)) == data(i).tobytes()
