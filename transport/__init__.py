@@ -1,1 +1,1 @@
-"""The transfer engine: the ``Transport`` interface, ``NixlTransport`` (UCX via NIXL), ``ShmTransport``, handoff."""
+"""The transfer engine: the ``Transport`` interface, ``NixlTransport`` (UCX via NIXL), handoff."""

@@ -118,22 +118,6 @@ class NixlDescriptor(Descriptor):
     regions: dict[_Name, NixlRegion]
 
 
-class ShmRegion(Struct, array_like=True, forbid_unknown_fields=True):
-    """``[file path, file offset, length]`` of a region a shared-memory peer registered."""
-
-    path: Annotated[str, Meta(pattern=r"\A/[^\x00]*\Z")]  # absolute, no NUL
-    offset: _Offset
-    length: _Length
-
-
-class ShmDescriptor(Descriptor):
-    kind: Literal["shm"]
-    host: _Name
-    pid: Annotated[int, Meta(gt=0, lt=2**31)]  # os.kill(pid, 0) probes it: 0 or -1 would probe a process group
-    socket: _Token  #: the abstract Unix socket its notifications go to
-    regions: dict[_Name, ShmRegion]
-
-
 D = TypeVar("D", bound=Descriptor)
 
 

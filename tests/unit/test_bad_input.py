@@ -15,11 +15,9 @@ import dataclasses
 import math
 import os
 import re
-import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from itertools import pairwise
-from pathlib import Path
 from typing import Any, TypeVar
 from unittest import mock
 
@@ -44,7 +42,7 @@ from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.s3_config import RemoteConfig
 from kvpool.pool.types import NodeRecord, Placement, SegmentInfo, Tier
 from kvpool.prefill_decode.workers import WorkerConfig
-from kvpool.transport import nixl, shm
+from kvpool.transport import nixl
 from kvpool.transport.base import Op
 from kvpool.transport.handoff import Handoff
 
@@ -893,106 +891,56 @@ NIXL_GOOD: dict[str, Any] = {
     "agent": b"\x01meta",
     "regions": {"dram0": [4096, 1 << 20]},
 }
-SHM_GOOD: dict[str, Any] = {
-    "v": 1, "kind": "shm", "name": "kvpool-shm-a", "scope": SCOPE, "host": "h", "pid": 4242,
-    "socket": b"\0kvpool-shm-a", "regions": {"dram0": ["/dev/shm/kvpool-a.dram", 0, 1 << 20]},
-}  # fmt: skip
 
 
-def region_ok(v: Any, *, shm_kind: bool) -> bool:
-    if not isinstance(v, list) or len(v) != (3 if shm_kind else 2):
-        return False
-    if shm_kind:
-        path, offset, length = v
-        return (
-            isinstance(path, str) and path.startswith("/") and "\0" not in path and _uint(offset) and _uint(length, 1)
-        )
-    return _uint(v[0]) and _uint(v[1], 1)
+def region_ok(v: Any) -> bool:
+    return isinstance(v, list) and len(v) == 2 and _uint(v[0]) and _uint(v[1], 1)
 
 
 def _uint(v: Any, lo: int = 0) -> bool:
     return type(v) is int and lo <= v < 2**63
 
 
-DESCRIPTOR_FIELDS: dict[str, dict[str, tuple[st.SearchStrategy[Any], Callable[[Any], bool]]]] = {
-    "nixl": {
-        "v": (packable, lambda v: type(v) is int and v == 1),
-        "name": (st.one_of(names, packable), lambda v: isinstance(v, str) and v != ""),
-        "scope": (st.one_of(st.just(SCOPE), packable), lambda v: v == SCOPE),
-        "agent": (st.one_of(st.binary(min_size=1, max_size=8), packable), lambda v: isinstance(v, bytes) and v != b""),
-        "regions": (
-            st.one_of(
-                st.dictionaries(st.text(max_size=5), st.lists(st.integers(-5, 2**64 - 1), max_size=3), max_size=3),
-                packable,
-            ),
-            lambda v: (
-                isinstance(v, dict)
-                and all(isinstance(k, str) and k and region_ok(r, shm_kind=False) for k, r in v.items())
-            ),
+DESCRIPTOR_FIELDS: dict[str, tuple[st.SearchStrategy[Any], Callable[[Any], bool]]] = {
+    "v": (packable, lambda v: type(v) is int and v == 1),
+    "name": (st.one_of(names, packable), lambda v: isinstance(v, str) and v != ""),
+    "scope": (st.one_of(st.just(SCOPE), packable), lambda v: v == SCOPE),
+    "agent": (st.one_of(st.binary(min_size=1, max_size=8), packable), lambda v: isinstance(v, bytes) and v != b""),
+    "regions": (
+        st.one_of(
+            st.dictionaries(st.text(max_size=5), st.lists(st.integers(-5, 2**64 - 1), max_size=3), max_size=3),
+            packable,
         ),
-    },
-    "shm": {
-        "v": (packable, lambda v: type(v) is int and v == 1),
-        "kind": (st.one_of(st.just("shm"), packable), lambda v: v == "shm"),
-        "name": (st.one_of(names, packable), lambda v: isinstance(v, str) and v != ""),
-        "scope": (st.one_of(st.just(SCOPE), packable), lambda v: v == SCOPE),
-        "host": (st.one_of(names, packable), lambda v: isinstance(v, str) and v != ""),
-        "pid": (st.one_of(st.integers(-5, 2**40), packable), lambda v: type(v) is int and 1 <= v < 2**31),
-        "socket": (st.one_of(st.binary(min_size=1, max_size=8), packable), lambda v: isinstance(v, bytes) and v != b""),
-        "regions": (
-            st.one_of(
-                st.dictionaries(
-                    st.text(max_size=5),
-                    st.tuples(
-                        st.one_of(st.just("/dev/shm/x"), packable),
-                        st.integers(-5, 2**64 - 1),
-                        st.integers(-5, 2**64 - 1),
-                    ).map(list),
-                    max_size=3,
-                ),
-                packable,
-            ),
-            lambda v: (
-                isinstance(v, dict)
-                and all(isinstance(k, str) and k and region_ok(r, shm_kind=True) for k, r in v.items())
-            ),
-        ),
-    },
+        lambda v: isinstance(v, dict) and all(isinstance(k, str) and k and region_ok(r) for k, r in v.items()),
+    ),
 }
 
 
 @cases(500)
 @given(st.data())
 def test_transfer_descriptors_are_validated_before_any_agent_sees_them(data: st.DataObject) -> None:
-    kind = data.draw(st.sampled_from(["nixl", "shm"]))
     how, payload = data.draw(
         st.one_of(
-            st.lists(record_edit(DESCRIPTOR_FIELDS[kind]), max_size=2).map(lambda e: ("edits", e)),
+            st.lists(record_edit(DESCRIPTOR_FIELDS), max_size=2).map(lambda e: ("edits", e)),
             st.one_of(st.binary(max_size=80), packable.map(pack), junk).map(lambda raw: ("raw", raw)),
         )
     )
-    spec, good = DESCRIPTOR_FIELDS[kind], NIXL_GOOD if kind == "nixl" else SHM_GOOD
-    parse = nixl.parse_descriptor if kind == "nixl" else shm.parse_descriptor
     if how == "raw":
-        out = typed(TransferError, parse, payload, SCOPE)
-        assert isinstance(out, TransferError) or payload == pack(good)
+        out = typed(TransferError, nixl.parse_descriptor, payload, SCOPE)
+        assert isinstance(out, TransferError) or payload == pack(NIXL_GOOD)
         return
-    fields = dict(good)
+    fields = dict(NIXL_GOOD)
     for edit, name, value in payload:
         if edit == "drop":
             fields.pop(name, None)
         else:
             fields[name] = value
+    spec = DESCRIPTOR_FIELDS
     ok = set(fields) == set(spec) and all(spec[n][1](fields[n]) for n in spec)
-    out = typed(TransferError, parse, pack(fields), SCOPE)
+    out = typed(TransferError, nixl.parse_descriptor, pack(fields), SCOPE)
     assert isinstance(out, TransferError) != ok, (fields, out)
-    if ok and kind == "nixl":
+    if ok:
         assert out == (fields["name"], fields["agent"], {k: tuple(r) for k, r in fields["regions"].items()})
-    elif ok:
-        assert (out.name, out.pid, out.socket) == (fields["name"], fields["pid"], fields["socket"])
-        assert {k: (r.path, r.offset, r.length) for k, r in out.regions.items()} == {
-            k: tuple(r) for k, r in fields["regions"].items()
-        }
 
 
 OP_FIELDS: dict[str, tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]] = {
@@ -1041,21 +989,3 @@ def test_transfer_ops_and_handoffs_refuse_one_bad_field_naming_it(data: st.DataO
     kwargs[bad] = value
     err = refused(ConfigError, cls, **kwargs)
     assert bad in str(err), f"{err} does not name {bad}"
-
-
-def test_shm_connect_refuses_a_descriptor_naming_files_it_cannot_map(tmp_path: Path) -> None:
-    """The parse is pure; the connect around it turns what the OS refuses into a TransferError too."""
-    t = shm.ShmTransport(scope=SCOPE)
-    try:
-        d = dict(SHM_GOOD, host=socket.gethostname(), pid=os.getpid())
-        short = tmp_path / "short"
-        short.write_bytes(bytes(4096))
-        for path, length in ((tmp_path / "missing", 4096), (tmp_path, 4096), (short, 1 << 20)):
-            refused(
-                TransferError,
-                t.connect,
-                pack(dict(d, regions={"ok": [str(short), 0, 4096], "r": [str(path), 0, length]})),
-            )
-        refused(TransferError, t.connect, pack(dict(d, host="elsewhere")), match="elsewhere")
-    finally:
-        t.close()

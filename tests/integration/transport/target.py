@@ -1,7 +1,7 @@
 """A transfer target in its own process: a DRAM segment with known bytes, registered with NIXL.
 
 ``python target.py DIRECTORY KIND``: the segment file goes in DIRECTORY, which the test removes (a killed
-target cannot remove its own file); KIND is ``nixl`` or ``shm``.
+target cannot remove its own file); KIND is ``nixl``.
 
 Prints ``DESCRIPTOR <hex>`` when ready; then each stdin line is a command: ``crc OFFSET LENGTH`` prints
 the crc32c of that range; ``quit`` exits.
@@ -14,13 +14,13 @@ import numpy as np
 
 from kvpool.pool.segment import DramSegment
 from kvpool.transport.nixl import NixlTransport
-from kvpool.transport.shm import ShmTransport
 
 SIZE = 64 << 20
 
 seg = DramSegment.create(SIZE, sys.argv[1])
 seg.write(0, np.arange(SIZE, dtype=np.uint8) * 7)
-transport = NixlTransport(serve=True) if sys.argv[2] == "nixl" else ShmTransport()
+assert sys.argv[2] == "nixl", sys.argv[2]
+transport = NixlTransport(serve=True)
 transport.register("dram0", seg.base_address, seg.capacity)
 print("DESCRIPTOR", transport.descriptor().hex(), flush=True)
 for line in sys.stdin:
