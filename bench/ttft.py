@@ -209,8 +209,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=256, help="tokens per chunk")
     ap.add_argument(
         "--layout",
-        default="per-layer",
-        help="per-layer (pipelined), groups-of-G (G layers per object, pipelined) or all-layers",
+        default="auto",
+        help="auto (default: groups of layers up to 512 KiB per object), per-layer (pipelined), groups-of-G "
+        "(G layers per object, pipelined) or all-layers",
     )
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per cell; the median is reported")
     ap.add_argument("--json", default="bench/results/ttft.json", help="where to write the figures")

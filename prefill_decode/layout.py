@@ -8,7 +8,12 @@ chunks of a prefix, laid end to end, *are* the cache:
   :func:`kvpool.pool.keys.layer_key`, so layer ``l+1`` can be fetched while layer ``l`` computes;
 - ``groups-of-G``: one pool object per chunk and group of ``G`` consecutive layers, ``[T, G, 2, H, D]``, keyed by
   the group's index: ``G`` times fewer objects (and placements) than per-layer, still fetched group by group
-  while the model computes the group before.
+  while the model computes the group before;
+- ``auto`` (the default): ``groups-of-G`` with the most layers per object that keep an object within
+  :data:`AUTO_OBJECT_BYTES` and leave at least two groups to pipeline (``per-layer`` when one layer is already that
+  big).  Measured on this project's CPU runs (docs/prefill_decode.md): 512 KiB objects gave the fastest warm
+  request, 79x below cold at 4k tokens where per-layer (128 KiB) gave 58x and all-layers (1 MiB, nothing to
+  pipeline) 45x.  The layout a cache uses is resolved once, so ``auto`` never appears in a cache identity.
 
 A :class:`KVBuffer` is one host tensor for a whole prefix, ``[L/G, N, G, 2, H, D]`` (``G`` layers per object:
 ``[N, L, 2, H, D]`` for all-layers, ``[L, N, 2, H, D]`` for per-layer).
@@ -30,7 +35,20 @@ from transformers.cache_utils import DynamicLayer
 from kvpool.errors import ConfigError
 from kvpool.pool.keys import DEFAULT_CHUNK_SIZE, CacheIdentity, chunk_keys, layer_key
 
-LAYOUTS = ("all-layers", "per-layer", "groups-of-G")  #: G: layers per object, a divisor of the model's layers
+LAYOUTS = ("auto", "all-layers", "per-layer", "groups-of-G")  #: G: layers per object, a divisor of the model's layers
+AUTO_OBJECT_BYTES = 512 << 10  #: the largest pool object ``auto`` makes of several layers
+
+
+def is_layout_name(layout: object) -> bool:
+    """Whether ``layout`` names a layout (G unchecked: that needs the model's layer count)."""
+    return isinstance(layout, str) and (layout in LAYOUTS[:3] or layout.removeprefix("groups-of-").isdigit())
+
+
+def auto_layout(layers: int, layer_object_bytes: int) -> str:
+    """What ``auto`` means for a model of ``layers`` layers whose objects hold ``layer_object_bytes`` per layer."""
+    fits = [g for g in range(1, layers // 2 + 1) if layers % g == 0 and g * layer_object_bytes <= AUTO_OBJECT_BYTES]
+    group = max(fits, default=1)
+    return "per-layer" if group == 1 else f"groups-of-{group}"
 
 
 def layers_per_object(layout: str, layers: int) -> int:
@@ -42,7 +60,7 @@ def layers_per_object(layout: str, layers: int) -> int:
     group = layout.removeprefix("groups-of-")
     if not group.isdigit() or not 0 < int(group) <= layers or layers % int(group):
         raise ConfigError(
-            f"layout must be all-layers, per-layer or groups-of-G with G a divisor of the model's {layers} layers, "
+            f"layout must be auto, all-layers, per-layer or groups-of-G with G a divisor of the model's {layers} layers, "
             f"got {layout!r}"
         )
     return int(group)
@@ -57,7 +75,7 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype
     chunk_size: int = DEFAULT_CHUNK_SIZE
-    layout: str = "per-layer"
+    layout: str = "auto"  #: resolved to a concrete layout when made
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim", "chunk_size"):
@@ -66,12 +84,15 @@ class KVLayout:
                 raise ConfigError(f"KVLayout.{name} must be a positive int, got {value!r}")
         if not isinstance(self.layout, str):
             raise ConfigError(f"KVLayout.layout must be a string such as per-layer, got {self.layout!r:.40}")
-        layers_per_object(self.layout, self.layers)
         if not isinstance(self.dtype, torch.dtype):
             raise ConfigError(f"KVLayout.dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.layout == "auto":
+            per_layer = self.chunk_size * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+            object.__setattr__(self, "layout", auto_layout(self.layers, per_layer))
+        layers_per_object(self.layout, self.layers)
 
     @classmethod
-    def of(cls, model: Any, *, chunk_size: int = DEFAULT_CHUNK_SIZE, layout: str = "per-layer") -> "KVLayout":
+    def of(cls, model: Any, *, chunk_size: int = DEFAULT_CHUNK_SIZE, layout: str = "auto") -> "KVLayout":
         """The layout of a transformers causal LM's cache (its config and parameter dtype)."""
         cfg = model.config
         heads = cfg.num_attention_heads

@@ -23,7 +23,7 @@ from kvpool.prefill_decode.calibrate import measure_hardware, spec_of
 from kvpool.prefill_decode.connector import PoolConnector
 from kvpool.prefill_decode.cost import CostModel, Hardware
 from kvpool.prefill_decode.device_tier import DeviceTier
-from kvpool.prefill_decode.layout import LAYOUTS, KVLayout
+from kvpool.prefill_decode.layout import LAYOUTS, KVLayout, is_layout_name
 from kvpool.prefill_decode.model import MODELS, load_model
 from kvpool.prefill_decode.router import Route, Router
 from kvpool.prefill_decode.runner import ModelRunner, Prefilled
@@ -35,7 +35,7 @@ class WorkerConfig:
     model: str = "tiny-llama"  #: a name :func:`~kvpool.prefill_decode.model.load_model` knows
     model_options: tuple[tuple[str, Any], ...] = ()  #: keyword arguments of the loader, e.g. (("seed", 1),)
     chunk_size: int = DEFAULT_CHUNK_SIZE
-    layout: str = "per-layer"
+    layout: str = "auto"  #: see :mod:`kvpool.prefill_decode.layout`
     hardware: Hardware | None = None  #: the cost model's figures; None: measured when the worker starts
     replicas: int = 1  #: copies of each chunk a prefill worker puts
     torch_threads: int = 0  #: 0: torch's default
@@ -54,9 +54,7 @@ class WorkerConfig:
             raise ConfigError(
                 f"model_options must be a tuple of (name, value) pairs, e.g. (('seed', 1),), got {self.model_options!r:.80}"
             )
-        if not isinstance(self.layout, str) or not (
-            self.layout in LAYOUTS[:2] or self.layout.removeprefix("groups-of-").isdigit()
-        ):
+        if not is_layout_name(self.layout):
             raise ConfigError(
                 f"layout must be one of {', '.join(LAYOUTS)} (G: layers per object), got {self.layout!r:.40}"
             )

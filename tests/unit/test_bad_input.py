@@ -797,10 +797,10 @@ WORKER_FIELDS: dict[str, tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]] 
     ),
     "chunk_size": (st.integers(1, 4096), st.one_of(st.integers(-4096, 0), st.sampled_from([True, 256.0, "256", None]))),
     "layout": (
-        st.sampled_from(["all-layers", "per-layer", "groups-of-2"]),
+        st.sampled_from(["auto", "all-layers", "per-layer", "groups-of-2"]),
         st.one_of(
             st.text(max_size=12).filter(
-                lambda t: t not in ("all-layers", "per-layer") and not t.startswith("groups-of-")
+                lambda t: t not in ("auto", "all-layers", "per-layer") and not t.startswith("groups-of-")
             ),
             st.none(),
             st.just(["per-layer"]),

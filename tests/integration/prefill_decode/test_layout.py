@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvpool.errors import ConfigError
-from kvpool.prefill_decode.layout import KVBuffer, KVLayout
+from kvpool.prefill_decode.layout import KVBuffer, KVLayout, auto_layout
 from kvpool.prefill_decode.model import LoadedModel, forward, kv_cache
 
 
@@ -63,3 +63,15 @@ def test_bad_layouts_are_config_errors() -> None:
             KVLayout(4, 2, 32, torch.float32, layout=bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="chunk_size"):
         KVLayout(2, 2, 32, torch.float32, chunk_size=0)
+
+
+def test_auto_takes_the_most_layers_per_object_within_512_kib_and_two_groups() -> None:
+    kib = 1 << 10
+    assert auto_layout(8, 128 * kib) == "groups-of-4"  # the tiny Llama, 256 tokens per chunk
+    assert auto_layout(30, 192 * kib) == "groups-of-2"  # SmolLM2-135M in bf16
+    assert auto_layout(30, 384 * kib) == "per-layer"  # the same in fp32
+    assert auto_layout(8, 16 * kib) == "groups-of-4"  # small layers: still two groups to pipeline
+    assert auto_layout(7, 64 * kib) == auto_layout(1, 64 * kib) == "per-layer"
+    lay = KVLayout(8, 2, 32, torch.float32, chunk_size=256)  # 128 KiB per layer and chunk
+    assert lay.layout == "groups-of-4" and lay.group == 4
+    assert lay.identity("m") == KVLayout(8, 2, 32, torch.float32, 256, "groups-of-4").identity("m")
