@@ -58,6 +58,7 @@ system-deps:
 
 bench: $(STAMP)
 	$(PY) bench/metadata.py
+	$(PY) bench/calls.py
 	$(PY) bench/pool.py
 	$(PY) bench/transfer.py
 	$(PY) bench/cluster.py

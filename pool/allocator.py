@@ -103,6 +103,28 @@ class OffsetAllocator:
             "free or evict allocations, or use a larger segment"
         )
 
+    def claim(self, offset: int, size: int) -> None:
+        """Make ``[offset, offset + size)`` (``size`` rounded up to ``alignment``) a live allocation; it must lie
+        inside one free extent (``ConfigError`` otherwise, the allocator unchanged).  What a writer that carved
+        a larger room freed a moment ago hands back, one chunk at a time."""
+        rounded = self._round(size)
+        if not _is_int(offset) or offset < 0 or offset % self._alignment:
+            raise ConfigError(f"offset must be an int >= 0 and a multiple of {self._alignment}, got {offset!r:.40}")
+        i = bisect_left(self._free_starts, offset + 1) - 1  # the free extent starting at or before offset
+        start = self._free_starts[i] if i >= 0 else -1
+        if start < 0 or offset + rounded > start + self._free_size[start]:
+            raise ConfigError(f"[{offset}, +{rounded}) is not free: it overlaps a live allocation or the segment's end")
+        end, extent_end = offset + rounded, start + self._free_size.pop(start)
+        del self._free_starts[i]
+        if end < extent_end:  # the free tail keeps its place in the sorted list
+            self._free_starts.insert(i, end)
+            self._free_size[end] = extent_end - end
+        if start < offset:
+            self._free_starts.insert(i, start)
+            self._free_size[start] = offset - start
+        self._live[offset] = rounded
+        self._used += rounded
+
     def can_allocate(self, size: int) -> bool:
         """Whether ``allocate(size)`` would succeed now."""
         return self._round(size) <= self.largest_free

@@ -1,5 +1,5 @@
 """What a node knows of each chunk it holds, and the records its store hands out: where a chunk is stored and
-under which codec, a reservation of DRAM room, a change to publish."""
+under which codec, a reservation of DRAM room for a key or a room for a batch, a change to publish."""
 
 import enum
 from dataclasses import dataclass
@@ -37,7 +37,7 @@ class StoredChunk:
 
 @dataclass(frozen=True)
 class Recoded:
-    """A chunk's bytes under some codec (see :meth:`ChunkStore.encoded`)."""
+    """A chunk's bytes under some codec (see :func:`kvpool.pool.moves.recode`)."""
 
     data: Buffer
     codec: str
@@ -64,6 +64,29 @@ class Reservation:
     length: int
     already_stored: bool = False  #: the key is held already (keys name content): nothing to write
     at: float = 0.0  #: when it was made (the store's monotonic clock): an unpublished one expires
+
+
+@dataclass(frozen=True)
+class Room:
+    """DRAM a writer holds for its next batch, whose keys it does not know yet: it writes chunks into it at
+    offsets of its choosing (multiples of ``alignment``) and hands them over with one call, which opens the
+    next room in the same reply.  A room not handed over within the reservation TTL is reclaimed."""
+
+    id: int
+    offset: int
+    length: int
+    alignment: int
+    ttl_s: float = 30.0  #: the holder reclaims it this long after it opened it, unless filled
+    at: float = 0.0  #: when it was opened (the store's monotonic clock)
+
+    def carve(self, sizes: "list[int]") -> list[int] | None:
+        """Offsets in the segment for chunks of ``sizes``, laid one after the other on ``alignment``
+        boundaries; None when they do not fit."""
+        offsets, at = [], self.offset
+        for size in sizes:
+            offsets.append(at)
+            at += -(-size // self.alignment) * self.alignment
+        return offsets if at <= self.offset + self.length else None
 
 
 def check_checksum(checksum: int) -> None:

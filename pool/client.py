@@ -66,7 +66,7 @@ from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.s3_config import GC_GRACE_S
 from kvpool.pool.tiers.s3_reads import S3Reads
 from kvpool.pool.types import Placement, Tier
-from kvpool.pool.writes import Item, Summary, put_local, put_peer
+from kvpool.pool.writes import Item, Rooms, Summary, put_local, put_peer
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,7 @@ class PoolClient:
         self.placements = PlacementStore(self.etcd, Namespace(config.metadata.cluster))
         self.nodes = NodeHandles(config.namespace)
         self.peers = Peers(self.cache, scope=config.metadata.cluster)
+        self.rooms = Rooms()  #: DRAM each node holds for this client's next batch
         self._wait_s = config.metadata.retry_deadline_s  #: how long a call waits for the watch cache to catch up
         self.s3 = S3Reads(config.remote, config.metadata.cluster, self.cache, self.placements,
                           self.put_batch, self._wait_s)  # fmt: skip
@@ -107,6 +108,7 @@ class PoolClient:
 
     def close(self) -> None:
         self._stats.report(force=True)
+        self.rooms.close()
         self.peers.close()
         self.s3.close()
         self.device.close()
@@ -149,7 +151,9 @@ class PoolClient:
         replicated = len(targets) > 1
         segment = self._segment if self.node_id in targets else None
         with ThreadPoolExecutor(1, thread_name_prefix="kvpool-put") as pool:  # this node's copy beside the peers'
-            mine = None if segment is None else pool.submit(put_local, self._local, segment, views, sums, replicated)
+            mine = None
+            if segment is not None:
+                mine = pool.submit(put_local, self._local, self.node_id, self.rooms, segment, views, sums, replicated)
             revision = 0
             for node_id in targets:
                 if node_id != self.node_id or segment is None:  # peers one at a time: they share the staging buffer
@@ -163,7 +167,7 @@ class PoolClient:
         if record is None:  # it left the pool since the put chose it
             raise NodeUnreachable(f"pool node {node_id[:12]} left the pool during the put; put again")
         dram = record.capacity(Tier.DRAM)
-        return put_peer(self.nodes[node_id], self.peers, node_id, dram, views, sums, replicated)
+        return put_peer(self.nodes[node_id], node_id, self.rooms, self.peers, dram, views, sums, replicated)
 
     def _targets(self, replicas: int) -> list[str]:
         nodes = self.cache.nodes()

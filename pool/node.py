@@ -30,7 +30,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, MetadataUnavailable, PoolFull, RemoteUnavailable
-from kvpool.pool.chunks import SEGMENT_NAMES, Reservation, StoredChunk
+from kvpool.pool.chunks import SEGMENT_NAMES, Room, StoredChunk
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.flush import FLUSH_BYTES, Flusher
 from kvpool.pool.metrics import ClientStats, StoreCollector, serve_metrics
@@ -166,37 +166,38 @@ class PoolNode:
             bool(self.nvme and self.nvme.direct), self.nvme.path if self.nvme else "", self.metrics_address,
         )  # fmt: skip
 
-    def reserve_batch(self, items: Sequence[tuple[bytes, int]]) -> list[Reservation]:
-        """DRAM room for each ``(key, length)``, written next by a same-node client, then committed."""
-        out: list[Reservation] = []
+    def open_room(self, length: int) -> Room:
+        """DRAM room for a writer's next batch (see :class:`~kvpool.pool.chunks.Room`)."""
         try:
             with self._lock:
-                try:
-                    for key, length in items:
-                        out.append(self.store.reserve(key, length))
-                except BaseException:
-                    for r in out:
-                        if not r.already_stored:
-                            self.store.abort(r.key)
-                    raise
+                return self.store.open_room(length, self.config.reservation_ttl_s)
         finally:
             self.publisher.publish()  # migrations made to find room
-        return out
 
-    def commit_batch(self, items: Sequence[tuple[bytes, int, TensorFormat | None]], replicated: bool = False) -> int:
-        """Make reserved chunks visible: ``(key, checksum, tensor format or None)`` each."""
+    def fill_room(
+        self, room_id: int, items: Sequence[tuple[bytes, int, int, int, TensorFormat | None]], replicated: bool,
+        next_length: int,
+    ) -> tuple[int, Room | None]:  # fmt: skip
+        """Make the chunks written into room ``room_id`` visible (see ``ChunkStore.fill_room``) and open the writer's
+        next room of ``next_length`` bytes (none if 0, above an eighth of DRAM, or if DRAM has no room for it):
+        one call per batch.
+        Returns the etcd revision that shows the chunks, and the next room."""
+        if not isinstance(next_length, int) or isinstance(next_length, bool) or next_length < 0:
+            raise ConfigError(f"next_length must be an int >= 0 (bytes; 0: no next room), got {next_length!r:.40}")
+        room = None
         try:
             with self._lock:
-                for key, checksum, fmt in items:
-                    self.store.commit(key, checksum, replicated=replicated, fmt=fmt)
+                self.store.fill_room(room_id, items, replicated=bool(replicated))
+                if 0 < next_length <= self.dram.capacity // 8:  # a writer's idle room holds an eighth at most
+                    with contextlib.suppress(PoolFull):
+                        room = self.store.open_room(next_length, self.config.reservation_ttl_s)
         finally:
             revision = self.publisher.publish()
-        return revision
+        return revision, room
 
-    def abort_batch(self, keys: Sequence[bytes]) -> None:
+    def close_room(self, room_id: int) -> None:
         with self._lock:
-            for key in keys:
-                self.store.abort(key)
+            self.store.close_room(room_id)
 
     def put_batch(self, items: Sequence[tuple[bytes, bytes, int]], replicated: bool = False) -> int:
         """Store bytes sent as call arguments (small values, tests; clients write through the transport)."""

@@ -5,7 +5,9 @@ the caller (the ``PoolNode`` actor) drains with :meth:`ChunkStore.take_changes` 
 the placement records follow the bytes.
 
 Life of a chunk: ``reserve`` (DRAM space, not yet visible) → bytes written (by the store in ``put``, or
-by a same-node client straight into the mapped segment) → ``commit`` (visible) → maybe migrated to NVMe
+by a same-node client straight into the mapped segment) → ``commit`` (visible); or, for a writer that puts batch
+after batch, bytes written into a :class:`~kvpool.pool.chunks.Room` it opened before it knew the keys → ``fill_room``
+(visible; one call per batch) → maybe migrated to NVMe
 when DRAM passes its high watermark, promoted back on a hit → dropped when a full tier needs room or on
 ``remove``.  A chunk pinned by a reader is never moved or dropped.
 
@@ -17,14 +19,16 @@ one-sided, straight into their buffers.
 """
 
 import logging
+import secrets
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
+from itertools import pairwise
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, CorruptChunk, PoolFull
 from kvpool.pool.allocator import OffsetAllocator
-from kvpool.pool.chunks import Change, ChangeKind, Reservation, StoredChunk, check_checksum, short
+from kvpool.pool.chunks import Change, ChangeKind, Reservation, Room, StoredChunk, check_checksum, short
 from kvpool.pool.config import Watermarks
 from kvpool.pool.eviction import EvictionPolicy
 from kvpool.pool.keys import check_key
@@ -67,6 +71,7 @@ class ChunkStore:
         self.policy = EvictionPolicy(clock)
         self._chunks: dict[bytes, StoredChunk] = {}
         self._reserved: dict[bytes, Reservation] = {}
+        self._rooms: dict[int, Room] = {}
         self._moving: dict[bytes, Move] = {}  #: moves begun and not finished; each owns its target room
         self._changes: list[Change] = []  #: since the last take_changes()
         self.counters = {
@@ -93,15 +98,95 @@ class ChunkStore:
         return r
 
     def reap(self, max_age_s: float) -> int:
-        """Give back the space of reservations older than ``max_age_s`` that were never committed (their
-        writer died between reserve and commit: Mooncake's PutStart without PutEnd); returns how many."""
+        """Give back the space of reservations and rooms older than ``max_age_s`` that were never committed
+        (their writer died between reserve and commit: Mooncake's PutStart without PutEnd), and rooms past their
+        own TTL; returns how many."""
         now = self.clock.monotonic()
         expired = [k for k, r in self._reserved.items() if now - r.at > max_age_s]
         for key in expired:
             log.warning("chunk %s reserved %.0f s ago was never committed: space reclaimed", short(key), max_age_s)
             self.abort(key)
-        self.counters["reaped"] += len(expired)
-        return len(expired)
+        idle = [i for i, room in self._rooms.items() if now - room.at > room.ttl_s]
+        for room_id in idle:
+            self.close_room(room_id)
+        self.counters["reaped"] += len(expired) + len(idle)
+        return len(expired) + len(idle)
+
+    def open_room(self, length: int, ttl_s: float) -> Room:
+        """DRAM room of ``length`` bytes for a writer's next batch, making room by migration or drops if needed;
+        reclaimed by :meth:`reap` ``ttl_s`` after this unless filled."""
+        if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
+            raise ConfigError(f"room length must be an int > 0 (bytes), got {length!r:.60}")
+        offset = self._allocate(Tier.DRAM, length)
+        room_id = secrets.randbits(63)  # random: a room of a node's earlier life is never taken for one of this
+        room = Room(room_id, offset, self.allocators[Tier.DRAM].size_of(offset),
+                    self.allocators[Tier.DRAM].alignment, ttl_s, at=self.clock.monotonic())  # fmt: skip
+        self._rooms[room.id] = room
+        return room
+
+    def close_room(self, room_id: int) -> None:
+        """Give a room's space back; an unknown room is left alone (cleanup goes on past it)."""
+        room = self._rooms.pop(room_id, None) if isinstance(room_id, int) else None
+        if room is not None:
+            self.allocators[Tier.DRAM].free(room.offset)
+
+    def fill_room(
+        self,
+        room_id: int,
+        items: Sequence[tuple[bytes, int, int, int, TensorFormat | None]],
+        *,
+        replicated: bool = False,
+    ) -> None:
+        """Make the chunks a writer put into room ``room_id`` visible, each ``(key, offset, length, checksum,
+        tensor format or None)``; the rest of the room is freed.  A key held already keeps its first copy.
+        Everything is checked before anything changes: on bad input the room is closed and nothing is stored
+        (``ConfigError``); a room reclaimed meanwhile is a ``ChunkNotFound`` (write the batch again)."""
+        room = self._rooms.get(room_id) if isinstance(room_id, int) else None
+        if room is None:
+            raise ChunkNotFound(
+                f"room {room_id!r:.20} is not open here (idle past the reservation TTL, or the node restarted): "
+                "put the batch again"
+            )
+        try:
+            if not isinstance(items, (list, tuple)):
+                raise ConfigError(f"fill_room takes a list of chunks, got {type(items).__name__}")
+            checked = [self._room_item(room, item) for item in items]
+            spans = sorted((offset, offset + length) for _, offset, length, _, _ in checked)
+            if any(end > start for (_, end), (start, _) in pairwise(spans)):
+                raise ConfigError(f"chunks put into room {room_id} overlap")
+        except ConfigError:
+            self.close_room(room_id)
+            raise
+        self.close_room(room_id)
+        first: dict[bytes, tuple[bytes, int, int, int, TensorFormat | None]] = {}  # a key twice: its first copy
+        for c in checked:
+            if c[0] not in self._chunks and c[0] not in self._reserved:
+                first.setdefault(c[0], c)
+        fresh = list(first.values())
+        for key, offset, length, _, _ in fresh:  # all claimed before a commit may demote anything
+            self.allocators[Tier.DRAM].claim(offset, length)
+            self._reserved[key] = Reservation(key, offset, length)
+        for key, _, _, checksum, fmt in fresh:
+            self.commit(key, checksum, replicated=replicated, fmt=fmt)
+
+    def _room_item(
+        self, room: Room, item: tuple[bytes, int, int, int, TensorFormat | None]
+    ) -> tuple[bytes, int, int, int, TensorFormat | None]:
+        if not isinstance(item, tuple) or len(item) != 5:
+            raise ConfigError(f"a chunk put into a room is (key, offset, length, checksum, format), got {item!r:.60}")
+        key, offset, length, checksum, fmt = item
+        check_key(key)
+        check_checksum(checksum)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (offset, length)) or length <= 0:
+            raise ConfigError(f"chunk {short(key)}: offset and length must be ints (length > 0)")
+        if offset % room.alignment or not room.offset <= offset <= offset + length <= room.offset + room.length:
+            raise ConfigError(
+                f"chunk {short(key)} at [{offset}, +{length}) is not inside room {room.id} "
+                f"[{room.offset}, +{room.length}) on a {room.alignment}-byte boundary"
+            )
+        if fmt is not None and (not isinstance(fmt, TensorFormat) or fmt.nbytes != length):
+            raise ConfigError(f"chunk {short(key)}: its format {fmt!r:.60} does not describe {length} bytes")
+        return key, offset, length, checksum, fmt
 
     def commit(
         self, key: bytes, checksum: int, *, replicated: bool = False, fmt: TensorFormat | None = None
@@ -411,7 +496,7 @@ class ChunkStore:
                 problems.append(f"{tier.value} allocator: {exc}")
             owners = [c.offset for c in self._chunks.values() if c.tier is tier]
             if tier is Tier.DRAM:
-                owners += [r.offset for r in self._reserved.values()]
+                owners += [r.offset for r in self._reserved.values()] + [r.offset for r in self._rooms.values()]
             owners += [m.offset for m in self._moving.values() if m.tier is tier and m.offset is not None]
             if len(set(owners)) != len(owners):
                 problems.append(f"{tier.value}: two chunks or reservations share an offset")

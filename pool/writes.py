@@ -1,15 +1,23 @@
-"""The write path: a batch's bytes into one node, between a reservation and a commit (or an abort).
+"""The write path: a batch's bytes into one node's DRAM, in a room the client holds there, with one call per batch.
 
-Same node: the client writes straight into the node's mapped DRAM segment.  A peer: the bytes go through the
-client's registered staging buffer and one batched one-sided WRITE per round.  Either way in rounds, since room
-reserved but not yet committed cannot be evicted to make more: at most a quarter of the holder's DRAM (and of
-the staging buffer) is reserved at once.  Keys name content: a key the holder has already is not written again.
+A client keeps one :class:`~kvpool.pool.chunks.Room` per node it writes to: DRAM the node set aside for its next
+batch before the keys were known.  The client lays the batch's chunks out in the room, writes them (same node:
+straight into the mapped segment; a peer: from the registered staging buffer with one batched one-sided WRITE),
+and hands them over with ``fill_room``, whose reply opens the next room.  So a batch costs one Ray call and one
+etcd transaction; only the first batch on a node, or one larger than the room held, opens a room first.
+
+In rounds, since room set aside cannot be evicted to make more: at most a quarter of the holder's DRAM (and of
+the staging buffer) per round.  A room is used only within half its TTL, after which its node may reclaim it.
+Keys name content: a key the holder has already keeps its first copy (the bytes written again are freed).
 """
 
+import contextlib
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.pool.chunks import SEGMENT_NAMES, Reservation
+from kvpool.pool.chunks import SEGMENT_NAMES, Room
 from kvpool.pool.node_handle import call
 from kvpool.pool.peers import STAGING_BYTES, Peers, rounds
 from kvpool.pool.segment import DramSegment
@@ -19,50 +27,104 @@ from kvpool.transport.base import Op
 
 Item = tuple[bytes, memoryview]  #: a chunk to write: its key and its bytes
 Summary = tuple[int, TensorFormat | None]  #: what a commit says of a chunk: its checksum and its tensor format
+PAGE = 4096  #: the alignment a room is expected to have before the first one is seen
 
 
-def put_local(node: Any, segment: DramSegment, items: Sequence[Item], sums: Sequence[Summary], replicated: bool) -> int:
-    """Write ``items`` into this node (``node``: its actor, ``segment``: its mapped DRAM); the etcd revision
-    that shows them."""
+def room_bytes(sizes: Sequence[int], alignment: int) -> int:
+    """DRAM a room needs to hold chunks of ``sizes`` on ``alignment`` boundaries."""
+    return sum(-(-s // alignment) * alignment for s in sizes)
+
+
+class Rooms:
+    """The rooms a client holds, one per node, and when each was handed to it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[str, tuple[Any, Room, float]] = {}  #: node id -> (its actor, the room, when received)
+        self._alignment = PAGE
+
+    def take(self, node_id: str, node: Any, sizes: Sequence[int]) -> tuple[Room, list[int]]:
+        """A room on ``node_id`` (``node``: its actor) for chunks of ``sizes``, and their offsets in it: the room
+        held there if they fit and it is fresh, else a new one (the one held is closed, not waited for)."""
+        with self._lock:
+            node, held, received = self._held.pop(node_id, (node, None, 0.0))
+        if held is not None:
+            offsets = held.carve(list(sizes))
+            if offsets is not None and time.monotonic() - received < held.ttl_s / 2:
+                return held, offsets
+            node.close_room.remote(held.id)
+        for _ in range(2):  # a second time only if the node's alignment is not the one assumed
+            room: Room = call(node.open_room.remote(room_bytes(sizes, self._alignment)))
+            self._alignment = room.alignment
+            if (offsets := room.carve(list(sizes))) is not None:
+                return room, offsets
+            node.close_room.remote(room.id)
+        raise AssertionError(f"a room of {room.length} bytes cannot hold {len(sizes)} chunks it was opened for")
+
+    def fill(
+        self, node_id: str, node: Any, room: Room, chunks: list[tuple[bytes, int, int, int, TensorFormat | None]],
+        replicated: bool,
+    ) -> int:  # fmt: skip
+        """Hand the chunks written into ``room`` over (one call, which opens the next room of the same size); the
+        etcd revision that shows them."""
+        revision, nxt = call(node.fill_room.remote(room.id, chunks, replicated, room.length))
+        if nxt is not None:
+            with self._lock:
+                old = self._held.pop(node_id, None)
+                self._held[node_id] = (node, nxt, time.monotonic())
+            if old is not None:  # another thread of this client wrote there meanwhile
+                old[0].close_room.remote(old[1].id)
+        return int(revision)
+
+    def close(self) -> None:
+        """Give every room back (not waited for)."""
+        with self._lock:
+            held, self._held = self._held, {}
+        for node, room, _ in held.values():
+            with contextlib.suppress(Exception):  # a node gone meanwhile took its rooms along
+                node.close_room.remote(room.id)
+
+
+def put_local(
+    node: Any, node_id: str, rooms: Rooms, segment: DramSegment, items: Sequence[Item], sums: Sequence[Summary],
+    replicated: bool,
+) -> int:  # fmt: skip
+    """Write ``items`` into this node (``node``: its actor, ``segment``: its mapped DRAM); the etcd revision that
+    shows them."""
     revision = 0
     for r in rounds([v.nbytes for _, v in items], max(1, segment.capacity // 4)):
-        reservations: list[Reservation] = call(node.reserve_batch.remote([(k, v.nbytes) for k, v in items[r]]))
-        fresh = [(res, v, s) for res, (_, v), s in zip(reservations, items[r], sums[r], strict=True)]
-        fresh = [f for f in fresh if not f[0].already_stored]
+        room, offsets = rooms.take(node_id, node, [v.nbytes for _, v in items[r]])
         try:
-            for res, view, _ in fresh:
-                segment.write(res.offset, view)
+            for offset, (_, view) in zip(offsets, items[r], strict=True):
+                segment.write(offset, view)
         except BaseException:
-            call(node.abort_batch.remote([res.key for res, _, _ in fresh]))
+            node.close_room.remote(room.id)
             raise
-        revision = max(
-            revision, int(call(node.commit_batch.remote([(res.key, *s) for res, _, s in fresh], replicated)))
-        )
+        chunks = [(k, o, v.nbytes, *s) for o, (k, v), s in zip(offsets, items[r], sums[r], strict=True)]
+        revision = max(revision, rooms.fill(node_id, node, room, chunks, replicated))
     return revision
 
 
 def put_peer(
-    node: Any, peers: Peers, node_id: str, dram_bytes: int, items: Sequence[Item], sums: Sequence[Summary],
-    replicated: bool,
+    node: Any, node_id: str, rooms: Rooms, peers: Peers, dram_bytes: int, items: Sequence[Item],
+    sums: Sequence[Summary], replicated: bool,
 ) -> int:  # fmt: skip
     """Write ``items`` into the peer ``node_id`` (``node``: its actor, ``dram_bytes``: its DRAM capacity) from
     the staging buffer; the etcd revision that shows them."""
     revision = 0
     for r in rounds([v.nbytes for _, v in items], min(max(dram_bytes // 4, 1), STAGING_BYTES)):
         staging = peers.staging(sum(v.nbytes for _, v in items[r]))
-        reservations: list[Reservation] = call(node.reserve_batch.remote([(k, v.nbytes) for k, v in items[r]]))
-        ops, fresh, at = [], [], 0
-        for res, (key, view), s in zip(reservations, items[r], sums[r], strict=True):
-            if res.already_stored:
-                continue
+        room, offsets = rooms.take(node_id, node, [v.nbytes for _, v in items[r]])
+        ops, at = [], 0
+        for offset, (_, view) in zip(offsets, items[r], strict=True):
             staging[at : at + view.nbytes] = view
-            ops.append(Op(SEGMENT_NAMES[Tier.DRAM], res.offset, staging.ctypes.data + at, view.nbytes))
-            fresh.append((key, *s))
+            ops.append(Op(SEGMENT_NAMES[Tier.DRAM], offset, staging.ctypes.data + at, view.nbytes))
             at += view.nbytes
         try:
             peers.write(node_id, ops)
         except BaseException:
-            call(node.abort_batch.remote([f[0] for f in fresh]))
+            node.close_room.remote(room.id)
             raise
-        revision = max(revision, int(call(node.commit_batch.remote(fresh, replicated))))
+        chunks = [(k, o, v.nbytes, *s) for o, (k, v), s in zip(offsets, items[r], sums[r], strict=True)]
+        revision = max(revision, rooms.fill(node_id, node, room, chunks, replicated))
     return revision

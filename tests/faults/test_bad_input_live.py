@@ -1,7 +1,7 @@
 """Bad input through a live ``PoolNode`` actor (real Ray, etcd and segments): generated sequences of good and
 malformed calls.  Each call succeeds or raises a :class:`~kvpool.errors.KvPoolError` with a message (no raw
 ``TypeError`` or ``KeyError`` from inside the actor); the actor keeps answering; and after every sequence the
-node's audit finds nothing: its allocators agree with its chunks and reservations, and its chunks with the
+node's audit finds nothing: its allocators agree with its chunks and rooms, and its chunks with the
 placements etcd shows for it."""
 
 import uuid
@@ -39,10 +39,19 @@ checksum = st.one_of(st.integers(0, 2**32), st.sampled_from([-1, 2**64]), st.tex
 fmt = st.one_of(st.none(), st.just(TensorFormat("float32", (16,))), st.just("float32"), st.integers())
 data = st.one_of(st.binary(min_size=1, max_size=4096), st.text(max_size=3), st.none())
 tier = st.one_of(st.sampled_from([Tier.DRAM, Tier.NVME, Tier.REMOTE]), st.text(max_size=5))
+#: a room opened earlier in the sequence (by index), else sent as it is
+room_ref = st.one_of(st.integers(0, 3), st.integers(0, 3), st.sampled_from([-1, 10**9]), st.text(max_size=3), st.none())
+in_room = st.one_of(st.sampled_from([0, 4096, 8192]), st.integers(-8192, 2**20), st.none(), st.text(max_size=2))
 op = st.one_of(
-    st.tuples(st.just("reserve_batch"), st.lists(st.tuples(key, length), min_size=1, max_size=3)),
-    st.tuples(st.just("commit_batch"), st.lists(st.tuples(key, checksum, fmt), min_size=1, max_size=3)),
-    st.tuples(st.just("abort_batch"), st.lists(key, min_size=1, max_size=3)),
+    st.tuples(st.just("open_room"), length),
+    st.tuples(
+        st.just("fill_room"),
+        room_ref,
+        st.lists(st.tuples(key, in_room, length, checksum, fmt), max_size=3),
+        st.booleans(),
+        st.one_of(st.integers(0, 2 * MiB), st.sampled_from([-1, 2**40]), st.none(), st.text(max_size=2)),
+    ),
+    st.tuples(st.just("close_room"), room_ref),
     st.tuples(st.just("put_batch"), st.lists(st.tuples(key, data, checksum), min_size=1, max_size=3)),
     st.tuples(st.just("locate_batch"), st.lists(key, min_size=1, max_size=3)),
     st.tuples(st.just("remove_batch"), st.lists(key, min_size=1, max_size=3)),
@@ -63,11 +72,29 @@ def node(ray_cluster: list[str], etcd_server: EmbeddedEtcd) -> Iterator[Any]:
     stop_pool(config)
 
 
+def resolve(name: str, args: list[Any], rooms: list[Any]) -> list[Any]:
+    """A room call's arguments with a room reference turned into that room's id, and offsets in it into offsets
+    in the segment."""
+    if name not in ("fill_room", "close_room"):
+        return args
+    ref, *rest = args
+    room = rooms[ref] if isinstance(ref, int) and 0 <= ref < len(rooms) else None
+    if room is None:
+        return args
+    if name == "fill_room":
+        items, *tail = rest
+        at = [(k, room.offset + o if isinstance(o, int) else o, *more) for k, o, *more in items]
+        return [room.id, at, *tail]
+    return [room.id]
+
+
 def run_calls(node: Any, calls: list[tuple[Any, ...]], seen: Counter[str]) -> None:
     """Make ``calls`` on the node: each succeeds or is refused with a typed error (counted in ``seen`` by outcome);
     then the node's audit finds nothing."""
+    rooms: list[Any] = []
     try:
-        for name, *args in calls:
+        for name, *given_args in calls:
+            args = resolve(name, given_args, rooms)
             try:
                 result = ray.get(getattr(node, name).remote(*args), timeout=60)
             except ray.exceptions.RayTaskError as exc:
@@ -77,10 +104,14 @@ def run_calls(node: Any, calls: list[tuple[Any, ...]], seen: Counter[str]) -> No
                 seen[f"refused {type(cause).__name__}"] += 1
                 continue
             seen["ok"] += 1
+            if name == "open_room":
+                rooms.append(result)
+            elif name == "fill_room" and result[1] is not None:
+                rooms.append(result[1])
             if name == "locate_batch":  # pinned for a reader: let go
                 ray.get(node.release_batch.remote([c.key for c in result if c is not None]))
-    finally:
-        ray.get(node.abort_batch.remote(GOOD))  # reservations left open would fill DRAM until the reaper's turn
+    finally:  # rooms left open would fill DRAM until the reaper's turn
+        ray.get([node.close_room.remote(r.id) for r in rooms])
     assert ray.get(node.audit.remote()) == []
 
 

@@ -1,5 +1,5 @@
-"""A client killed between reserve and commit (Mooncake's PutStart without PutEnd) leaves no orphan space:
-the node reclaims the reservation within its TTL (plus half a TTL for the reaper's turn)."""
+"""A client killed with a room open on a node, its batch half written (Mooncake's PutStart without PutEnd), leaves
+no orphan space: the node reclaims the room within its TTL (plus half a TTL for the reaper's turn)."""
 
 import os
 import subprocess
@@ -26,10 +26,9 @@ KILLED_WRITER = textwrap.dedent(
     import os, sys, ray
     ray.init(address=sys.argv[1], namespace=sys.argv[2], logging_level="ERROR")
     node = ray.get_actor(sys.argv[3], namespace=sys.argv[2])
-    keys = [bytes([i]) * 32 for i in range(3)]
-    ray.get(node.reserve_batch.remote([(k, 1 << 20) for k in keys]))  # 3 MiB reserved ...
-    print("reserved", flush=True)
-    os._exit(9)  # ... and the writer dies before committing
+    ray.get(node.open_room.remote(3 << 20))  # 3 MiB set aside for a batch ...
+    print("opened", flush=True)
+    os._exit(9)  # ... and the writer dies before handing it over
     """
 )
 
@@ -45,16 +44,14 @@ def pool(ray_cluster: list[str], metadata_config: MetadataConfig) -> Iterator[Po
     stop_pool(config)
 
 
-def test_a_writer_killed_between_reserve_and_commit_leaves_no_orphan_space(
-    pool: PoolConfig, ray_cluster: list[str]
-) -> None:
+def test_a_writer_killed_with_a_room_open_leaves_no_orphan_space(pool: PoolConfig, ray_cluster: list[str]) -> None:
     node = ray.get_actor(actor_name(ray_cluster[0]), namespace=pool.namespace)
     args = [ray.get_runtime_context().gcs_address, pool.namespace, actor_name(ray_cluster[0])]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     done = subprocess.run(
         [sys.executable, "-c", KILLED_WRITER, *args], capture_output=True, text=True, env=env, timeout=120
     )
-    assert done.returncode == 9 and "reserved" in done.stdout, done.stderr[-2000:]
+    assert done.returncode == 9 and "opened" in done.stdout, done.stderr[-2000:]
     killed_at = time.monotonic()
 
     def dram_used() -> int:
@@ -62,9 +59,9 @@ def test_a_writer_killed_between_reserve_and_commit_leaves_no_orphan_space(
 
     while dram_used() and time.monotonic() - killed_at < 10 * TTL_S:
         time.sleep(0.1)
-    assert dram_used() == 0, "the dead writer's reservation was never reclaimed"
+    assert dram_used() == 0, "the dead writer's room was never reclaimed"
     stats = ray.get(node.stats.remote())
-    assert stats["reaped"] == 3
+    assert stats["reaped"] == 1
     with PoolClient(pool) as client:  # the whole segment is usable again
         keys = chunk_keys(CacheIdentity(model="orphans", kv_dtype="u8", layout="b", chunk_size=1), range(3))
         client.put_batch([(k, np.full(1 << 20, i, dtype=np.uint8)) for i, k in enumerate(keys)], nodes=[ray_cluster[0]])

@@ -5,7 +5,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvpool.errors import PoolFull
+from kvpool.errors import ConfigError, PoolFull
 from kvpool.pool.allocator import OffsetAllocator
 
 MiB = 1 << 20
@@ -98,6 +98,21 @@ def test_bad_alignment_raises_naming_alignment(alignment: Any) -> None:
         OffsetAllocator(1 << 20, alignment=alignment)
 
 
+def test_claim_takes_a_chosen_free_range_and_refuses_anything_else() -> None:
+    a = OffsetAllocator(16 * 4096)
+    room = a.allocate(8 * 4096)
+    a.free(room)  # a writer's room, carved into chunks
+    a.claim(room + 4096, 5000)  # rounded to two blocks
+    a.claim(room + 5 * 4096, 4096)
+    assert a.used == 3 * 4096 and a.stats().free_extents == 3 and a.allocate(4096) == 0
+    for offset, size in ((room + 4096, 1), (room + 2 * 4096, 4096), (15 * 4096, 2 * 4096), (-4096, 1)):
+        with pytest.raises(ConfigError):
+            a.claim(offset, size)
+    with pytest.raises(ConfigError, match="multiple of 4096"):
+        a.claim(100, 1)
+    a.check_invariants()
+
+
 def test_fragmentation_visible_in_stats() -> None:
     alloc = OffsetAllocator(8 * 4096)
     offsets = [alloc.allocate(4096) for _ in range(8)]
@@ -165,6 +180,19 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.alloc.free(offset)
         block = offset // self.align
         self.occupied[block : block + n] = [False] * n
+
+    @rule(block=st.integers(0, 50), size=st.integers(1, 8 * 64))
+    def claim(self, block: int, size: int) -> None:
+        """A chosen range: claimed exactly when every block of it is free and inside the segment."""
+        n = -(-size // self.align)
+        fits = block + n <= len(self.occupied) and not any(self.occupied[block : block + n])
+        if not fits:
+            with pytest.raises(ConfigError, match="not free"):
+                self.alloc.claim(block * self.align, size)
+            return
+        self.alloc.claim(block * self.align, size)
+        self.occupied[block : block + n] = [True] * n
+        self.live[block * self.align] = n
 
     @rule(offset=st.integers(0, 50 * 64))
     def free_unknown(self, offset: int) -> None:

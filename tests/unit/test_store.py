@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvpool.clock import ManualClock
-from kvpool.errors import ChunkBusy, ChunkNotFound, PoolFull
+from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, PoolFull
 from kvpool.pool.chunks import ChangeKind
 from kvpool.pool.config import Watermarks
 from kvpool.pool.segment import DramSegment, NvmeSegment
@@ -178,6 +178,59 @@ def test_reservations_never_committed_are_reaped_after_their_ttl(
     clock.advance(60)
     assert store.reap(30.0) == 0 and key(2) in store and store.counters["reaped"] == 1
     store.allocators[Tier.DRAM].check_invariants()
+
+
+def test_a_room_filled_with_a_batch_holds_its_chunks_and_frees_the_rest(
+    segments: tuple[DramSegment, NvmeSegment],
+) -> None:
+    dram, _ = segments
+    clock = ManualClock()
+    store = make(segments, clock)
+    store.put(key(9), data(9), checksum=9)
+    room = store.open_room(4 * BLOCK, ttl_s=30.0)
+    offsets = room.carve([BLOCK, 100, BLOCK])
+    assert offsets is not None and room.carve([4 * BLOCK, 1]) is None
+    for i, (offset, n) in enumerate(zip(offsets, [BLOCK, 100, BLOCK], strict=True)):
+        dram.write(offset, data(i, n))  # as a writer fills it, keys unknown to the node until now
+    assert store.usage()[Tier.DRAM][0] == 5 * BLOCK and store.audit() == []
+    store.take_changes()
+    store.fill_room(room.id, [(key(0), offsets[0], BLOCK, 0, None), (key(1), offsets[1], 100, 1, None),
+                              (key(9), offsets[2], BLOCK, 9, None)])  # fmt: skip
+    assert [c.chunk.key for c in store.take_changes()] == [key(0), key(1)]  # key 9 keeps its first copy
+    assert store.read(key(1)) == data(1, 100).tobytes() and store.read(key(9)) == data(9).tobytes()
+    assert store.usage()[Tier.DRAM][0] == 2 * BLOCK + 4096 and store.audit() == []
+    with pytest.raises(ChunkNotFound, match="put the batch again"):
+        store.fill_room(room.id, [])  # a room is filled once
+
+
+def test_a_room_refuses_chunks_outside_it_or_overlapping_and_keeps_nothing(
+    segments: tuple[DramSegment, NvmeSegment],
+) -> None:
+    store = make(segments, ManualClock())
+    for bad in (
+        lambda r: [(key(1), r.offset + r.length - 4096, BLOCK, 1, None)],  # past its end
+        lambda r: [(key(1), r.offset + 100, 10, 1, None)],  # not on a block boundary
+        lambda r: [(key(1), r.offset, BLOCK, 1, None), (key(2), r.offset + 4096, 10, 2, None)],  # overlapping
+        lambda r: [(b"short", r.offset, 10, 1, None)],
+        lambda r: [(key(1), r.offset, 10, -1, None)],
+        lambda r: [(key(1), r.offset, 10)],
+    ):
+        room = store.open_room(2 * BLOCK, ttl_s=30.0)
+        with pytest.raises(ConfigError):
+            store.fill_room(room.id, bad(room))  # type: ignore[arg-type]
+        assert key(1) not in store and store.usage()[Tier.DRAM][0] == 0 and store.audit() == []
+
+
+def test_rooms_left_idle_are_reaped_after_their_own_ttl(segments: tuple[DramSegment, NvmeSegment]) -> None:
+    clock = ManualClock()
+    store = make(segments, clock)
+    short_lived, long_lived = store.open_room(BLOCK, ttl_s=5.0), store.open_room(BLOCK, ttl_s=60.0)
+    clock.advance(6)
+    assert store.reap(30.0) == 1 and store.usage()[Tier.DRAM][0] == BLOCK
+    with pytest.raises(ChunkNotFound):
+        store.fill_room(short_lived.id, [])
+    store.fill_room(long_lived.id, [])
+    assert store.usage()[Tier.DRAM][0] == 0 and store.audit() == []
 
 
 def test_move_demotes_and_promotes_on_request(segments: tuple[DramSegment, NvmeSegment]) -> None:
