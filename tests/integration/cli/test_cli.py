@@ -34,7 +34,7 @@ def test_up_on_the_embedded_default() -> None:
     warm = next(line for line in out.stdout.splitlines() if "│ warm" in line)
     assert "recompute" in cold and "0 reused" in cold and "reload" in warm and "1280 reused" in warm
     assert "TTFT      cold" in out.stdout and "x faster" in out.stdout
-    assert "/64M" in out.stdout and "chunks: 56" in out.stdout  # the check's 16 + 5 chunks of 8 layers
+    assert "/64M" in out.stdout and "chunks: 26" in out.stdout  # the check's 16 + 5 chunks of 2 groups of 4 layers
 
 
 def test_status_of_a_running_pool(metadata_config: MetadataConfig, etcd: EtcdClient, namespace: Namespace) -> None:
