@@ -212,8 +212,10 @@ class EtcdClient:
 
     # -- watch ----------------------------------------------------------------------------------------
 
-    def watch(self, prefix: bytes, start_revision: int) -> "WatchStream":
-        return WatchStream(self._client.channel, prefix, start_revision, self._client.metadata)
+    def watch(self, prefix: bytes, start_revision: int, *, prev_kv: bool = False) -> "WatchStream":
+        """Every change under ``prefix`` from ``start_revision`` on (``prev_kv``: each event also carries the
+        value the key held before)."""
+        return WatchStream(self._client.channel, prefix, start_revision, self._client.metadata, prev_kv=prev_kv)
 
 
 def _kv_from_meta(value: bytes, meta: Any) -> KeyValue:
@@ -236,9 +238,13 @@ class WatchStream:
     the start revision was compacted away; the caller re-snapshots and watches again.
     """
 
-    def __init__(self, channel: grpc.Channel, prefix: bytes, start_revision: int, metadata: Any) -> None:
+    def __init__(
+        self, channel: grpc.Channel, prefix: bytes, start_revision: int, metadata: Any, *, prev_kv: bool = False
+    ) -> None:
         self._requests: queue.Queue[Any] = queue.Queue()
-        create = etcdrpc.WatchCreateRequest(key=prefix, range_end=prefix_end(prefix), start_revision=start_revision)
+        create = etcdrpc.WatchCreateRequest(
+            key=prefix, range_end=prefix_end(prefix), start_revision=start_revision, prev_kv=prev_kv
+        )
         self._requests.put(etcdrpc.WatchRequest(create_request=create))
         self._call = etcdrpc.WatchStub(channel).Watch(iter(self._requests.get, None), metadata=metadata)
         self._lock = threading.Lock()
