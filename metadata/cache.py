@@ -16,8 +16,8 @@ from typing import Any
 from kvpool.errors import MalformedRecord, MetadataUnavailable
 from kvpool.metadata.client import EtcdClient, KeyValue, WatchStream
 from kvpool.metadata.namespace import Namespace
-from kvpool.metadata.records import decode_node, decode_placement
-from kvpool.pool.types import NodeRecord, Placement, Tier
+from kvpool.metadata.records import decode_identity, decode_node, decode_placement
+from kvpool.pool.types import IdentityRecord, NodeRecord, Placement, Tier
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ class MetadataCache:
         self._cond = threading.Condition()
         self._chunks: dict[bytes, dict[str, Placement]] = {}
         self._nodes: dict[str, NodeRecord] = {}
+        self._identities: dict[str, IdentityRecord] = {}  #: by fingerprint
         self._revision = 0  #: every event up to here has been applied
         self._synced = False
         self._stop = threading.Event()
@@ -95,10 +96,11 @@ class MetadataCache:
         self.malformed = 0  # recounted from the snapshot
         chunks: dict[bytes, dict[str, Placement]] = {}
         nodes: dict[str, NodeRecord] = {}
+        identities: dict[str, IdentityRecord] = {}
         for kv in kvs:
-            self._put(chunks, nodes, kv.key, kv.value)
+            self._put(chunks, nodes, identities, kv.key, kv.value)
         with self._cond:
-            self._chunks, self._nodes = chunks, nodes
+            self._chunks, self._nodes, self._identities = chunks, nodes, identities
             self._revision, self._synced = revision, True
             self.resyncs += 1
             self._cond.notify_all()
@@ -109,14 +111,15 @@ class MetadataCache:
                 if ev.type == _DELETE:
                     self._delete(ev.kv.key)
                 else:
-                    self._put(self._chunks, self._nodes, ev.kv.key, ev.kv.value)
+                    self._put(self._chunks, self._nodes, self._identities, ev.kv.key, ev.kv.value)
             if resp.events:  # events arrive in revision order: everything up to the last one is applied
                 self._revision = max(self._revision, resp.events[-1].kv.mod_revision)
                 self._cond.notify_all()
 
     def _put(
-        self, chunks: dict[bytes, dict[str, Placement]], nodes: dict[str, NodeRecord], key: bytes, value: bytes
-    ) -> None:
+        self, chunks: dict[bytes, dict[str, Placement]], nodes: dict[str, NodeRecord],
+        identities: dict[str, IdentityRecord], key: bytes, value: bytes,
+    ) -> None:  # fmt: skip
         ns = self.namespace
         try:
             if key.startswith(ns.chunks):
@@ -125,6 +128,8 @@ class MetadataCache:
             elif key.startswith(ns.nodes):
                 node_id = ns.parse_node(key)
                 nodes[node_id] = decode_node(node_id, value)
+            elif key.startswith(ns.identities):
+                identities[ns.parse_identity(key)] = decode_identity(value)
         except (MalformedRecord, ValueError) as exc:
             self.malformed += 1
             log.warning("metadata cache: skipping %s: %s", key.decode(errors="replace"), exc)
@@ -141,6 +146,8 @@ class MetadataCache:
                         del self._chunks[chunk]
             elif key.startswith(ns.nodes):
                 self._nodes.pop(ns.parse_node(key), None)
+            elif key.startswith(ns.identities):
+                self._identities.pop(ns.parse_identity(key), None)
         except MalformedRecord:
             pass  # a key we never decoded
 
@@ -194,6 +201,11 @@ class MetadataCache:
     def nodes(self) -> list[NodeRecord]:
         with self._cond:
             return sorted(self._nodes.values(), key=lambda n: n.node_id)
+
+    def identities(self) -> dict[str, IdentityRecord]:
+        """The cache identities clients registered, by fingerprint."""
+        with self._cond:
+            return dict(self._identities)
 
     def chunk_count(self) -> int:
         with self._cond:

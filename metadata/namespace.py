@@ -3,6 +3,7 @@
 ``/kvpool/<cluster>/nodes/<node>``            → NodeRecord, bound to the node's lease
 ``/kvpool/<cluster>/chunks/<key hex>/<node>`` → Placement of one replica, bound to the holder's lease
 ``/kvpool/<cluster>/sync``                     → a barrier marker (see ``MetadataCache.sync``)
+``/kvpool/<cluster>/identities/<fingerprint>`` → a cache identity a client uses (see ``kvpool.metadata.identities``)
 """
 
 import re
@@ -13,6 +14,8 @@ from kvpool.metadata.config import validate_name
 
 KEY_BYTES = 32  # chunk keys are SHA-256 digests (kvpool.pool.keys)
 _KEY_HEX = re.compile(rb"[0-9a-f]{%d}" % (2 * KEY_BYTES))  # lower case, as chunk() writes it
+FINGERPRINT_HEX = 16  #: hex digits of a cache identity's root that name it
+_FINGERPRINT = re.compile(rb"[0-9a-f]{%d}" % FINGERPRINT_HEX)
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,24 @@ class Namespace:
     @property
     def chunks(self) -> bytes:
         return self.root + b"chunks/"
+
+    @property
+    def identities(self) -> bytes:
+        return self.root + b"identities/"
+
+    def identity(self, fingerprint: str) -> bytes:
+        return self.identities + fingerprint.encode()
+
+    def parse_identity(self, etcd_key: bytes) -> str:
+        """The fingerprint of an identity record's etcd key; ``MalformedRecord`` otherwise."""
+        raw = etcd_key[len(self.identities) :] if isinstance(etcd_key, bytes) else b""
+        if (
+            not isinstance(etcd_key, bytes)
+            or not etcd_key.startswith(self.identities)
+            or not _FINGERPRINT.fullmatch(raw)
+        ):
+            raise MalformedRecord(f"etcd key {etcd_key!r:.120} is not <identities>/<{FINGERPRINT_HEX} hex digits>")
+        return raw.decode()
 
     @property
     def sync_marker(self) -> bytes:

@@ -14,10 +14,14 @@ from typing import Annotated, Any, Final, Literal, get_args
 import msgspec
 from msgspec import Meta, Struct
 
-from kvpool.errors import MalformedRecord
-from kvpool.pool.types import NodeRecord, Placement, SegmentInfo, Tier
+from kvpool.errors import ConfigError, MalformedRecord
+from kvpool.pool.keys import CacheIdentity
+from kvpool.pool.types import IdentityRecord, NodeRecord, Placement, SegmentInfo, Tier
 
-__all__ = ["SCHEMA_VERSION", "decode_node", "decode_placement", "encode_node", "encode_placement"]
+__all__ = [
+    "SCHEMA_VERSION", "decode_identity", "decode_node", "decode_placement", "encode_identity", "encode_node",
+    "encode_placement",
+]  # fmt: skip
 
 SCHEMA_VERSION: Final = 2  #: 2: placements carry ``stored`` and ``size`` (no 0-sentinel); write-only fields gone
 _Version = Literal[2]  # msgspec needs the literal itself; kept equal to SCHEMA_VERSION (checked below)
@@ -61,10 +65,27 @@ class _NodeWire(Struct, forbid_unknown_fields=True):
     metrics: str
 
 
+class _IdentityWire(Struct, forbid_unknown_fields=True):
+    """A cache identity a client registered; its fingerprint is in the etcd key."""
+
+    v: _Version
+    model: str
+    kv_dtype: str
+    layout: str
+    chunk_size: _Positive
+    tp_size: _Positive
+    tp_rank: _NonNegative
+    codec: str
+    host: str
+    pid: _Pid
+    at: _Finite
+
+
 assert get_args(_Version) == (SCHEMA_VERSION,), "bump both together"
 _ENCODER = msgspec.msgpack.Encoder()
 _PLACEMENT_DECODER = msgspec.msgpack.Decoder(_PlacementWire)
 _NODE_DECODER = msgspec.msgpack.Decoder(_NodeWire)
+_IDENTITY_DECODER = msgspec.msgpack.Decoder(_IdentityWire)
 _ANY_MAP = msgspec.msgpack.Decoder(dict[str, Any])
 
 
@@ -113,3 +134,24 @@ def decode_node(node_id: str, raw: bytes) -> NodeRecord:
         raise _malformed("node record", raw, exc) from None
     segments = tuple(SegmentInfo(s.name, s.tier, s.capacity, s.used) for s in w.segments)
     return NodeRecord(node_id, w.host, w.pid, w.address, segments, w.started, w.metrics)
+
+
+def encode_identity(r: IdentityRecord) -> bytes:
+    i = r.identity
+    wire = _IdentityWire(
+        SCHEMA_VERSION, i.model, i.kv_dtype, i.layout, i.chunk_size, i.tp_size, i.tp_rank, i.codec, r.host, r.pid, r.at
+    )
+    return _ENCODER.encode(wire)
+
+
+def decode_identity(raw: bytes) -> IdentityRecord:
+    """The identity record ``raw`` encodes; ``MalformedRecord`` if it is not one."""
+    try:
+        w = _IDENTITY_DECODER.decode(raw)
+    except (msgspec.DecodeError, TypeError) as exc:
+        raise _malformed("identity record", raw, exc) from None
+    try:
+        identity = CacheIdentity(w.model, w.kv_dtype, w.layout, w.chunk_size, w.tp_size, w.tp_rank, w.codec)
+    except ConfigError as exc:
+        raise MalformedRecord(f"identity record: {exc}") from None
+    return IdentityRecord(identity, w.host, w.pid, w.at)

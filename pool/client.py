@@ -48,6 +48,7 @@ from kvpool.errors import (
     PoolFull,
     RemoteUnavailable,
 )
+from kvpool.metadata import identities
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import Namespace
@@ -56,7 +57,7 @@ from kvpool.pool.buffers import byte_view
 from kvpool.pool.chunks import checksum, short
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.device_reads import DeviceReads, device_bytes
-from kvpool.pool.keys import check_items, check_key, check_keys, check_list
+from kvpool.pool.keys import CacheIdentity, check_items, check_key, check_keys, check_list
 from kvpool.pool.metrics import SOURCES, StatsReporter
 from kvpool.pool.node_handle import NodeHandles, NodeInfo, call
 from kvpool.pool.peers import Peers, node_record
@@ -361,6 +362,13 @@ class PoolClient:
         """Add an inference engine connector's counts (see ``ClientStats.engine``) to what this client reports."""
         self._stats.seen.add_engine(counts)
         self._stats.report()
+
+    def register_identity(self, identity: CacheIdentity) -> str:
+        """Say that this client's chunks are keyed from ``identity`` (``kvpool status`` lists the identities in use
+        and warns when two of one model differ); its fingerprint.  Connectors call it when they start."""
+        if not isinstance(identity, CacheIdentity):
+            raise ConfigError(f"identity must be a CacheIdentity, got {type(identity).__name__}")
+        return identities.register(self.etcd, self.cache.namespace, identity)
 
     def remove(self, key: bytes) -> bool:
         """Remove every replica; False if the pool did not hold the chunk."""

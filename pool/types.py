@@ -5,6 +5,10 @@ Plain frozen values with no encoding; how they are stored in etcd is :mod:`kvpoo
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpool.pool.keys import CacheIdentity
 
 
 class Tier(enum.Enum):
@@ -64,3 +68,13 @@ class NodeRecord:
 
     def used(self, tier: Tier) -> int:
         return sum(s.used for s in self.segments if s.tier is tier)
+
+
+@dataclass(frozen=True)
+class IdentityRecord:
+    """A cache identity a client said it uses (``PoolClient.register_identity``), who said so last, and when."""
+
+    identity: "CacheIdentity"
+    host: str
+    pid: int
+    at: float  #: seconds since the epoch

@@ -11,6 +11,7 @@ One request at a time per connector: the next ``load`` reuses the buffer the pre
 (transformers has copied it by then — appending the first new token to a layer concatenates).
 """
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -22,11 +23,13 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvpool.errors import ChunkNotFound, ConfigError
+from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError
 from kvpool.pool.client import PoolClient
 from kvpool.pool.keys import CacheIdentity
 from kvpool.pool.types import Placement
 from kvpool.prefill_decode.layout import KVBuffer, KVLayout
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -139,6 +142,10 @@ class PoolConnector:
         self.client = client
         self.layout = layout
         self.identity = identity
+        try:
+            client.register_identity(identity)  # for kvpool status: what keys this connector's chunks
+        except KvPoolError as exc:
+            log.warning("cache identity not registered (%s); chunks are stored and read all the same", exc)
         self._storage: torch.Tensor | None = None  #: reused by every load
         self._registered = False  #: _storage is registered with the transport
 

@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvpool.errors import KvPoolError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
+from kvpool.metadata.identities import register as register_identity
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.prefill_decode.engine_config import ConnectorConfig
@@ -90,6 +91,11 @@ class SchedulerSide:
                 except BaseException:
                     etcd.close()
                     raise
+                try:  # for kvpool status: what keys this engine's chunks
+                    for identity in self.identities:
+                        register_identity(etcd, self.cache.namespace, identity)
+                except KvPoolError as exc:
+                    log.warning("kvpool: cache identity not registered (%s); lookups work all the same", exc)
             except KvPoolError as exc:
                 log.warning("kvpool: no pool metadata yet (%s); 0 hits until etcd answers", exc)
             finally:

@@ -19,6 +19,7 @@ from kvpool.cli import connect, options, root
 from kvpool.cli.figures import short_duration, short_size, size
 from kvpool.cli.scrape import scrape
 from kvpool.metadata.cache import MetadataCache
+from kvpool.metadata.identities import disagreements
 from kvpool.pool.types import NodeRecord, Tier
 
 
@@ -55,6 +56,21 @@ class RemoteTier:
 
 
 @dataclass(frozen=True)
+class IdentityStatus:
+    """A cache identity a client registered (``PoolClient.register_identity``)."""
+
+    fingerprint: str
+    model: str
+    kv_dtype: str
+    layout: str
+    chunk_size: int
+    tp: str  #: "rank/size"
+    codec: str
+    host: str  #: who registered it last
+    age_s: float  #: since then
+
+
+@dataclass(frozen=True)
 class PoolStatus:
     cluster: str
     endpoints: tuple[str, ...]
@@ -64,6 +80,8 @@ class PoolStatus:
     replicas: int
     malformed: int  #: records the cache skipped because it could not decode them
     remote: RemoteTier
+    identities: tuple[IdentityStatus, ...] = ()
+    warnings: tuple[str, ...] = ()  #: identities of one model that differ: their chunks never match
 
 
 def gather(cache: MetadataCache, read_metrics: Callable[[str], dict[str, float]] = scrape) -> PoolStatus:
@@ -71,6 +89,14 @@ def gather(cache: MetadataCache, read_metrics: Callable[[str], dict[str, float]]
     now = time.time()
     nodes = tuple(_node(cache, n, read_metrics(n.metrics) if n.metrics else {}, now) for n in cache.nodes())
     remote = [p for _, replicas in cache.chunks() for p in replicas if p.tier is Tier.REMOTE]
+    registered = cache.identities()
+    identities = tuple(
+        IdentityStatus(
+            f, r.identity.model, r.identity.kv_dtype, r.identity.layout, r.identity.chunk_size,
+            f"{r.identity.tp_rank}/{r.identity.tp_size}", r.identity.codec, r.host, now - r.at,
+        )
+        for f, r in sorted(registered.items(), key=lambda i: (i[1].identity.model, i[0]))
+    )  # fmt: skip
     return PoolStatus(
         cluster=cache.namespace.cluster, endpoints=tuple(cache.etcd.config.endpoints), revision=cache.revision,
         nodes=nodes, chunks=cache.chunk_count(), replicas=cache.replica_count(), malformed=cache.malformed,
@@ -78,6 +104,7 @@ def gather(cache: MetadataCache, read_metrics: Callable[[str], dict[str, float]]
             len(remote), sum(p.stored for p in remote), sum(p.size for p in remote),
             tuple(sorted({p.codec for p in remote})),
         ),
+        identities=identities, warnings=tuple(disagreements(registered.values())),
     )  # fmt: skip
 
 
@@ -162,9 +189,32 @@ def footer(s: PoolStatus) -> str:
     return f"chunks: {s.chunks}   replicas: {s.replicas}   malformed records skipped: {s.malformed}{remote}"
 
 
+def identities_table(s: PoolStatus) -> Table:
+    """The cache identities clients registered: fingerprint, model and what else makes keys differ."""
+    table = Table(title="cache identities in use", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for col in ("fingerprint", "model", "kv dtype", "layout", "chunk", "tp", "codec", "registered by", "ago"):
+        table.add_column(col, overflow="fold")
+    for i in s.identities:
+        table.add_row(i.fingerprint, i.model, i.kv_dtype, i.layout, str(i.chunk_size), i.tp, i.codec, i.host,
+                      short_duration(i.age_s))  # fmt: skip
+    return table
+
+
+def warnings(s: PoolStatus) -> str:
+    return "\n".join(f"warning: {w}" for w in s.warnings)
+
+
 def render(s: PoolStatus, wide: bool = False) -> RenderableType:
-    """The table (compact, or every column with ``wide``) and the footer."""
-    return Group(wide_table(s) if wide else compact_table(s), footer(s))
+    """The table (compact, or every column with ``wide``), the footer, the identities in use (a count; listed with
+    ``wide``) and any warning about them."""
+    parts: list[RenderableType] = [wide_table(s) if wide else compact_table(s), footer(s)]
+    if s.identities:
+        parts.append(
+            identities_table(s) if wide else f"cache identities in use: {len(s.identities)} (--wide lists them)"
+        )
+    if s.warnings:
+        parts.append(warnings(s))
+    return Group(*parts)
 
 
 def to_json(s: PoolStatus) -> str:

@@ -13,7 +13,22 @@ from kvpool.pool.tiers.s3 import collect_garbage
 from kvpool.pool.tiers.s3_config import GC_GRACE_S, RemoteConfig
 from kvpool.prefill_decode.engine_config import ConnectorConfig
 
-COMMANDS = ("up", "join", "down", "status", "ls", "put", "get", "vllm-config", "bench", "plan", "gc", "s3", "etcd")
+COMMANDS = (
+    "up",
+    "join",
+    "down",
+    "status",
+    "ls",
+    "put",
+    "get",
+    "events",
+    "vllm-config",
+    "bench",
+    "plan",
+    "gc",
+    "s3",
+    "etcd",
+)
 group: Any = typer.main.get_command(app)  # a click-style group: .commands by name, each with .params
 
 
