@@ -53,6 +53,7 @@ from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
+from kvpool.pool.advisor import AccessLog
 from kvpool.pool.buffers import byte_view
 from kvpool.pool.chunks import checksum, short
 from kvpool.pool.config import PoolConfig
@@ -82,6 +83,7 @@ class PoolClient:
             raise ConfigError(f"PoolClient takes a PoolConfig, got {type(config).__name__}")
         if not ray.is_initialized():
             raise ConfigError("PoolClient needs Ray: call ray.init(address=...) first")
+        self.access_log = AccessLog.from_env()  #: sampled lookups for kvpool advise (KVPOOL_ACCESS_LOG)
         self.config = config
         self.node_id = ray.get_runtime_context().get_node_id()
         self.etcd = EtcdClient(config.metadata)
@@ -109,6 +111,8 @@ class PoolClient:
 
     def close(self) -> None:
         self._stats.report(force=True)
+        if self.access_log is not None:
+            self.access_log.close()
         self.rooms.close()
         self.peers.close()
         self.s3.close()
@@ -346,7 +350,15 @@ class PoolClient:
         keys = check_keys(keys)
         held = self.cache.lookup_prefix(keys)
         self.count_lookup(len(keys), held)
+        self.record_lookup(keys)
         return held
+
+    def record_lookup(self, keys: Sequence[bytes]) -> None:
+        """Add a lookup of ``keys`` to this process's access log, when ``KVPOOL_ACCESS_LOG`` asks for one (the
+        stream ``kvpool advise`` builds its miss-ratio curves from); :meth:`lookup_prefix` records its own."""
+        keys = check_keys(keys)
+        if self.access_log is not None:
+            self.access_log.record(keys, lambda k: max((p.size for p in self.cache.replicas(k)), default=0))
 
     def count_lookup(self, asked: int, held: int) -> None:
         """Count a prefix lookup of ``asked`` chunks of which the pool held the first ``held`` (the node's

@@ -160,6 +160,7 @@ class PoolConnector:
                 break
             n += 1
         self.client.count_lookup(len(keys), n)
+        self.client.record_lookup([k for chunk in keys for k in chunk])
         return n
 
     def sources(self, keys: Sequence[Sequence[bytes]], chunks: int) -> Counter[tuple[str, str]]:

@@ -14,6 +14,7 @@ from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.identities import register as register_identity
 from kvpool.metadata.namespace import Namespace
+from kvpool.pool.advisor import AccessLog
 from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.prefill_decode.engine_config import ConnectorConfig
 
@@ -75,6 +76,7 @@ class SchedulerSide:
         self._reqs: dict[str, _Request] = {}
         self._saving: set[str] = set()  #: requests with saves sent to the workers
         self._asked = self._found = 0
+        self.access_log = AccessLog.from_env()  #: sampled lookups for kvpool advise (KVPOOL_ACCESS_LOG)
         self._connect()
 
     def _connect(self) -> None:
@@ -112,6 +114,9 @@ class SchedulerSide:
         held = limit
         for identity in self.identities:
             keys = chunk_keys(identity, tokens[: limit * self.chunk])
+            if self.access_log is not None:  # KVPOOL_ACCESS_LOG: every object the request needs, for kvpool advise
+                wanted = [layer_key(k, layer) for k in keys for layer in range(self.layers)]
+                self.access_log.record(wanted, lambda k: max((p.size for p in cache.replicas(k)), default=0))
             for layer in range(self.layers):
                 held = min(held, cache.lookup_prefix([layer_key(k, layer) for k in keys[:held]]))
                 if held == 0:
@@ -194,6 +199,8 @@ class SchedulerSide:
         return False
 
     def close(self) -> None:
+        if self.access_log is not None:
+            self.access_log.close()
         if self.cache is not None:
             self.cache.close()
             self.cache.etcd.close()

@@ -25,6 +25,7 @@ COMMANDS = (
     "vllm-config",
     "bench",
     "plan",
+    "advise",
     "gc",
     "s3",
     "etcd",

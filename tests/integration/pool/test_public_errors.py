@@ -13,6 +13,7 @@ import torch
 from kvpool.errors import KvPoolError
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
+from kvpool.pool.keys import CacheIdentity
 from kvpool.pool.node_handle import actor_name
 from kvpool.pool.types import Tier
 
@@ -39,6 +40,8 @@ GOOD: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "exists_batch": (([KEY],), {}),
     "lookup_prefix": (([KEY],), {}),
     "count_lookup": ((1, 1), {}),
+    "record_lookup": (([KEY],), {}),
+    "register_identity": ((CacheIdentity(model="m", kv_dtype="u8", layout="b"),), {}),
     "record_engine": (({"tokens": 1},), {}),
     "remove": ((MISSING,), {}),
     "remove_batch": (([MISSING],), {}),

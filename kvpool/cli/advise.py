@@ -1,0 +1,110 @@
+"""``kvpool advise``: what more or less DRAM and NVMe, or a codec on NVMe, would do to the hit rate, predicted from
+the chunk lookups clients sampled (``KVPOOL_ACCESS_LOG``) with a miss-ratio curve (see kvpool.pool.advisor)."""
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from kvpool.cli import root
+from kvpool.errors import ConfigError
+from kvpool.pool.advisor import MissRatioCurve, curve_of_log, read_access_logs, tier_hits
+
+GiB = 2**30
+DEFAULT_CODECS = ["fp8-e4m3=2", "int4=3.6"]  #: nominal size ratios against 16-bit KV
+
+
+def _codecs(specs: list[str]) -> list[tuple[str, float]]:
+    out = []
+    for spec in specs:
+        name, _, ratio = spec.partition("=")
+        try:
+            value = float(ratio)
+        except ValueError:
+            value = 0.0
+        if not name or not value > 0:
+            raise ConfigError(
+                f"--codec takes NAME=RATIO (how many times smaller the codec stores a chunk), got {spec!r}"
+            )
+        out.append((name, value))
+    return out
+
+
+def rows(
+    curve: MissRatioCurve, dram: float, nvme: float, step_dram: float, step_nvme: float, codecs: list[tuple[str, float]]
+) -> list[tuple[str, float, float, float]]:
+    """``(configuration, DRAM bytes, NVMe bytes, NVMe ratio)`` to predict: now, each tier up and down a step, and
+    each codec on NVMe."""
+    out = [("now", dram, nvme, 1.0), (f"DRAM +{step_dram / GiB:g} GiB", dram + step_dram, nvme, 1.0)]
+    if dram - step_dram > 0:
+        out.append((f"DRAM -{step_dram / GiB:g} GiB", dram - step_dram, nvme, 1.0))
+    out.append((f"NVMe +{step_nvme / GiB:g} GiB", dram, nvme + step_nvme, 1.0))
+    if nvme - step_nvme >= 0 and nvme:
+        out.append((f"NVMe -{step_nvme / GiB:g} GiB", dram, nvme - step_nvme, 1.0))
+    out += [(f"NVMe codec {name} ({ratio:g}x smaller)", dram, nvme, ratio) for name, ratio in codecs if nvme]
+    return out
+
+
+def plot(curve: MissRatioCurve, dram: float, nvme: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    top = max([*curve.distances, int(dram + nvme) * 4, GiB])
+    sizes = [top * (i / 200) for i in range(1, 201)]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([s / GiB for s in sizes], [100 * curve.hit_ratio(s) for s in sizes], label="predicted hit rate (LRU)")
+    ax.axvline(dram / GiB, color="tab:green", linestyle="--", label="DRAM now")
+    ax.axvline((dram + nvme) / GiB, color="tab:orange", linestyle="--", label="DRAM + NVMe now")
+    ax.axhline(100 * curve.ceiling(), color="grey", linestyle=":", label="ceiling (every chunk kept)")
+    ax.set_xlabel("pool capacity (GiB of chunk bytes)")
+    ax.set_ylabel("hit rate (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title("kvpool advise: miss-ratio curve of the sampled lookups")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+@root.app.command()
+def advise(
+    logs: list[Path] = typer.Argument(
+        ...,
+        exists=True,
+        dir_okay=False,
+        help="Access logs the engines wrote with KVPOOL_ACCESS_LOG=DIR set (DIR/access-*.jsonl), all of them.",
+    ),
+    dram_gib: float = typer.Option(4.0, "--dram-gib", min=0, help="DRAM the pool has now, GiB, all nodes together."),
+    nvme_gib: float = typer.Option(16.0, "--nvme-gib", min=0, help="NVMe the pool has now, GiB, all nodes together."),
+    step_gib: float = typer.Option(
+        0.0, "--step-gib", min=0, help="GiB to add and take away per row (default: a quarter of each tier)."
+    ),
+    codec: list[str] = typer.Option(
+        DEFAULT_CODECS, "--codec", help="An NVMe codec to try, NAME=RATIO: how many times smaller it stores a chunk."
+    ),
+    png: Path = typer.Option(Path("kvpool-advise.png"), "--png", help="Where to write the miss-ratio curve."),
+) -> None:
+    """Predict the hit rate of DRAM and NVMe for more or less of each and for NVMe codecs, from sampled lookups.
+
+    Run the engines with KVPOOL_ACCESS_LOG=DIR (and KVPOOL_ACCESS_RATE, default 0.01) for a while first: every
+    client then logs a spatial sample of the chunks it looks up.  The curve is exact LRU on that sample (SHARDS);
+    kvpool's tiers act as one LRU stack, DRAM on top."""
+    with root.errors():
+        codecs = _codecs(codec)
+        rate, accesses, total = read_access_logs(str(p) for p in logs)
+        curve = curve_of_log(rate, accesses, total)
+        dram, nvme = dram_gib * GiB, nvme_gib * GiB
+        step_dram, step_nvme = (step_gib * GiB,) * 2 if step_gib else (dram / 4 or GiB, nvme / 4 or GiB)
+        table = Table(title=f"predicted from {len(accesses):,} sampled lookups of {total:,} (rate {rate:g})")
+        for col in ("configuration", "DRAM", "NVMe", "DRAM hits", "NVMe hits", "recomputed"):
+            table.add_column(col, justify="left" if col == "configuration" else "right")
+        for name, d, n, ratio in rows(curve, dram, nvme, step_dram, step_nvme, codecs):
+            hits = tier_hits(curve, d, n, ratio)
+            table.add_row(name, f"{d / GiB:g} GiB", f"{n / GiB:g} GiB", f"{hits.dram:.1%}", f"{hits.nvme:.1%}",
+                          f"{hits.recomputed:.1%}")  # fmt: skip
+        root.console.print(table)
+        root.console.print(f"ceiling (a pool that keeps every chunk): {curve.ceiling():.1%} of lookups hit")
+        plot(curve, dram, nvme, png)
+        root.console.print(f"miss-ratio curve written to {png}")

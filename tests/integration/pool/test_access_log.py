@@ -1,0 +1,37 @@
+"""A client started with ``KVPOOL_ACCESS_LOG`` logs its lookups (held chunks with their size, missing ones with 0)
+and the advisor reads them back; a bad setting is a ``ConfigError`` naming the variable."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpool.errors import ConfigError
+from kvpool.pool.advisor import ACCESS_LOG_ENV, ACCESS_RATE_ENV, read_access_logs
+from kvpool.pool.client import PoolClient
+from kvpool.pool.config import PoolConfig
+from kvpool.pool.keys import CacheIdentity, chunk_keys
+
+KEYS = chunk_keys(CacheIdentity(model="access-log", kv_dtype="u8", layout="b", chunk_size=1), range(6))
+
+
+def test_a_client_logs_its_lookups_for_the_advisor(
+    pool: PoolConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ACCESS_LOG_ENV, str(tmp_path))
+    monkeypatch.setenv(ACCESS_RATE_ENV, "1.0")
+    with PoolClient(pool) as client:
+        client.put_batch([(k, np.zeros(8192, dtype=np.uint8)) for k in KEYS[:4]])
+        assert client.lookup_prefix(KEYS) == 4
+    [log] = tmp_path.glob("access-*.jsonl")
+    rate, accesses, total = read_access_logs([str(log)])
+    assert (rate, total) == (1.0, 6) and [k for k, _ in accesses] == KEYS
+    assert [s for _, s in accesses] == [8192] * 6  # the two not held take the size seen
+
+    monkeypatch.setenv(ACCESS_RATE_ENV, "often")
+    with pytest.raises(ConfigError, match=ACCESS_RATE_ENV):
+        PoolClient(pool)
+    monkeypatch.setenv(ACCESS_RATE_ENV, "0.5")
+    monkeypatch.setenv(ACCESS_LOG_ENV, str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match=ACCESS_LOG_ENV):
+        PoolClient(pool)
