@@ -14,9 +14,10 @@ Keys name content: a key the holder has already keeps its first copy (the bytes 
 import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvpool.errors import ChunkNotFound
 from kvpool.pool.chunks import SEGMENT_NAMES, Room
 from kvpool.pool.node_handle import call
 from kvpool.pool.peers import STAGING_BYTES, Peers, rounds
@@ -85,6 +86,29 @@ class Rooms:
                 node.close_room.remote(room.id)
 
 
+def _put_round(
+    rooms: Rooms, node_id: str, node: Any, items: Sequence[Item], sums: Sequence[Summary], replicated: bool,
+    write: Callable[[list[int]], None],
+) -> int:  # fmt: skip
+    """One round: a room for ``items``, ``write(offsets)`` of their bytes into it, the fill; the etcd revision that
+    shows them.  A room the node no longer has (reclaimed after its TTL, or the node restarted) is written again
+    into a new one, once."""
+    for attempt in range(2):
+        room, offsets = rooms.take(node_id, node, [v.nbytes for _, v in items])
+        try:
+            write(offsets)
+        except BaseException:
+            node.close_room.remote(room.id)
+            raise
+        chunks = [(k, o, v.nbytes, *s) for o, (k, v), s in zip(offsets, items, sums, strict=True)]
+        try:
+            return rooms.fill(node_id, node, room, chunks, replicated)
+        except ChunkNotFound:
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
+
+
 def put_local(
     node: Any, node_id: str, rooms: Rooms, segment: DramSegment, items: Sequence[Item], sums: Sequence[Summary],
     replicated: bool,
@@ -93,15 +117,12 @@ def put_local(
     shows them."""
     revision = 0
     for r in rounds([v.nbytes for _, v in items], max(1, segment.capacity // 4)):
-        room, offsets = rooms.take(node_id, node, [v.nbytes for _, v in items[r]])
-        try:
-            for offset, (_, view) in zip(offsets, items[r], strict=True):
+
+        def write(offsets: list[int], batch: Sequence[Item] = items[r]) -> None:
+            for offset, (_, view) in zip(offsets, batch, strict=True):
                 segment.write(offset, view)
-        except BaseException:
-            node.close_room.remote(room.id)
-            raise
-        chunks = [(k, o, v.nbytes, *s) for o, (k, v), s in zip(offsets, items[r], sums[r], strict=True)]
-        revision = max(revision, rooms.fill(node_id, node, room, chunks, replicated))
+
+        revision = max(revision, _put_round(rooms, node_id, node, items[r], sums[r], replicated, write))
     return revision
 
 
@@ -110,21 +131,18 @@ def put_peer(
     sums: Sequence[Summary], replicated: bool,
 ) -> int:  # fmt: skip
     """Write ``items`` into the peer ``node_id`` (``node``: its actor, ``dram_bytes``: its DRAM capacity) from
-    the staging buffer; the etcd revision that shows them."""
+    the staging buffer, one batched one-sided WRITE a round; the etcd revision that shows them."""
     revision = 0
     for r in rounds([v.nbytes for _, v in items], min(max(dram_bytes // 4, 1), STAGING_BYTES)):
-        staging = peers.staging(sum(v.nbytes for _, v in items[r]))
-        room, offsets = rooms.take(node_id, node, [v.nbytes for _, v in items[r]])
-        ops, at = [], 0
-        for offset, (_, view) in zip(offsets, items[r], strict=True):
-            staging[at : at + view.nbytes] = view
-            ops.append(Op(SEGMENT_NAMES[Tier.DRAM], offset, staging.ctypes.data + at, view.nbytes))
-            at += view.nbytes
-        try:
+
+        def write(offsets: list[int], batch: Sequence[Item] = items[r]) -> None:
+            staging = peers.staging(sum(v.nbytes for _, v in batch))
+            ops, at = [], 0
+            for offset, (_, view) in zip(offsets, batch, strict=True):
+                staging[at : at + view.nbytes] = view
+                ops.append(Op(SEGMENT_NAMES[Tier.DRAM], offset, staging.ctypes.data + at, view.nbytes))
+                at += view.nbytes
             peers.write(node_id, ops)
-        except BaseException:
-            node.close_room.remote(room.id)
-            raise
-        chunks = [(k, o, v.nbytes, *s) for o, (k, v), s in zip(offsets, items[r], sums[r], strict=True)]
-        revision = max(revision, rooms.fill(node_id, node, room, chunks, replicated))
+
+        revision = max(revision, _put_round(rooms, node_id, node, items[r], sums[r], replicated, write))
     return revision
