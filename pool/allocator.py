@@ -125,6 +125,17 @@ class OffsetAllocator:
         self._live[offset] = rounded
         self._used += rounded
 
+    def copy(self) -> "OffsetAllocator":
+        """An independent allocator in the same state (to try frees on: see ``kvpool.pool.moves.demotions``)."""
+        other = OffsetAllocator.__new__(OffsetAllocator)
+        other.__dict__.update(self.__dict__)
+        other._free_starts, other._free_size, other._live = (
+            list(self._free_starts),
+            dict(self._free_size),
+            dict(self._live),
+        )
+        return other
+
     def can_allocate(self, size: int) -> bool:
         """Whether ``allocate(size)`` would succeed now."""
         return self._round(size) <= self.largest_free

@@ -89,6 +89,13 @@ class Room:
         return offsets if at <= self.offset + self.length else None
 
 
+def check_length(length: int, what: str = "length") -> int:
+    """``length`` if it is a byte count > 0; ``ConfigError`` naming ``what`` otherwise."""
+    if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
+        raise ConfigError(f"{what} must be an int > 0 (bytes), got {length!r:.60}")
+    return length
+
+
 def check_checksum(checksum: int) -> None:
     if not isinstance(checksum, int) or isinstance(checksum, bool) or not 0 <= checksum < 2**64:
         raise ConfigError(f"checksum must be an int in [0, 2**64), got {checksum!r:.60}")

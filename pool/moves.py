@@ -157,24 +157,30 @@ def moves_to(store: "ChunkStore", keys: Iterable[bytes], tier: Tier) -> tuple[li
     return moves, busy, ""
 
 
-def demotions(store: "ChunkStore", max_bytes: int | None = None) -> list[Move]:
-    """DRAM above its high watermark: begun moves of LRU chunks to NVMe that bring it to the low watermark (at most
-    ``max_bytes`` of them), for the caller to run."""
-    if not store.over_high_watermark():
-        return []
+def demotions(store: "ChunkStore", max_bytes: int | None = None, need: int = 0) -> list[Move]:
+    """DRAM above its high watermark, or without a free extent of ``need`` bytes: begun moves of LRU chunks to NVMe
+    that bring it to the low watermark, or free ``need`` bytes (at most ``max_bytes`` of them), for the caller to
+    run."""
     alloc = store.allocators[Tier.DRAM]
+    #: what DRAM's free extents would be after the moves planned so far (only while room for ``need`` is wanted)
+    after = alloc.copy() if need > alloc.largest_free else None
+    if not store.over_high_watermark() and after is None:
+        return []
     excess, planned = alloc.used - store.watermarks.low * alloc.capacity, 0
     out: list[Move] = []
     for key in list(store.policy.lru(Tier.DRAM)):
-        if planned >= excess or (max_bytes is not None and out and planned >= max_bytes):
+        room_made = after is None or after.largest_free >= need
+        if (planned >= excess and room_made) or (max_bytes is not None and out and planned >= max_bytes):
             break
         try:
             move = store.begin_move(key, Tier.NVME)
         except PoolFull as exc:
-            log.warning("DRAM above its high watermark but NVMe cannot take more: %s", exc)
+            log.warning("DRAM needs room but NVMe cannot take more: %s", exc)
             break
         out.append(move)
         planned += alloc.size_of(move.chunk.offset)
+        if after is not None:
+            after.free(move.chunk.offset)
     return out
 
 

@@ -30,7 +30,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, MetadataUnavailable, PoolFull, RemoteUnavailable
-from kvpool.pool.chunks import SEGMENT_NAMES, Room, StoredChunk
+from kvpool.pool.chunks import SEGMENT_NAMES, Room, StoredChunk, check_length
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.flush import FLUSH_BYTES, Flusher
 from kvpool.pool.metrics import ClientStats, StoreCollector, serve_metrics
@@ -167,12 +167,19 @@ class PoolNode:
         )  # fmt: skip
 
     def open_room(self, length: int) -> Room:
-        """DRAM room for a writer's next batch (see :class:`~kvpool.pool.chunks.Room`)."""
+        """DRAM room for a writer's next batch (see :class:`~kvpool.pool.chunks.Room`).  When DRAM has no free extent
+        that large, LRU chunks move to NVMe first on this call's thread, their disk writes outside the lock (other
+        calls go on meanwhile); only what that could not free is evicted under the lock."""
+        check_length(length, "room length")
         try:
+            with self._lock:
+                moves = [] if self.nvme is None else demotions(self.store, need=length)
+            if moves:
+                run_moves(self.store, moves, self._lock, self._io)
             with self._lock:
                 return self.store.open_room(length, self.config.reservation_ttl_s)
         finally:
-            self.publisher.publish()  # migrations made to find room
+            self.publisher.publish()  # what moved to make room
 
     def fill_room(
         self, room_id: int, items: Sequence[tuple[bytes, int, int, int, TensorFormat | None]], replicated: bool,
@@ -188,9 +195,12 @@ class PoolNode:
         try:
             with self._lock:
                 self.store.fill_room(room_id, items, replicated=bool(replicated))
-                if 0 < next_length <= self.dram.capacity // 8:  # a writer's idle room holds an eighth at most
-                    with contextlib.suppress(PoolFull):
-                        room = self.store.open_room(next_length, self.config.reservation_ttl_s)
+                # a writer's idle room holds an eighth of DRAM at most, and is opened only where there is space
+                # now: making space (disk writes) is left to the writer's next open_room, outside the lock
+                if 0 < next_length <= self.dram.capacity // 8 and self.store.allocators[Tier.DRAM].can_allocate(
+                    next_length
+                ):
+                    room = self.store.open_room(next_length, self.config.reservation_ttl_s)
         finally:
             revision = self.publisher.publish()
         return revision, room

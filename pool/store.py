@@ -28,7 +28,16 @@ from itertools import pairwise
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, CorruptChunk, PoolFull
 from kvpool.pool.allocator import OffsetAllocator
-from kvpool.pool.chunks import Change, ChangeKind, Reservation, Room, StoredChunk, check_checksum, short
+from kvpool.pool.chunks import (
+    Change,
+    ChangeKind,
+    Reservation,
+    Room,
+    StoredChunk,
+    check_checksum,
+    check_length,
+    short,
+)
 from kvpool.pool.config import Watermarks
 from kvpool.pool.eviction import EvictionPolicy
 from kvpool.pool.keys import check_key
@@ -86,8 +95,7 @@ class ChunkStore:
     def reserve(self, key: bytes, length: int) -> Reservation:
         """Room for ``length`` bytes in DRAM, making room by migration or drops if needed."""
         check_key(key)
-        if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
-            raise ConfigError(f"length must be an int > 0 (bytes), got {length!r:.60}")
+        check_length(length)
         if key in self._chunks:
             return Reservation(key, self._chunks[key].offset, length, already_stored=True)
         if key in self._reserved:
@@ -115,9 +123,7 @@ class ChunkStore:
     def open_room(self, length: int, ttl_s: float) -> Room:
         """DRAM room of ``length`` bytes for a writer's next batch, making room by migration or drops if needed;
         reclaimed by :meth:`reap` ``ttl_s`` after this unless filled."""
-        if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
-            raise ConfigError(f"room length must be an int > 0 (bytes), got {length!r:.60}")
-        offset = self._allocate(Tier.DRAM, length)
+        offset = self._allocate(Tier.DRAM, check_length(length, "room length"))
         room_id = secrets.randbits(63)  # random: a room of a node's earlier life is never taken for one of this
         room = Room(room_id, offset, self.allocators[Tier.DRAM].size_of(offset),
                     self.allocators[Tier.DRAM].alignment, ttl_s, at=self.clock.monotonic())  # fmt: skip

@@ -1,6 +1,7 @@
 """Moves between tiers in steps (pool/moves.py): what happens when readers, removes or corruption come between the
 steps that a ``PoolNode`` runs without its lock — real segments, no Ray/etcd."""
 
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -127,3 +128,23 @@ def test_a_chunk_dropped_and_put_again_at_the_same_offset_meanwhile_is_left_alon
     assert store.finish_move(move) == again and again.tier is Tier.DRAM
     assert store.read(key(1)) == data(1).tobytes() and store.audit() == []
     store.remove(key(1))  # not pinned by the called-off move
+
+
+def test_a_room_larger_than_the_free_space_demotes_lru_chunks_below_the_high_watermark(store: ChunkStore) -> None:
+    """What ``PoolNode.open_room`` runs outside its lock: DRAM at 6/16 blocks (under its high watermark of 8) has no
+    12 free blocks in a row, so LRU chunks go to NVMe until it would (counting where they are, not only how much),
+    and the room then opens with nothing evicted under the lock."""
+    for i in range(6):
+        put(store, i)
+    store.locate(key(3))  # recently read: the least recently used are 0, 1, 2, 4, 5
+    store.release(key(3))
+    assert demotions(store) == [] and demotions(store, need=10 * BLOCK) == []  # 10 free blocks in a row already
+    moves = demotions(store, need=12 * BLOCK)
+    # LRU order, until 12 blocks would be free in a row: [4, 16) once 4 and 5 go too; chunk 3, read lately, stays
+    assert [m.chunk.key for m in moves] == [key(0), key(1), key(2), key(4), key(5)]
+    run_moves(store, moves, threading.Lock(), None)
+    migrated = store.counters["migrations"]
+    room = store.open_room(12 * BLOCK, ttl_s=30.0)
+    assert store.counters["drops"] == 0 and store.counters["migrations"] == migrated  # nothing more under the lock
+    assert store.read(key(0)) == data(0).tobytes() and store.audit() == []
+    store.close_room(room.id)
