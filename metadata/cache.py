@@ -198,6 +198,11 @@ class MetadataCache:
         with self._cond:
             return list(self._chunks.get(key, {}).values())
 
+    def size_of(self, key: bytes) -> int:
+        """Bytes of chunk ``key`` as its replicas say (0: not held)."""
+        with self._cond:
+            return max((p.size for p in self._chunks.get(key, {}).values()), default=0)
+
     def nodes(self) -> list[NodeRecord]:
         with self._cond:
             return sorted(self._nodes.values(), key=lambda n: n.node_id)

@@ -358,7 +358,7 @@ class PoolClient:
         stream ``kvpool advise`` builds its miss-ratio curves from); :meth:`lookup_prefix` records its own."""
         keys = check_keys(keys)
         if self.access_log is not None:
-            self.access_log.record(keys, lambda k: max((p.size for p in self.cache.replicas(k)), default=0))
+            self.access_log.record(keys, self.cache.size_of)
 
     def count_lookup(self, asked: int, held: int) -> None:
         """Count a prefix lookup of ``asked`` chunks of which the pool held the first ``held`` (the node's

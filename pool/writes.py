@@ -48,12 +48,12 @@ class Rooms:
         """A room on ``node_id`` (``node``: its actor) for chunks of ``sizes``, and their offsets in it: the room
         held there if they fit and it is fresh, else a new one (the one held is closed, not waited for)."""
         with self._lock:
-            node, held, received = self._held.pop(node_id, (node, None, 0.0))
+            holder, held, received = self._held.pop(node_id, (node, None, 0.0))
         if held is not None:
             offsets = held.carve(list(sizes))
             if offsets is not None and time.monotonic() - received < held.ttl_s / 2:
                 return held, offsets
-            node.close_room.remote(held.id)
+            holder.close_room.remote(held.id)
         for _ in range(2):  # a second time only if the node's alignment is not the one assumed
             room: Room = call(node.open_room.remote(room_bytes(sizes, self._alignment)))
             self._alignment = room.alignment

@@ -116,7 +116,7 @@ class SchedulerSide:
             keys = chunk_keys(identity, tokens[: limit * self.chunk])
             if self.access_log is not None:  # KVPOOL_ACCESS_LOG: every object the request needs, for kvpool advise
                 wanted = [layer_key(k, layer) for k in keys for layer in range(self.layers)]
-                self.access_log.record(wanted, lambda k: max((p.size for p in cache.replicas(k)), default=0))
+                self.access_log.record(wanted, cache.size_of)
             for layer in range(self.layers):
                 held = min(held, cache.lookup_prefix([layer_key(k, layer) for k in keys[:held]]))
                 if held == 0:
