@@ -6,9 +6,10 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from kvpool.cli import root
+from kvpool.cli import connect, options, root
 from kvpool.errors import ConfigError
 from kvpool.pool.advisor import MissRatioCurve, curve_of_log, read_access_logs, tier_hits
+from kvpool.pool.types import Tier
 
 GiB = 2**30
 DEFAULT_CODECS = ["fp8-e4m3=2", "int4=3.6"]  #: nominal size ratios against 16-bit KV
@@ -28,6 +29,19 @@ def _codecs(specs: list[str]) -> list[tuple[str, float]]:
             )
         out.append((name, value))
     return out
+
+
+def capacities(dram_gib: float | None, nvme_gib: float | None, etcd: str | None, cluster: str) -> tuple[float, float]:
+    """``(DRAM, NVMe)`` bytes to predict around: as given, else the live nodes' segments of the pool at ``etcd``."""
+    if dram_gib is not None and nvme_gib is not None:
+        return dram_gib * GiB, nvme_gib * GiB
+    if not options.metadata_config(etcd, cluster).endpoints:
+        raise ConfigError("give --dram-gib and --nvme-gib, or --etcd of a running pool to read them from")
+    with connect.running_cache(etcd, cluster, "advise") as cache:
+        nodes = cache.nodes()
+    dram = dram_gib * GiB if dram_gib is not None else float(sum(n.capacity(Tier.DRAM) for n in nodes))
+    nvme = nvme_gib * GiB if nvme_gib is not None else float(sum(n.capacity(Tier.NVME) for n in nodes))
+    return dram, nvme
 
 
 def rows(
@@ -76,8 +90,22 @@ def advise(
         dir_okay=False,
         help="Access logs the engines wrote with KVPOOL_ACCESS_LOG=DIR set (DIR/access-*.jsonl), all of them.",
     ),
-    dram_gib: float = typer.Option(4.0, "--dram-gib", min=0, help="DRAM the pool has now, GiB, all nodes together."),
-    nvme_gib: float = typer.Option(16.0, "--nvme-gib", min=0, help="NVMe the pool has now, GiB, all nodes together."),
+    dram_gib: float | None = typer.Option(
+        None,
+        "--dram-gib",
+        min=0,
+        show_default=False,
+        help="DRAM the pool has now, GiB, all nodes together (default: what the running pool at --etcd has).",
+    ),
+    nvme_gib: float | None = typer.Option(
+        None,
+        "--nvme-gib",
+        min=0,
+        show_default=False,
+        help="NVMe the pool has now, GiB, all nodes together (default: what the running pool at --etcd has).",
+    ),
+    etcd: str | None = options.ETCD,
+    cluster: str = options.CLUSTER,
     step_gib: float = typer.Option(
         0.0, "--step-gib", min=0, help="GiB to add and take away per row (default: a quarter of each tier)."
     ),
@@ -95,7 +123,7 @@ def advise(
         codecs = _codecs(codec)
         rate, accesses, total = read_access_logs(str(p) for p in logs)
         curve = curve_of_log(rate, accesses, total)
-        dram, nvme = dram_gib * GiB, nvme_gib * GiB
+        dram, nvme = capacities(dram_gib, nvme_gib, etcd, cluster)
         step_dram, step_nvme = (step_gib * GiB,) * 2 if step_gib else (dram / 4 or GiB, nvme / 4 or GiB)
         table = Table(title=f"predicted from {len(accesses):,} sampled lookups of {total:,} (rate {rate:g})")
         for col in ("configuration", "DRAM", "NVMe", "DRAM hits", "NVMe hits", "recomputed"):

@@ -58,5 +58,7 @@ def test_bad_logs_and_options_are_one_line_errors(tmp_path: Path) -> None:
     (tmp_path / "ok").mkdir()
     write_logs(tmp_path / "ok")
     good = sorted(str(p) for p in (tmp_path / "ok").glob("access-*.jsonl"))
-    out = runner.invoke(app, ["advise", *good, "--codec", "fp8"])
+    out = runner.invoke(app, ["advise", *good, "--codec", "fp8", "--dram-gib", "1", "--nvme-gib", "1"])
     assert out.exit_code == 1 and "NAME=RATIO" in out.output
+    out = runner.invoke(app, ["advise", *good], env={"KVPOOL_ETCD_ENDPOINTS": ""})
+    assert out.exit_code == 1 and "--etcd of a running pool" in out.output

@@ -5,7 +5,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
+from kvpool.cli import app
 from kvpool.errors import ConfigError
 from kvpool.pool.advisor import ACCESS_LOG_ENV, ACCESS_RATE_ENV, read_access_logs
 from kvpool.pool.client import PoolClient
@@ -23,10 +25,19 @@ def test_a_client_logs_its_lookups_for_the_advisor(
     with PoolClient(pool) as client:
         client.put_batch([(k, np.zeros(8192, dtype=np.uint8)) for k in KEYS[:4]])
         assert client.lookup_prefix(KEYS) == 4
+        nodes = len(client.cache.nodes())
     [log] = tmp_path.glob("access-*.jsonl")
     rate, accesses, total = read_access_logs([str(log)])
     assert (rate, total) == (1.0, 6) and [k for k, _ in accesses] == KEYS
     assert [s for _, s in accesses] == [8192] * 6  # the two not held take the size seen
+
+    out = CliRunner().invoke(
+        app, ["advise", str(log), "--etcd", pool.metadata.endpoints[0], "--cluster", pool.metadata.cluster,
+              "--png", str(tmp_path / "mrc.png")], env={"COLUMNS": "200"},
+    )  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert f"{nodes * pool.dram_bytes / 2**30:g} GiB" in out.output  # the live pool's DRAM, all nodes together
+    assert f"{nodes * pool.nvme_bytes / 2**30:g} GiB" in out.output
 
     monkeypatch.setenv(ACCESS_RATE_ENV, "often")
     with pytest.raises(ConfigError, match=ACCESS_RATE_ENV):
