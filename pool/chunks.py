@@ -3,10 +3,12 @@ under which codec, a reservation of DRAM room for a key or a room for a batch, a
 
 import enum
 from dataclasses import dataclass
+from itertools import pairwise
 
 import crc32c
 
 from kvpool.errors import ConfigError
+from kvpool.pool.keys import check_key
 from kvpool.pool.tiers.codecs import Buffer, TensorFormat
 from kvpool.pool.types import Tier
 
@@ -66,6 +68,11 @@ class Reservation:
     at: float = 0.0  #: when it was made (the store's monotonic clock): an unpublished one expires
 
 
+RoomChunk = tuple[
+    bytes, int, int, int, TensorFormat | None
+]  #: a chunk put into a room: key, offset, length, crc, format
+
+
 @dataclass(frozen=True)
 class Room:
     """DRAM a writer holds for its next batch, whose keys it does not know yet: it writes chunks into it at
@@ -87,6 +94,34 @@ class Room:
             offsets.append(at)
             at += -(-size // self.alignment) * self.alignment
         return offsets if at <= self.offset + self.length else None
+
+    def checked(self, items: object) -> list[RoomChunk]:
+        """``items``, the chunks a writer says it put here, if each is ``(key, offset, length, checksum, format or
+        None)`` inside this room on an ``alignment`` boundary and none overlaps another; ``ConfigError`` otherwise."""
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"fill_room takes a list of chunks, got {type(items).__name__}")
+        out = [self._checked(item) for item in items]
+        spans = sorted((offset, offset + length) for _, offset, length, _, _ in out)
+        if any(end > start for (_, end), (start, _) in pairwise(spans)):
+            raise ConfigError(f"chunks put into room {self.id} overlap")
+        return out
+
+    def _checked(self, item: object) -> RoomChunk:
+        if not isinstance(item, tuple) or len(item) != 5:
+            raise ConfigError(f"a chunk put into a room is (key, offset, length, checksum, format), got {item!r:.60}")
+        key, offset, length, checksum, fmt = item
+        check_key(key)
+        check_checksum(checksum)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (offset, length)) or length <= 0:
+            raise ConfigError(f"chunk {short(key)}: offset and length must be ints (length > 0)")
+        if offset % self.alignment or not self.offset <= offset <= offset + length <= self.offset + self.length:
+            raise ConfigError(
+                f"chunk {short(key)} at [{offset}, +{length}) is not inside room {self.id} "
+                f"[{self.offset}, +{self.length}) on a {self.alignment}-byte boundary"
+            )
+        if fmt is not None and (not isinstance(fmt, TensorFormat) or fmt.nbytes != length):
+            raise ConfigError(f"chunk {short(key)}: its format {fmt!r:.60} does not describe {length} bytes")
+        return key, offset, length, checksum, fmt
 
 
 def check_length(length: int, what: str = "length") -> int:

@@ -23,7 +23,6 @@ import secrets
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
-from itertools import pairwise
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, CorruptChunk, PoolFull
@@ -33,6 +32,7 @@ from kvpool.pool.chunks import (
     ChangeKind,
     Reservation,
     Room,
+    RoomChunk,
     StoredChunk,
     check_checksum,
     check_length,
@@ -136,17 +136,11 @@ class ChunkStore:
         if room is not None:
             self.allocators[Tier.DRAM].free(room.offset)
 
-    def fill_room(
-        self,
-        room_id: int,
-        items: Sequence[tuple[bytes, int, int, int, TensorFormat | None]],
-        *,
-        replicated: bool = False,
-    ) -> None:
-        """Make the chunks a writer put into room ``room_id`` visible, each ``(key, offset, length, checksum,
-        tensor format or None)``; the rest of the room is freed.  A key held already keeps its first copy.
-        Everything is checked before anything changes: on bad input the room is closed and nothing is stored
-        (``ConfigError``); a room reclaimed meanwhile is a ``ChunkNotFound`` (write the batch again)."""
+    def fill_room(self, room_id: int, items: Sequence[RoomChunk], *, replicated: bool = False) -> None:
+        """Make the chunks a writer put into room ``room_id`` visible (see ``Room.checked``); the rest of the room is
+        freed.  A key held already keeps its first copy.  Everything is checked before anything changes: on bad
+        input the room is closed and nothing is stored (``ConfigError``); a room reclaimed meanwhile is a
+        ``ChunkNotFound`` (write the batch again)."""
         room = self._rooms.get(room_id) if isinstance(room_id, int) else None
         if room is None:
             raise ChunkNotFound(
@@ -154,45 +148,18 @@ class ChunkStore:
                 "put the batch again"
             )
         try:
-            if not isinstance(items, (list, tuple)):
-                raise ConfigError(f"fill_room takes a list of chunks, got {type(items).__name__}")
-            checked = [self._room_item(room, item) for item in items]
-            spans = sorted((offset, offset + length) for _, offset, length, _, _ in checked)
-            if any(end > start for (_, end), (start, _) in pairwise(spans)):
-                raise ConfigError(f"chunks put into room {room_id} overlap")
-        except ConfigError:
+            checked = room.checked(items)
+        finally:
             self.close_room(room_id)
-            raise
-        self.close_room(room_id)
-        first: dict[bytes, tuple[bytes, int, int, int, TensorFormat | None]] = {}  # a key twice: its first copy
+        first: dict[bytes, RoomChunk] = {}  # a key twice: its first copy
         for c in checked:
             if c[0] not in self._chunks and c[0] not in self._reserved:
                 first.setdefault(c[0], c)
-        fresh = list(first.values())
-        for key, offset, length, _, _ in fresh:  # all claimed before a commit may demote anything
+        for key, offset, length, _, _ in first.values():  # all claimed before a commit may demote anything
             self.allocators[Tier.DRAM].claim(offset, length)
             self._reserved[key] = Reservation(key, offset, length)
-        for key, _, _, checksum, fmt in fresh:
+        for key, _, _, checksum, fmt in first.values():
             self.commit(key, checksum, replicated=replicated, fmt=fmt)
-
-    def _room_item(
-        self, room: Room, item: tuple[bytes, int, int, int, TensorFormat | None]
-    ) -> tuple[bytes, int, int, int, TensorFormat | None]:
-        if not isinstance(item, tuple) or len(item) != 5:
-            raise ConfigError(f"a chunk put into a room is (key, offset, length, checksum, format), got {item!r:.60}")
-        key, offset, length, checksum, fmt = item
-        check_key(key)
-        check_checksum(checksum)
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (offset, length)) or length <= 0:
-            raise ConfigError(f"chunk {short(key)}: offset and length must be ints (length > 0)")
-        if offset % room.alignment or not room.offset <= offset <= offset + length <= room.offset + room.length:
-            raise ConfigError(
-                f"chunk {short(key)} at [{offset}, +{length}) is not inside room {room.id} "
-                f"[{room.offset}, +{room.length}) on a {room.alignment}-byte boundary"
-            )
-        if fmt is not None and (not isinstance(fmt, TensorFormat) or fmt.nbytes != length):
-            raise ConfigError(f"chunk {short(key)}: its format {fmt!r:.60} does not describe {length} bytes")
-        return key, offset, length, checksum, fmt
 
     def commit(
         self, key: bytes, checksum: int, *, replicated: bool = False, fmt: TensorFormat | None = None

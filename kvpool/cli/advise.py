@@ -2,6 +2,7 @@
 the chunk lookups clients sampled (``KVPOOL_ACCESS_LOG``) with a miss-ratio curve (see kvpool.pool.advisor)."""
 
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.table import Table
@@ -82,6 +83,14 @@ def plot(curve: MissRatioCurve, dram: float, nvme: float, path: Path) -> None:
     plt.close(fig)
 
 
+def _capacity(tier: str) -> Any:
+    """The ``--dram-gib`` / ``--nvme-gib`` option."""
+    return typer.Option(
+        None, f"--{tier.lower()}-gib", min=0, show_default=False,
+        help=f"{tier} the pool has now, GiB, all nodes together (default: what the running pool at --etcd has).",
+    )  # fmt: skip
+
+
 @root.app.command()
 def advise(
     logs: list[Path] = typer.Argument(
@@ -90,20 +99,8 @@ def advise(
         dir_okay=False,
         help="Access logs the engines wrote with KVPOOL_ACCESS_LOG=DIR set (DIR/access-*.jsonl), all of them.",
     ),
-    dram_gib: float | None = typer.Option(
-        None,
-        "--dram-gib",
-        min=0,
-        show_default=False,
-        help="DRAM the pool has now, GiB, all nodes together (default: what the running pool at --etcd has).",
-    ),
-    nvme_gib: float | None = typer.Option(
-        None,
-        "--nvme-gib",
-        min=0,
-        show_default=False,
-        help="NVMe the pool has now, GiB, all nodes together (default: what the running pool at --etcd has).",
-    ),
+    dram_gib: float | None = _capacity("DRAM"),
+    nvme_gib: float | None = _capacity("NVMe"),
     etcd: str | None = options.ETCD,
     cluster: str = options.CLUSTER,
     step_gib: float = typer.Option(
