@@ -181,14 +181,14 @@ def _ttft(
 ) -> list[dict[str, float]]:
     """Cold and warm TTFT of one prompt per length, through a prefill worker (first node) and a decode worker
     (last node): cold computes the prompt, warm reloads its KV from the pool."""
-    from kvpool.prefill_decode.service import Service
+    from kvpool.prefill_decode.service import Lane, Service
     from kvpool.prefill_decode.workers import WorkerConfig, start_workers
 
     progress(f"TTFT: starting {settings.ttft_model} workers", 1)
     prefill, decode = start_workers(
         WorkerConfig(pool=config, model=settings.ttft_model, torch_threads=os.cpu_count() or 1), ids[0], ids[-1]
     )
-    service = Service(prefill, decode, model=settings.ttft_model)
+    service = Service(Lane(prefill, decode), model=settings.ttft_model)
     out = []
     try:
         for tokens in settings.ttft_tokens:

@@ -152,30 +152,46 @@ def check_pool(pool: PoolConfig, chunks: int = 16) -> PoolCheck:
 
 
 @contextmanager
-def demo_service(pool: PoolConfig, model: str, report: Report | None = None) -> "Iterator[Service]":
-    """A prefill worker on the first Ray node, a decode worker on the last, and the ``Service`` over them;
-    the workers are killed on exit."""
+def demo_service(
+    pool: PoolConfig, model: str, report: Report | None = None, lanes: int = 1, policy: str = "cache-aware"
+) -> "Iterator[Service]":
+    """``lanes`` prefill workers, lane ``i``'s on Ray node ``i`` and its decode worker on the next node (one lane:
+    prefill on the first node, decode on the last), and the ``Service`` over them, routing by ``policy`` when
+    there are several; the workers are killed on exit."""
+    from kvpool.metadata.cache import MetadataCache
+    from kvpool.metadata.client import EtcdClient
+    from kvpool.metadata.namespace import Namespace
     from kvpool.prefill_decode.model import load_tokenizer
-    from kvpool.prefill_decode.service import Service
-    from kvpool.prefill_decode.workers import WorkerConfig, start_workers
+    from kvpool.prefill_decode.router import Policy
+    from kvpool.prefill_decode.service import Lane, Service, lane_router
+    from kvpool.prefill_decode.workers import WorkerConfig, start_lanes
 
     report = report or LogReport()
+    policy = Policy.of(policy).value
+    if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
+        raise ConfigError(f"lanes must be an int >= 1, got {lanes!r}")
     ids = sorted((n["NodeManagerAddress"], n["NodeID"]) for n in ray.nodes() if n["Alive"])
-    (p_ip, p_id), (d_ip, d_id) = ids[0], ids[-1]
-    config = WorkerConfig(pool=pool, model=model, torch_threads=os.cpu_count() or 1)
-    with report.busy(f"loading {model} on a prefill worker ({p_ip}) and a decode worker ({d_ip}), measuring"):
-        prefill, decode = start_workers(config, p_id, d_id)
-        tokenizer = load_tokenizer(model)
-    try:
-        hw = ray.get(prefill.hardware.remote())
-        tiers = ", ".join(f"{t} {bw / 1e9:.2f} GB/s" for t, bw in hw.bandwidth.items())
-        report.done(f"workers   {model}: prefill on {p_ip}, decode on {d_ip}")
-        report.done(f"cost      {hw.source}: {hw.flops / 1e9:.1f} GFLOP/s effective; {tiers}")
+    pairs = [(ids[i % len(ids)], ids[(i + 1) % len(ids) if lanes > 1 else -1]) for i in range(lanes)]
+    config = WorkerConfig(pool=pool, model=model, torch_threads=max(1, (os.cpu_count() or 1) // lanes))
+    where = ", ".join(f"{p_ip} -> {d_ip}" for (p_ip, _), (d_ip, _) in pairs)
+    with ExitStack() as stack:
+        with report.busy(f"loading {model} on {lanes} prefill -> decode lane(s) ({where}), measuring"):
+            started = start_lanes(config, [(p_id, d_id) for (_, p_id), (_, d_id) in pairs])
+            stack.callback(lambda: [ray.kill(w) for pair in started for w in pair])
+            tokenizer = load_tokenizer(model)
+        hw = ray.get(started[0][0].hardware.remote())
+        paths = ", ".join(f"{t} {bw / 1e9:.2f} GB/s" for t, bw in hw.bandwidth.items())
+        report.done(f"workers   {model}: {lanes} lane(s), prefill -> decode {where}")
+        report.done(f"cost      {hw.source}: {hw.flops / 1e9:.1f} GFLOP/s effective; {paths}")
+        router = None
+        if lanes > 1:
+            etcd = EtcdClient(pool.metadata)
+            stack.callback(etcd.close)
+            cache = stack.enter_context(MetadataCache(etcd, Namespace(pool.metadata.cluster)))
+            router = lane_router([Lane(*pair) for pair in started], cache.replicas, policy)
+            report.done(f"routing   {policy} over {lanes} lanes")
         eos = tokenizer.eos_token_id if tokenizer is not None else None
-        yield Service(prefill, decode, model=model, tokenizer=tokenizer, eos=eos)
-    finally:
-        for handle in (prefill, decode):
-            ray.kill(handle)
+        yield Service([Lane(*pair) for pair in started], model=model, tokenizer=tokenizer, eos=eos, router=router)
 
 
 def serve(service: "Service", port: int, report: Report | None = None) -> None:

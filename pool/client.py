@@ -67,7 +67,7 @@ from kvpool.pool.segment import DramSegment
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.s3_config import GC_GRACE_S
 from kvpool.pool.tiers.s3_reads import S3Reads
-from kvpool.pool.types import Placement, Tier
+from kvpool.pool.types import Placement, Tier, nearest_first
 from kvpool.pool.writes import Item, Rooms, Summary, put_local, put_peer
 
 log = logging.getLogger(__name__)
@@ -321,7 +321,7 @@ class PoolClient:
         for f, k in zip(found, keys, strict=True):
             if not f:
                 raise ChunkNotFound(f"chunk {short(k)} is not in the pool; recompute it")
-        return [sorted(f, key=lambda p: (p.node != self.node_id, p.tier.rank)) for f in found]
+        return [sorted(f, key=nearest_first(self.node_id)) for f in found]
 
     def _drop_corrupt(self, replica: Placement) -> None:
         if replica.tier is Tier.REMOTE:

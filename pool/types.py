@@ -4,6 +4,7 @@ Plain frozen values with no encoding; how they are stored in etcd is :mod:`kvpoo
 """
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,11 @@ class Placement:
     size: int  #: bytes of the chunk itself, what a reader gets (equals ``stored`` under the raw codec)
     checksum: int  #: of the stored bytes
     codec: str = "raw"
+
+
+def nearest_first(node: str) -> Callable[["Placement"], tuple[bool, int]]:
+    """Sort key of the replicas a reader on ``node`` tries: its own node's first, then the nearest tier."""
+    return lambda p: (p.node != node, p.tier.rank)
 
 
 @dataclass(frozen=True)

@@ -41,40 +41,48 @@ def measure_flops(loaded: LoadedModel, tokens: int = 1024, repeats: int = 3) -> 
 def measure_reads(
     client: PoolClient, object_bytes: int, total_bytes: int = 16 << 20, repeats: int = 3
 ) -> tuple[dict[str, float], float]:
-    """Read bandwidth (bytes/s) per tier of this node, and the fixed latency of one read (s).
+    """Read bandwidth (bytes/s) per read path of this node, and the fixed latency of one read (s).
 
     Times ``get_into_batch`` of ``total_bytes`` in objects of ``object_bytes`` — the way a reload reads —
     from this node's DRAM and, when the node has one, its NVMe (a read there promotes the chunk back to
-    DRAM, as a real hit does); and of a single object from DRAM, which is the latency (one pin round trip
-    and a copy).  Bandwidth is the large read's bytes over its time less that latency.  Uses throw-away
-    keys and removes them."""
+    DRAM, as a real hit does), and, when the pool has another node, from that node's DRAM (``peer``: the
+    network); and of a single object from DRAM, which is the latency (one pin round trip and a copy).
+    Bandwidth is the large read's bytes over its time less that latency.  Uses throw-away keys and
+    removes them."""
     rng = np.random.default_rng()
     objects = max(1, total_bytes // object_bytes)
     keys = [os.urandom(32) for _ in range(objects)]
+    peer_keys = [os.urandom(32) for _ in range(objects)]
     data = rng.integers(0, 256, (objects, object_bytes), dtype=np.uint8)
     out = np.empty_like(data)
-    here = next((n for n in client.cache.nodes() if n.node_id == client.node_id), None)
+    nodes = client.cache.nodes()
+    here = next((n for n in nodes if n.node_id == client.node_id), None)
+    peer = next((n for n in nodes if n.node_id != client.node_id and n.capacity(Tier.DRAM) > 0), None)
     client.put_batch(list(zip(keys, data, strict=True)), nodes=[here.node_id] if here else [])
+    if peer is not None:
+        client.put_batch(list(zip(peer_keys, data, strict=True)), nodes=[peer.node_id])
     has_nvme = here is not None and here.capacity(Tier.NVME) > 0
 
-    def timed(n: int, tier: Tier) -> float:
+    def timed(keys: list[bytes], tier: Tier = Tier.DRAM) -> float:
         times = []
         for _ in range(repeats):
             if tier is Tier.NVME:
-                client.move(keys[:n], Tier.NVME)
+                client.move(keys, Tier.NVME)
             t0 = time.perf_counter()
-            client.get_into_batch(keys[:n], list(out[:n]))
+            client.get_into_batch(keys, list(out[: len(keys)]))
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
     try:
-        latency = timed(1, Tier.DRAM)
-        bandwidth = {
-            t.value: data.nbytes / max(timed(objects, t) - latency, 1e-6)
-            for t in ((Tier.DRAM, Tier.NVME) if has_nvme else (Tier.DRAM,))
-        }
+        latency = timed(keys[:1])
+        paths = {Tier.DRAM.value: (keys, Tier.DRAM)}
+        if has_nvme:
+            paths[Tier.NVME.value] = (keys, Tier.NVME)
+        if peer is not None:
+            paths["peer"] = (peer_keys, Tier.DRAM)
+        bandwidth = {name: data.nbytes / max(timed(k, t) - latency, 1e-6) for name, (k, t) in paths.items()}
     finally:
-        client.remove_batch(keys)
+        client.remove_batch(keys + (peer_keys if peer is not None else []))
     return bandwidth, latency
 
 

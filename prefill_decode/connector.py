@@ -14,7 +14,6 @@ One request at a time per connector: the next ``load`` reuses the buffer the pre
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from transformers import DynamicCache
 from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError
 from kvpool.pool.client import PoolClient
 from kvpool.pool.keys import CacheIdentity
-from kvpool.pool.types import Placement
+from kvpool.pool.types import Placement, nearest_first
 from kvpool.prefill_decode.layout import KVBuffer, KVLayout
 
 log = logging.getLogger(__name__)
@@ -163,21 +162,11 @@ class PoolConnector:
         self.client.record_lookup([k for chunk in keys for k in chunk])
         return n
 
-    def sources(self, keys: Sequence[Sequence[bytes]], chunks: int) -> Counter[tuple[str, str]]:
-        """Bytes of the first ``chunks`` chunks by ``(tier, node)`` of the replica a read would pick."""
-        out: Counter[tuple[str, str]] = Counter()
-        for chunk in keys[:chunks]:
-            for key in chunk:
-                nearest = self._nearest(key)
-                if nearest is not None:
-                    out[(nearest.tier.value, nearest.node)] += nearest.size
-        return out
-
     def _nearest(self, key: bytes) -> Placement | None:
         replicas = self.client.cache.replicas(key)
         if not replicas:
             return None
-        return min(replicas, key=lambda p: (p.node != self.client.node_id, p.tier.rank))
+        return min(replicas, key=nearest_first(self.client.node_id))
 
     def save(
         self, cache: DynamicCache, keys: Sequence[Sequence[bytes]], first_chunk: int = 0, replicas: int = 1

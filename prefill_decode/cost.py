@@ -21,6 +21,8 @@ from kvpool.pool.types import Tier
 
 #: The tiers a KV prefix can be reloaded from, nearest first (the pool's :class:`Tier` names, GPU excepted).
 TIERS: tuple[str, ...] = tuple(t.value for t in Tier if t is not Tier.GPU)
+#: What a reload can be priced at: the tiers, and ``peer`` — a DRAM replica on another node, read over the network.
+PATHS: tuple[str, ...] = (*TIERS, "peer")
 
 
 def _positive_int(owner: str, name: str, value: object) -> None:
@@ -42,8 +44,8 @@ def _tokens(name: str, value: object, minimum: int = 0) -> int:
 
 def _tier_name(tier: str | Tier) -> str:
     name = tier.value if isinstance(tier, Tier) else tier
-    if name not in TIERS:
-        raise ConfigError(f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
+    if name not in PATHS:
+        raise ConfigError(f"tier must be one of {', '.join(PATHS)}, got {tier!r}")
     return name
 
 
@@ -136,7 +138,8 @@ def model_spec(name: str) -> ModelSpec:
 class Hardware:
     """Effective compute and each tier's read bandwidth, and where the figures come from.
 
-    ``bandwidth`` is stored read-only, in :data:`TIERS` order; tiers without a figure are absent.
+    ``bandwidth`` is stored read-only, in :data:`PATHS` order (the tiers, then ``peer``); a path without a
+    figure is absent.
     """
 
     flops: float  #: effective FLOP/s of prefill
@@ -149,11 +152,11 @@ class Hardware:
         object.__setattr__(self, "flops", _positive_number("Hardware.flops", self.flops))
         if not isinstance(self.bandwidth, Mapping):
             raise ConfigError(f"Hardware.bandwidth must map tier names to bytes/s, got {self.bandwidth!r}")
-        unknown = set(self.bandwidth) - set(TIERS)
+        unknown = set(self.bandwidth) - set(PATHS)
         if unknown:
-            raise ConfigError(f"Hardware.bandwidth: unknown tier(s) {sorted(map(str, unknown))}; tiers are {TIERS}")
+            raise ConfigError(f"Hardware.bandwidth: unknown tier(s) {sorted(map(str, unknown))}; tiers are {PATHS}")
         checked = {
-            t: _positive_number(f"Hardware.bandwidth[{t!r}]", self.bandwidth[t]) for t in TIERS if t in self.bandwidth
+            t: _positive_number(f"Hardware.bandwidth[{t!r}]", self.bandwidth[t]) for t in PATHS if t in self.bandwidth
         }
         object.__setattr__(self, "bandwidth", MappingProxyType(checked))
         if not isinstance(self.source, str) or not self.source:

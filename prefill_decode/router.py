@@ -1,21 +1,59 @@
-"""``Router``: for each request, the longest cached prefix, then reload or recompute by the cost model.
+"""Routing: reload or recompute a prompt's cached prefix (``Router``), and which of several prefill/decode lanes
+serves a request (``LaneRouter``: cache-aware, least-loaded or round-robin).
 
 The prefix comes from the pool's watch-synced placement cache (no etcd round trip); its bytes are split by
-the tier a read would take them from (the nearest replica), and the predicted reload time is the sum over
-tiers.  Every decision is logged and counted, so ``stats()`` says how often the pool paid off.
+the path a read would take them along (the nearest replica: the reader's own node's tier, ``peer`` for another
+node's DRAM), and the predicted reload time is the sum over paths.  Every decision is logged and counted, so
+``stats()`` says how often the pool paid off.  The decisions themselves (:func:`decide`, :func:`quote`,
+:func:`choose`) are pure functions of the placements, the cost model and the lanes' queues.
 """
 
+import enum
 import logging
+import threading
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.errors import ConfigError
 from kvpool.pool.keys import token_array
+from kvpool.pool.types import Placement, Tier, nearest_first
 from kvpool.prefill_decode.connector import PoolConnector
 from kvpool.prefill_decode.cost import Action, CostModel, Decision
 
 log = logging.getLogger(__name__)
+
+PEER = "peer"  #: the read path of a DRAM replica on another node: the network
+
+
+def read_path(tier: str, holder: str, node: str) -> str:
+    """What the cost model prices a read by ``node`` of a replica in ``tier`` on ``holder`` at: the tier on the
+    reader's own node (and the remote tier, the same from everywhere), ``peer`` for another node's DRAM, and
+    another node's NVMe at NVMe's figure (its disk is the slower of disk and network)."""
+    return PEER if holder != node and tier == Tier.DRAM.value else tier
+
+
+def prefix_sources(
+    replicas: Callable[[bytes], Sequence[Placement]], keys: Sequence[Sequence[bytes]], chunks: int, node: str
+) -> Counter[tuple[str, str]]:
+    """Bytes of the first ``chunks`` chunks by ``(tier, holder)`` of the replica a reader on ``node`` would pick."""
+    out: Counter[tuple[str, str]] = Counter()
+    for chunk in keys[:chunks]:
+        for key in chunk:
+            found = replicas(key)
+            if found:
+                nearest = min(found, key=nearest_first(node))
+                out[(nearest.tier.value, nearest.node)] += nearest.size
+    return out
+
+
+def by_path(sources: Mapping[tuple[str, str], int], node: str) -> Counter[str]:
+    """``sources`` (bytes by tier and holder) as bytes by the read path from ``node``."""
+    out: Counter[str] = Counter()
+    for (tier, holder), nbytes in sources.items():
+        out[read_path(tier, holder, node)] += nbytes
+    return out
 
 
 @dataclass(frozen=True)
@@ -36,8 +74,8 @@ class Route:
 def decide(cost: CostModel, prompt_tokens: int, cached_tokens: int, by_tier: Mapping[str, int]) -> Decision:
     """Reload the cached prefix, or recompute the prompt: the pure decision behind :meth:`Router.route`.
 
-    ``by_tier`` holds the bytes of the cached prefix by the tier a read would take them from; the prefix's tokens
-    are shared out by those bytes and priced at each tier's bandwidth.  The last prompt token is always computed.
+    ``by_tier`` holds the bytes of the cached prefix by the path a read would take them along (:func:`read_path`);
+    the prefix's tokens are shared out by those bytes and priced at each path's bandwidth.  The last prompt token is always computed.
     """
     recompute = cost.prefill_s(prompt_tokens)
     total = sum(by_tier.values())
@@ -69,12 +107,10 @@ class Router:
         n = len(token_array(tokens))
         keys = self.connector.keys(tokens)
         cached = self.connector.cached_chunks(keys)
-        by_place = self.connector.sources(keys, cached)
+        here = self.connector.client.node_id
+        by_place = prefix_sources(self.connector.client.cache.replicas, keys, cached, here)
         cached_tokens = min(cached * self.connector.layout.chunk_size, n) if by_place else 0  # gone meanwhile
-        by_tier: Counter[str] = Counter()
-        for (tier, _), nbytes in by_place.items():
-            by_tier[tier] += nbytes
-        decision = decide(self.cost, n, cached_tokens, by_tier)
+        decision = decide(self.cost, n, cached_tokens, by_path(by_place, here))
         self.count(decision)
         log.info("route %s", decision)
         return Route(decision, keys, cached, {f"{t}@{node[:12]}": b for (t, node), b in by_place.items()})
@@ -95,3 +131,123 @@ class Router:
             "hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
             "hardware": self.cost.hardware.source,
         }
+
+
+class Policy(enum.Enum):
+    """How the HTTP front picks the lane (a prefill worker and its decode worker) of a request."""
+
+    CACHE_AWARE = "cache-aware"  #: the least predicted TTFT: queued work, then reload-or-recompute on that node
+    LEAST_LOADED = "least-loaded"  #: the fewest requests queued
+    ROUND_ROBIN = "round-robin"  #: each lane in turn
+
+    @classmethod
+    def of(cls, name: "str | Policy") -> "Policy":
+        if isinstance(name, Policy):
+            return name
+        try:
+            return cls(name)
+        except ValueError:
+            raise ConfigError(
+                f"routing policy must be one of {', '.join(p.value for p in cls)}, got {name!r:.40}"
+            ) from None
+
+
+@dataclass(frozen=True)
+class Quote:
+    """One lane's prediction for a prompt: the prefill work queued before it, then its own prefill there."""
+
+    lane: int
+    decision: Decision  #: reload or recompute, priced from the lane's node
+    queued: int  #: requests sent to the lane's prefill worker and not back yet
+    queued_s: float  #: their predicted prefill seconds
+
+    @property
+    def prefill_s(self) -> float:
+        d = self.decision
+        return d.reload_then_prefill_s if d.action is Action.RELOAD else d.recompute_s
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queued_s + self.prefill_s
+
+
+def choose(policy: Policy, quotes: Sequence[Quote], turn: int) -> Quote:
+    """The lane ``policy`` sends a request to; ties go to the lane after the last one chosen (``turn`` counts
+    requests), so equal lanes share the work."""
+    if not quotes:
+        raise ConfigError("no lanes to route to: start at least one prefill worker")
+    n = len(quotes)
+    if policy is Policy.ROUND_ROBIN:
+        return quotes[turn % n]
+    after = {q.lane: (q.lane - turn) % n for q in quotes}
+    if policy is Policy.LEAST_LOADED:
+        return min(quotes, key=lambda q: (q.queued, after[q.lane]))
+    return min(quotes, key=lambda q: (q.ttft_s, q.queued, after[q.lane]))
+
+
+class LaneRouter:
+    """Sends each request to a lane by ``policy`` and keeps every lane's queue.
+
+    ``nodes[i]`` and ``costs[i]`` are lane ``i``'s prefill worker's node and cost model; ``keys`` names a prompt's
+    chunk objects (the workers' cache identity and layout), ``replicas`` is the placement cache's lookup.
+    :meth:`pick` books the chosen lane's predicted prefill until :meth:`release`.
+    """
+
+    def __init__(
+        self, nodes: Sequence[str], costs: Sequence[CostModel], keys: Callable[[Sequence[int]], list[list[bytes]]],
+        chunk_size: int, replicas: Callable[[bytes], Sequence[Placement]], policy: "Policy | str" = Policy.CACHE_AWARE,
+    ) -> None:  # fmt: skip
+        if not nodes or len(nodes) != len(costs):
+            raise ConfigError(f"need one cost model per lane and at least one lane, got {len(nodes)} and {len(costs)}")
+        self.nodes, self.costs = list(nodes), list(costs)
+        self.keys, self.chunk_size, self.replicas = keys, chunk_size, replicas
+        self.policy = Policy.of(policy)
+        self._queued = [0] * len(nodes)
+        self._queued_s = [0.0] * len(nodes)
+        self._turn = 0
+        self._lock = threading.Lock()
+        self.counts: Counter[str] = Counter()
+
+    def quotes(self, tokens: Sequence[int]) -> list[Quote]:
+        """Every lane's prediction for ``tokens``, as things stand."""
+        n = len(token_array(tokens))
+        keys = self.keys(tokens)
+        cached = 0
+        while cached < len(keys) and all(self.replicas(k) for k in keys[cached]):
+            cached += 1
+        out = []
+        for lane, (node, cost) in enumerate(zip(self.nodes, self.costs, strict=True)):
+            sources = prefix_sources(self.replicas, keys, cached, node)
+            cached_tokens = min(cached * self.chunk_size, n) if sources else 0
+            decision = decide(cost, n, cached_tokens, by_path(sources, node))
+            out.append(Quote(lane, decision, self._queued[lane], self._queued_s[lane]))
+        return out
+
+    def pick(self, tokens: Sequence[int]) -> Quote:
+        """The lane for ``tokens``, booked: call :meth:`release` with the quote once its prefill is done."""
+        with self._lock:
+            quote = choose(self.policy, self.quotes(tokens), self._turn)
+            self._turn += 1
+            self._queued[quote.lane] += 1
+            self._queued_s[quote.lane] += quote.prefill_s
+            self.counts["requests"] += 1
+            self.counts[f"lane{quote.lane}"] += 1
+            self.counts["cached_tokens"] += quote.decision.cached_tokens
+            self.counts["prompt_tokens"] += quote.decision.prompt_tokens
+        log.info("lane %d (%s): predicted TTFT %.3g s; %s", quote.lane, self.policy.value, quote.ttft_s, quote.decision)
+        return quote
+
+    def release(self, quote: Quote) -> None:
+        with self._lock:
+            self._queued[quote.lane] -= 1
+            self._queued_s[quote.lane] = max(0.0, self._queued_s[quote.lane] - quote.prefill_s)
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counts
+        return {
+            "policy": self.policy.value,
+            "lanes": [{"node": node, "requests": c[f"lane{i}"], "queued": self._queued[i]}
+                      for i, node in enumerate(self.nodes)],
+            "requests": c["requests"],
+            "hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
+        }  # fmt: skip

@@ -1,16 +1,20 @@
 """``Service``: one request end to end — prefill worker, pool, decode worker — and the OpenAI-style HTTP
 front on top of it (``POST /v1/completions``, ``GET /v1/models``, ``GET /health``, ``GET /stats``).
 
-The front tokenizes (when the model has a tokenizer; token-id prompts work for any model), asks the
-prefill worker for the first token, hands the prompt and that token to the decode worker, and answers in
-the shape of OpenAI's completions API, with a ``kvpool`` field saying where the prompt's KV came from.
+The front tokenizes (when the model has a tokenizer; token-id prompts work for any model), picks a lane (a
+prefill worker and its decode worker; with several, by the :class:`~kvpool.prefill_decode.router.LaneRouter`'s
+policy), asks the prefill worker for the first token, hands the prompt and that token to the decode worker,
+and answers in the shape of OpenAI's completions API, with a ``kvpool`` field saying which lane served it and
+where the prompt's KV came from.
 """
 
 import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import ray
@@ -18,6 +22,7 @@ from aiohttp import web
 
 from kvpool.errors import ConfigError, KvPoolError, WorkerUnavailable
 from kvpool.pool.keys import token_array
+from kvpool.prefill_decode.router import LaneRouter, Policy, Quote
 from kvpool.prefill_decode.workers import DecodeResult, PrefillResult
 
 log = logging.getLogger(__name__)
@@ -31,14 +36,34 @@ class Completion:
     total_s: float
     prefill: PrefillResult
     decode: DecodeResult
+    lane: int = 0
+    quote: Quote | None = None  #: the router's prediction for the lane it chose (None: one lane, no router)
+
+
+@dataclass(frozen=True)
+class Lane:
+    """A prefill actor and the decode actor its requests go on to (from
+    :func:`~kvpool.prefill_decode.workers.start_workers`)."""
+
+    prefill: Any
+    decode: Any
 
 
 class Service:
-    """A prefill actor and a decode actor (handles from :func:`~kvpool.prefill_decode.workers.start_worker`)."""
+    """One or more lanes; with several, ``router`` (over the same lanes, in the same order) picks each request's."""
 
-    def __init__(self, prefill: Any, decode: Any, *, model: str, tokenizer: Any = None, eos: int | None = None) -> None:
-        self.prefill = prefill
-        self.decode = decode
+    def __init__(
+        self, lanes: Lane | Sequence[Lane], *, model: str, tokenizer: Any = None, eos: int | None = None,
+        router: LaneRouter | None = None,
+    ) -> None:  # fmt: skip
+        self.lanes = [lanes] if isinstance(lanes, Lane) else list(lanes)
+        if not self.lanes or not all(isinstance(lane, Lane) for lane in self.lanes):
+            raise ConfigError("a Service needs at least one Lane(prefill, decode)")
+        if router is None and len(self.lanes) > 1:
+            raise ConfigError(f"{len(self.lanes)} lanes need a LaneRouter to choose between them")
+        if router is not None and len(router.nodes) != len(self.lanes):
+            raise ConfigError(f"the router knows {len(router.nodes)} lanes, the service has {len(self.lanes)}")
+        self.router = router
         self.model = model
         self.tokenizer = tokenizer
         self.eos = eos
@@ -68,10 +93,16 @@ class Service:
         if max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
         t0 = time.perf_counter()
+        quote = self.router.pick(tokens) if self.router is not None else None
+        lane = self.lanes[quote.lane if quote is not None else 0]
         try:
-            first: PrefillResult = await self.prefill.prefill.remote(tokens)
+            try:
+                first: PrefillResult = await lane.prefill.prefill.remote(tokens)
+            finally:
+                if quote is not None and self.router is not None:
+                    self.router.release(quote)
             ttft = time.perf_counter() - t0
-            done: DecodeResult = await self.decode.decode.remote(
+            done: DecodeResult = await lane.decode.decode.remote(
                 tokens, first.first_token, max_tokens, revision=first.revision, eos=self.eos
             )
         except ray.exceptions.RayTaskError as exc:  # a worker's own error (a bad prompt, a pool error): as itself
@@ -80,10 +111,26 @@ class Service:
             raise
         except ray.exceptions.RayActorError as exc:
             raise WorkerUnavailable(f"a prefill or decode worker died: {exc}; restart the service") from exc
-        return Completion(tokens, done.tokens, ttft, time.perf_counter() - t0, first, done)
+        index = quote.lane if quote is not None else 0
+        return Completion(tokens, done.tokens, ttft, time.perf_counter() - t0, first, done, index, quote)
 
     def complete_sync(self, tokens: list[int], max_tokens: int) -> Completion:
         return asyncio.run(self.complete(tokens, max_tokens))
+
+
+def lane_router(lanes: Sequence[Lane], replicas: Any, policy: "Policy | str" = Policy.CACHE_AWARE) -> LaneRouter:
+    """A :class:`LaneRouter` over ``lanes`` (their prefill workers' nodes and cost models), reading placements
+    with ``replicas`` (a :class:`~kvpool.metadata.cache.MetadataCache`'s ``replicas``).  Every lane must name
+    chunks alike (one cache identity and layout), or the router could not predict their hits."""
+    infos = ray.get([lane.prefill.routing.remote() for lane in lanes])
+    _, layout, identity, _ = infos[0]
+    for i, (_, other_layout, other, _) in enumerate(infos):
+        if (other_layout, other) != (layout, identity):
+            raise ConfigError(f"lane {i} caches under another identity or layout than lane 0: start every lane alike")
+    return LaneRouter(
+        [node for node, *_ in infos], [cost for *_, cost in infos], partial(layout.keys, identity),
+        layout.chunk_size, replicas, policy,
+    )  # fmt: skip
 
 
 def _error(status: int, message: str, kind: str) -> web.Response:
@@ -110,6 +157,8 @@ def _completion(service: Service, tokens: list[int], done: Completion) -> dict[s
         "kvpool": {
             "ttft_s": done.ttft_s,
             "total_s": done.total_s,
+            "lane": done.lane,
+            "predicted_ttft_s": done.quote.ttft_s if done.quote is not None else None,
             "prefill": asdict(done.prefill.summary),
             "decode": asdict(done.decode.summary),
         },
@@ -146,8 +195,11 @@ def make_app(service: Service) -> web.Application:
         return web.json_response({"status": "ok"})
 
     async def stats(_: web.Request) -> web.Response:
-        prefill, decode = await asyncio.gather(service.prefill.stats.remote(), service.decode.stats.remote())
-        return web.json_response({"prefill": prefill, "decode": decode})
+        calls = [w.stats.remote() for lane in service.lanes for w in (lane.prefill, lane.decode)]
+        got = await asyncio.gather(*calls)
+        lanes = [{"prefill": got[2 * i], "decode": got[2 * i + 1]} for i in range(len(service.lanes))]
+        router = service.router.stats() if service.router is not None else None
+        return web.json_response({"lanes": lanes, "router": router})
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)

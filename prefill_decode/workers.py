@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvpool.errors import ConfigError
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.keys import DEFAULT_CHUNK_SIZE, token_array
+from kvpool.pool.keys import DEFAULT_CHUNK_SIZE, CacheIdentity, token_array
 from kvpool.prefill_decode.calibrate import measure_hardware, spec_of
 from kvpool.prefill_decode.connector import PoolConnector
 from kvpool.prefill_decode.cost import CostModel, Hardware
@@ -149,6 +149,10 @@ class Worker:
     def hardware(self) -> Hardware:
         return self.router.cost.hardware
 
+    def routing(self) -> tuple[str, KVLayout, CacheIdentity, CostModel]:
+        """What a front routing to this worker needs: its node, how it names chunks, and its cost model."""
+        return self.client.node_id, self.connector.layout, self.connector.identity, self.router.cost
+
     def stats(self) -> dict[str, Any]:
         return {"node_id": self.client.node_id, "model": self.loaded.name, **self.router.stats()}
 
@@ -202,6 +206,13 @@ class DecodeWorker(Worker):
 def start_workers(config: WorkerConfig, prefill_node: str | None, decode_node: str | None) -> tuple[Any, Any]:
     """A ``PrefillWorker`` and a ``DecodeWorker`` actor (pinned to the given Ray nodes), both constructed —
     model loaded, pool joined, cost model measured — before this returns."""
+    ((prefill, decode),) = start_lanes(config, [(prefill_node, decode_node)])
+    return prefill, decode
+
+
+def start_lanes(config: WorkerConfig, nodes: Sequence[tuple[str | None, str | None]]) -> list[tuple[Any, Any]]:
+    """A ``PrefillWorker`` and a ``DecodeWorker`` actor per ``(prefill node, decode node)`` pair (Ray node ids;
+    None: anywhere), all started at once and constructed before this returns."""
 
     def actor(kind: type[Worker], node_id: str | None) -> Any:
         options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
@@ -209,6 +220,6 @@ def start_workers(config: WorkerConfig, prefill_node: str | None, decode_node: s
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
         return ray.remote(kind).options(**options).remote(config)
 
-    prefill, decode = actor(PrefillWorker, prefill_node), actor(DecodeWorker, decode_node)
-    ray.get([prefill.node_id.remote(), decode.node_id.remote()])
-    return prefill, decode
+    pairs = [(actor(PrefillWorker, p), actor(DecodeWorker, d)) for p, d in nodes]
+    ray.get([w.node_id.remote() for pair in pairs for w in pair])
+    return pairs

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from kvpool.prefill_decode.demo import DemoRun
     from kvpool.stack import PoolCheck
 
+#: ``--route``: the values of :class:`~kvpool.prefill_decode.router.Policy` (not imported here: it needs torch)
+ROUTES = ("cache-aware", "least-loaded", "round-robin")
 #: the local pool ``up`` brings up by default: small, so it starts anywhere
 LOCAL_NODES, LOCAL_DRAM_MIB, LOCAL_NVME_MIB = 2, 256, 1024
 
@@ -71,7 +73,7 @@ def _hold(pool: PoolConfig) -> None:
     root.wait_for_interrupt("the pool")
 
 
-def _run(pool: PoolConfig, stack: ExitStack, demo: str, serve: int, hold: bool) -> None:
+def _run(pool: PoolConfig, stack: ExitStack, demo: str, serve: int, hold: bool, lanes: int, route: str) -> None:
     """Everything ``up`` does on the running ``pool``."""
     from kvpool.cli import status  # here, not above: up comes first in --help
     from kvpool.prefill_decode.demo import run_demo
@@ -85,7 +87,8 @@ def _run(pool: PoolConfig, stack: ExitStack, demo: str, serve: int, hold: bool) 
     report = root.ConsoleReport()
     service = None
     if demo != "none" or serve >= 0:
-        service = stack.enter_context(demo_service(pool, demo if demo != "none" else MODELS[0], report))
+        model = demo if demo != "none" else MODELS[0]
+        service = stack.enter_context(demo_service(pool, model, report, lanes, route))
     if service is not None and demo != "none":
         run = run_demo(service)
         root.console.print(demo_table(run))
@@ -132,6 +135,19 @@ def up(
         max=65535,
         help=f"Serve OpenAI-style /v1/completions on 127.0.0.1:PORT (0: any port) until Ctrl-C; -1: do not. With --demo none it serves {MODELS[0]}.",
     ),
+    lanes: int = typer.Option(
+        1,
+        "--lanes",
+        min=1,
+        max=32,
+        help="Prefill -> decode lanes of the demo and --serve: lane i's prefill worker on node i, its decode worker on the next.",
+    ),
+    route: str = typer.Option(
+        "cache-aware",
+        "--route",
+        help="How --serve picks a lane when there are several: cache-aware (least predicted TTFT: queued work, then "
+        "reload-or-recompute of the cached prefix from that node), least-loaded or round-robin.",
+    ),
     hold: bool = typer.Option(
         False, "--hold", help="Keep the pool up until Ctrl-C (default: check it, run the demo, leave)."
     ),
@@ -150,6 +166,8 @@ def up(
     with root.errors(), ExitStack() as stack:
         if demo not in (*MODELS, "none"):
             raise ConfigError(f"--demo must be one of {', '.join(MODELS)} or none, got {demo!r}")
+        if route not in ROUTES:
+            raise ConfigError(f"--route must be one of {', '.join(ROUTES)}, got {route!r:.40}")
         pool = PoolConfig(
             metadata=options.metadata_config(etcd, cluster), dram_bytes=dram_mib * MiB, nvme_bytes=nvme_mib * MiB or -1,
             nvme_dir=nvme_dir, nvme_codec=nvme_codec,
@@ -157,4 +175,4 @@ def up(
         )  # fmt: skip
         config = StackConfig(pool=pool, nodes=nodes, ray_address=ray_address or "")
         running = stack.enter_context(running_pool(config, root.ConsoleReport()))
-        _run(running, stack, demo, serve, hold)
+        _run(running, stack, demo, serve, hold, lanes, route)

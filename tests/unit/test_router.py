@@ -5,10 +5,14 @@ decision itself, :func:`decide`, is pure and is tested here without etcd or Ray.
 tested in tests/integration/prefill_decode/test_reuse.py.
 """
 
+from collections.abc import Callable, Sequence
+
 import pytest
 
+from kvpool.errors import ConfigError
+from kvpool.pool.types import Placement, Tier
 from kvpool.prefill_decode.cost import Action, CostModel, Decision, Hardware, model_spec
-from kvpool.prefill_decode.router import Route, decide
+from kvpool.prefill_decode.router import PEER, LaneRouter, Policy, Quote, Route, choose, decide, read_path
 
 L = 32_768
 
@@ -87,3 +91,97 @@ def test_route_reuses_cached_chunks_only_on_reload() -> None:
     recompute = Decision(Action.RECOMPUTE, 1024, 768, "dram", 1.0, 0.1)
     assert Route(reload, keys, 3).reuse_chunks == 3
     assert Route(recompute, keys, 3).reuse_chunks == 0
+
+
+# -- lanes: which prefill worker serves a request --------------------------------------------------------
+
+NODES = ["node-a", "node-b", "node-c"]
+CHUNK = 256
+
+
+def _placements(where: dict[bytes, list[tuple[str, Tier]]]) -> Callable[[bytes], list[Placement]]:
+    table = {k: [Placement(k, node, tier, 0, 1 << 20, 1 << 20, 0) for node, tier in v] for k, v in where.items()}
+    return lambda key: table.get(key, [])
+
+
+def _keys(tokens: Sequence[int]) -> list[list[bytes]]:
+    """Chunk c of a prompt is one object named by the prompt's first token and c (a stand-in for the hash chain)."""
+    return [[b"%d-%d" % (tokens[0], c)] for c in range(len(tokens) // CHUNK)]
+
+
+def _router(where: dict[bytes, list[tuple[str, Tier]]], policy: Policy) -> LaneRouter:
+    hardware = Hardware(1e12, {"dram": 20e9, "nvme": 2e9, "peer": 4e9}, "test", latency_s=0.001)
+    cost = CostModel(model_spec("llama-3-8b"), hardware)
+    return LaneRouter(NODES, [cost] * 3, _keys, CHUNK, _placements(where), policy)
+
+
+def _quote(lane: int, queued: int, queued_s: float, prefill_s: float) -> Quote:
+    return Quote(lane, Decision(Action.RECOMPUTE, 1024, 0, "-", prefill_s, prefill_s), queued, queued_s)
+
+
+def test_read_path_is_the_tier_on_the_readers_node_and_peer_for_another_nodes_dram() -> None:
+    assert read_path("dram", "a", "a") == "dram" and read_path("nvme", "a", "a") == "nvme"
+    assert read_path("dram", "b", "a") == PEER
+    assert read_path("nvme", "b", "a") == "nvme"  # another node's disk: priced at the disk
+    assert read_path("remote", "s3", "a") == "remote"
+
+
+def test_cache_aware_goes_where_the_prefix_is_in_dram() -> None:
+    prompt = [7] * (4 * CHUNK)
+    where = {b"7-%d" % c: [("node-b", Tier.DRAM), ("node-c", Tier.NVME)] for c in range(4)}
+    router = _router(where, Policy.CACHE_AWARE)
+    quotes = router.quotes(prompt)
+    assert [q.decision.tier for q in quotes] == ["peer", "dram", "nvme"]  # a: b's DRAM over the network
+    assert all(q.decision.cached_tokens == 4 * CHUNK for q in quotes)
+    assert quotes[1].ttft_s < quotes[0].ttft_s < quotes[2].ttft_s
+    assert router.pick(prompt).lane == 1
+
+
+def test_cache_aware_weighs_the_queue_against_the_prefix() -> None:
+    """The lane holding the prefix is chosen until the work queued on it costs more than recomputing elsewhere."""
+    prompt = [7] * (8 * CHUNK)
+    router = _router({b"7-%d" % c: [("node-b", Tier.DRAM)] for c in range(8)}, Policy.CACHE_AWARE)
+    recompute_s = router.costs[0].prefill_s(len(prompt))
+    picks = [router.pick(prompt) for _ in range(50)]  # none released: the queue on the chosen lane grows
+    assert picks[0].lane == 1 and picks[1].lane == 1
+    first_elsewhere = next(q for q in picks if q.lane != 1)
+    assert first_elsewhere.ttft_s <= sum(q.prefill_s for q in picks if q.lane == 1) + recompute_s
+    for q in picks:
+        router.release(q)
+    assert router.stats()["lanes"] == [{"node": n, "requests": c, "queued": 0} for n, c in zip(
+        NODES, [sum(q.lane == i for q in picks) for i in range(3)], strict=True)]  # fmt: skip
+
+
+def test_nothing_cached_spreads_the_work() -> None:
+    router = _router({}, Policy.CACHE_AWARE)
+    picks = [router.pick([i] * CHUNK).lane for i in range(6)]  # equal predictions: the queue decides
+    assert sorted(picks) == [0, 0, 1, 1, 2, 2]
+
+
+def test_a_prefix_with_a_hole_counts_up_to_the_hole() -> None:
+    where = {b"7-0": [("node-a", Tier.DRAM)], b"7-2": [("node-a", Tier.DRAM)]}
+    quotes = _router(where, Policy.CACHE_AWARE).quotes([7] * (3 * CHUNK))
+    assert {q.decision.cached_tokens for q in quotes} == {CHUNK}
+
+
+def test_baselines() -> None:
+    quotes = [_quote(0, 2, 2.0, 0.1), _quote(1, 0, 0.0, 9.0), _quote(2, 1, 0.5, 0.1)]
+    assert [choose(Policy.ROUND_ROBIN, quotes, t).lane for t in range(4)] == [0, 1, 2, 0]
+    assert choose(Policy.LEAST_LOADED, quotes, 0).lane == 1
+    assert choose(Policy.CACHE_AWARE, quotes, 0).lane == 2  # 0.5 + 0.1 s beats 9 s and 2.1 s
+    tied = [_quote(i, 0, 0.0, 1.0) for i in range(3)]
+    assert [choose(Policy.LEAST_LOADED, tied, t).lane for t in range(3)] == [0, 1, 2]
+    assert [choose(Policy.CACHE_AWARE, tied, t).lane for t in range(3)] == [0, 1, 2]
+
+
+def test_policy_names() -> None:
+    from kvpool.cli.up import ROUTES
+
+    assert tuple(p.value for p in Policy) == ROUTES
+    assert Policy.of("least-loaded") is Policy.LEAST_LOADED
+    with pytest.raises(ConfigError, match="cache-aware, least-loaded, round-robin"):
+        Policy.of("fastest")
+    with pytest.raises(ConfigError, match="at least one prefill worker"):
+        choose(Policy.CACHE_AWARE, [], 0)
+    with pytest.raises(ConfigError, match="one cost model per lane"):
+        LaneRouter(NODES, [], _keys, CHUNK, _placements({}))

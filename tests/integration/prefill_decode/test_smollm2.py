@@ -12,7 +12,7 @@ import torch
 from kvpool.pool.config import PoolConfig
 from kvpool.prefill_decode.demo import demo_prompt
 from kvpool.prefill_decode.model import LoadedModel, smollm2
-from kvpool.prefill_decode.service import Service
+from kvpool.prefill_decode.service import Lane, Service
 from kvpool.prefill_decode.workers import WorkerConfig, start_workers
 
 pytestmark = pytest.mark.slow
@@ -30,7 +30,7 @@ def service(
 ) -> Iterator[Service]:
     config = WorkerConfig(pool=pd_pool, model="smollm2-135m", hardware=worker_config.hardware, torch_threads=1)
     prefill, decode = start_workers(config, ray_cluster[1], ray_cluster[2])
-    yield Service(prefill, decode, model=smol.name, tokenizer=smol.tokenizer, eos=smol.eos_token_id)
+    yield Service(Lane(prefill, decode), model=smol.name, tokenizer=smol.tokenizer, eos=smol.eos_token_id)
     for handle in (prefill, decode):
         ray.get(handle.close.remote())
         ray.kill(handle)

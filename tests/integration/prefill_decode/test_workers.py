@@ -9,7 +9,7 @@ import ray
 import torch
 
 from kvpool.prefill_decode.model import LoadedModel
-from kvpool.prefill_decode.workers import WorkerConfig, start_workers
+from kvpool.prefill_decode.workers import WorkerConfig, start_lanes, start_workers
 
 pytestmark = pytest.mark.slow
 
@@ -53,10 +53,10 @@ def test_decode_on_another_node_continues_from_the_pool(
 def test_http_completions_go_prefill_pool_decode(workers: tuple[Any, Any], model: LoadedModel) -> None:
     from aiohttp import ClientSession, web
 
-    from kvpool.prefill_decode.service import Service, make_app
+    from kvpool.prefill_decode.service import Lane, Service, make_app
 
     tokens = torch.randint(0, 512, (3 * 32 + 4,), generator=torch.Generator().manual_seed(12)).tolist()
-    service = Service(*workers, model=model.name)
+    service = Service(Lane(*workers), model=model.name)
 
     async def scenario() -> list[tuple[int, dict[str, Any]]]:
         runner = web.AppRunner(make_app(service))
@@ -93,4 +93,49 @@ def test_http_completions_go_prefill_pool_decode(workers: tuple[Any, Any], model
     assert s3 == 400 and "tokenizer" in no_tok["error"]["message"]
     assert s4 == 400 and "max_tokens" in bad["error"]["message"]
     assert s6 == 400 and "vocabulary" in oov["error"]["message"]  # the worker's ConfigError, as a 400
-    assert s5 == 200 and stats["prefill"]["requests"] >= 2
+    assert s5 == 200 and stats["lanes"][0]["prefill"]["requests"] >= 2 and stats["router"] is None
+
+
+def test_two_lanes_route_to_the_prefix(
+    workers: tuple[Any, Any], worker_config: WorkerConfig, model: LoadedModel, ray_cluster: list[str]
+) -> None:
+    """A second lane (prefill on node 2, decode on node 1) beside the module's: cache-aware routing sends a
+    prompt seen before to the lane whose node holds its prefix in DRAM; round-robin alternates whatever it
+    costs; both lanes answer as recomputing would."""
+    from kvpool.metadata.cache import MetadataCache
+    from kvpool.metadata.client import EtcdClient
+    from kvpool.metadata.namespace import Namespace
+    from kvpool.prefill_decode.service import Lane, Service, lane_router
+
+    ((prefill2, decode2),) = start_lanes(worker_config, [(ray_cluster[2], ray_cluster[1])])
+    lanes = [Lane(*workers), Lane(prefill2, decode2)]
+    etcd = EtcdClient(worker_config.pool.metadata)
+    cache = MetadataCache(etcd, Namespace(worker_config.pool.metadata.cluster)).start()
+    try:
+        aware = Service(lanes, model=model.name, router=lane_router(lanes, cache.replicas, "cache-aware"))
+        robin = Service(lanes, model=model.name, router=lane_router(lanes, cache.replicas, "round-robin"))
+        tokens = torch.randint(0, 512, (4 * 32 + 5,), generator=torch.Generator().manual_seed(13)).tolist()
+        cold = aware.complete_sync(tokens, 4)
+        assert cold.quote is not None and cold.quote.decision.cached_tokens == 0
+        holder = ray_cluster[1 + cold.lane]  # lane i's prefill worker runs on node i + 1 and put the chunks there
+        cache.wait_until(lambda c: c.revision >= cold.prefill.revision, timeout_s=10)
+        warm = aware.complete_sync(tokens, 4)
+        assert warm.lane == cold.lane and warm.quote is not None
+        assert (warm.quote.decision.tier, warm.quote.decision.cached_tokens) == ("dram", 4 * 32)
+        assert warm.prefill.summary.node_id == holder and warm.prefill.summary.reused_tokens == 4 * 32
+        assert aware.router is not None and aware.router.stats()["hit_rate"] == pytest.approx(4 * 32 / 2 / len(tokens))
+
+        lanes_used = [robin.complete_sync(tokens, 4) for _ in range(2)]
+        assert sorted(d.lane for d in lanes_used) == [0, 1]
+        other = next(d for d in lanes_used if d.lane != cold.lane)
+        assert other.quote is not None and other.quote.decision.tier == "peer"  # priced as a network read
+        with torch.no_grad():
+            reference = model.model.generate(torch.tensor([tokens]), max_new_tokens=4, do_sample=False)
+        for done in (cold, warm, *lanes_used):
+            assert done.tokens == reference[0, len(tokens) :].tolist()
+    finally:
+        cache.close()
+        etcd.close()
+        for handle in (prefill2, decode2):
+            ray.get(handle.close.remote())
+            ray.kill(handle)
