@@ -10,18 +10,38 @@ etcd answers: entries deleted meanwhile (a node's lease expired, etcd restarted 
 import logging
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.errors import MalformedRecord, MetadataUnavailable
 from kvpool.metadata.client import EtcdClient, KeyValue, WatchStream
 from kvpool.metadata.namespace import Namespace
-from kvpool.metadata.records import decode_identity, decode_node, decode_placement
-from kvpool.pool.types import IdentityRecord, NodeRecord, Placement, Tier
+from kvpool.metadata.records import (
+    decode_departure,
+    decode_identity,
+    decode_node,
+    decode_placement,
+    decode_tombstone,
+)  # fmt: skip
+from kvpool.pool.types import Departure, IdentityRecord, NodeRecord, Placement, Tier, Tombstone
 
 log = logging.getLogger(__name__)
 
 _PUT, _DELETE = 0, 1  # mvccpb.Event.EventType
+LEFT_KEPT = 100_000  #: replicas seen leaving with their node, remembered for miss causes (oldest forgotten first)
+
+
+@dataclass
+class _State:
+    """What a snapshot holds, by kind of record."""
+
+    chunks: dict[bytes, dict[str, Placement]] = field(default_factory=dict)
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+    identities: dict[str, IdentityRecord] = field(default_factory=dict)  #: by fingerprint
+    tombstones: dict[bytes, dict[str, Tombstone]] = field(default_factory=dict)
+    departures: dict[str, Departure] = field(default_factory=dict)
 
 
 class MetadataCache:
@@ -29,9 +49,9 @@ class MetadataCache:
         self.etcd = etcd
         self.namespace = namespace
         self._cond = threading.Condition()
-        self._chunks: dict[bytes, dict[str, Placement]] = {}
-        self._nodes: dict[str, NodeRecord] = {}
-        self._identities: dict[str, IdentityRecord] = {}  #: by fingerprint
+        self._state = _State()
+        #: replicas deleted at the revision their node's record was: ``key -> (node, tier, revision)``
+        self._left: OrderedDict[bytes, tuple[str, Tier, int]] = OrderedDict()
         self._revision = 0  #: every event up to here has been applied
         self._synced = False
         self._stop = threading.Event()
@@ -94,60 +114,77 @@ class MetadataCache:
 
     def _reset(self, revision: int, kvs: list[KeyValue]) -> None:
         self.malformed = 0  # recounted from the snapshot
-        chunks: dict[bytes, dict[str, Placement]] = {}
-        nodes: dict[str, NodeRecord] = {}
-        identities: dict[str, IdentityRecord] = {}
+        state = _State()
         for kv in kvs:
-            self._put(chunks, nodes, identities, kv.key, kv.value)
+            self._put(state, kv.key, kv.value)
         with self._cond:
-            self._chunks, self._nodes, self._identities = chunks, nodes, identities
+            self._state = state
             self._revision, self._synced = revision, True
             self.resyncs += 1
             self._cond.notify_all()
 
     def _apply(self, resp: Any) -> None:
+        ns = self.namespace
+        left = {ev.kv.key for ev in resp.events if ev.type == _DELETE and ev.kv.key.startswith(ns.nodes)}
         with self._cond:
             for ev in resp.events:
                 if ev.type == _DELETE:
-                    self._delete(ev.kv.key)
+                    self._delete(ev.kv.key, ev.kv.mod_revision, left)
                 else:
-                    self._put(self._chunks, self._nodes, self._identities, ev.kv.key, ev.kv.value)
+                    self._put(self._state, ev.kv.key, ev.kv.value)
             if resp.events:  # events arrive in revision order: everything up to the last one is applied
                 self._revision = max(self._revision, resp.events[-1].kv.mod_revision)
                 self._cond.notify_all()
 
-    def _put(
-        self, chunks: dict[bytes, dict[str, Placement]], nodes: dict[str, NodeRecord],
-        identities: dict[str, IdentityRecord], key: bytes, value: bytes,
-    ) -> None:  # fmt: skip
+    def _put(self, state: _State, key: bytes, value: bytes) -> None:
         ns = self.namespace
         try:
             if key.startswith(ns.chunks):
                 chunk, node = ns.parse_replica(key)
-                chunks.setdefault(chunk, {})[node] = decode_placement(chunk, node, value)
+                state.chunks.setdefault(chunk, {})[node] = decode_placement(chunk, node, value)
             elif key.startswith(ns.nodes):
                 node_id = ns.parse_node(key)
-                nodes[node_id] = decode_node(node_id, value)
+                state.nodes[node_id] = decode_node(node_id, value)
             elif key.startswith(ns.identities):
-                identities[ns.parse_identity(key)] = decode_identity(value)
+                state.identities[ns.parse_identity(key)] = decode_identity(value)
+            elif key.startswith(ns.gone):
+                chunk, node = ns.parse_tombstone(key)
+                state.tombstones.setdefault(chunk, {})[node] = decode_tombstone(chunk, node, value)
+            elif key.startswith(ns.departed):
+                node_id = ns.parse_departure(key)
+                state.departures[node_id] = decode_departure(node_id, value)
         except (MalformedRecord, ValueError) as exc:
             self.malformed += 1
             log.warning("metadata cache: skipping %s: %s", key.decode(errors="replace"), exc)
 
-    def _delete(self, key: bytes) -> None:
-        ns = self.namespace
+    def _delete(self, key: bytes, revision: int, left: set[bytes]) -> None:
+        """Forget ``key``; a replica deleted with its node's record (``left``: the node keys deleted by the same
+        response) is remembered as gone with its node."""
+        ns, state = self.namespace, self._state
         try:
             if key.startswith(ns.chunks):
                 chunk, node = ns.parse_replica(key)
-                replicas = self._chunks.get(chunk)
+                replicas = state.chunks.get(chunk)
                 if replicas is not None:
-                    replicas.pop(node, None)
+                    gone = replicas.pop(node, None)
                     if not replicas:
-                        del self._chunks[chunk]
+                        del state.chunks[chunk]
+                    if gone is not None and ns.node(node) in left:
+                        self._left[chunk] = (node, gone.tier, revision)
+                        if len(self._left) > LEFT_KEPT:
+                            self._left.popitem(last=False)
             elif key.startswith(ns.nodes):
-                self._nodes.pop(ns.parse_node(key), None)
+                state.nodes.pop(ns.parse_node(key), None)
             elif key.startswith(ns.identities):
-                self._identities.pop(ns.parse_identity(key), None)
+                state.identities.pop(ns.parse_identity(key), None)
+            elif key.startswith(ns.gone):
+                chunk, node = ns.parse_tombstone(key)
+                stones = state.tombstones.get(chunk, {})
+                stones.pop(node, None)
+                if not stones:
+                    state.tombstones.pop(chunk, None)
+            elif key.startswith(ns.departed):
+                state.departures.pop(ns.parse_departure(key), None)
         except MalformedRecord:
             pass  # a key we never decoded
 
@@ -184,7 +221,7 @@ class MetadataCache:
         held = 0
         with self._cond:
             for k in keys:
-                if k not in self._chunks:
+                if k not in self._state.chunks:
                     break
                 held += 1
         return held
@@ -192,37 +229,52 @@ class MetadataCache:
     def chunks(self) -> list[tuple[bytes, list[Placement]]]:
         """Every chunk with its replicas."""
         with self._cond:
-            return [(key, list(replicas.values())) for key, replicas in self._chunks.items()]
+            return [(key, list(replicas.values())) for key, replicas in self._state.chunks.items()]
 
     def replicas(self, key: bytes) -> list[Placement]:
         with self._cond:
-            return list(self._chunks.get(key, {}).values())
+            return list(self._state.chunks.get(key, {}).values())
 
     def size_of(self, key: bytes) -> int:
         """Bytes of chunk ``key`` as its replicas say (0: not held)."""
         with self._cond:
-            return max((p.size for p in self._chunks.get(key, {}).values()), default=0)
+            return max((p.size for p in self._state.chunks.get(key, {}).values()), default=0)
 
     def nodes(self) -> list[NodeRecord]:
         with self._cond:
-            return sorted(self._nodes.values(), key=lambda n: n.node_id)
+            return sorted(self._state.nodes.values(), key=lambda n: n.node_id)
 
     def identities(self) -> dict[str, IdentityRecord]:
         """The cache identities clients registered, by fingerprint."""
         with self._cond:
-            return dict(self._identities)
+            return dict(self._state.identities)
+
+    def tombstones(self, key: bytes) -> list[Tombstone]:
+        """Why nodes dropped chunk ``key``, as long as the tombstones last (newest first)."""
+        with self._cond:
+            return sorted(self._state.tombstones.get(key, {}).values(), key=lambda t: -t.at)
+
+    def departures(self) -> dict[str, Departure]:
+        """Nodes that left the pool lately, by node id (as long as their records last)."""
+        with self._cond:
+            return dict(self._state.departures)
+
+    def left_with_node(self, key: bytes) -> tuple[str, Tier, int] | None:
+        """``(node, tier, revision)`` when this cache saw chunk ``key``'s last replica go with its node."""
+        with self._cond:
+            return self._left.get(key)
 
     def chunk_count(self) -> int:
         with self._cond:
-            return len(self._chunks)
+            return len(self._state.chunks)
 
     def bytes_held(self, node_id: str, tier: Tier) -> int:
         """Bytes of the replicas ``node_id`` holds in ``tier``, from the placements (always current)."""
         with self._cond:
-            return sum(p.stored for r in self._chunks.values() if (p := r.get(node_id)) and p.tier is tier)
+            return sum(p.stored for r in self._state.chunks.values() if (p := r.get(node_id)) and p.tier is tier)
 
     def replica_count(self, node_id: str | None = None) -> int:
         with self._cond:
             if node_id is None:
-                return sum(len(r) for r in self._chunks.values())
-            return sum(1 for r in self._chunks.values() if node_id in r)
+                return sum(len(r) for r in self._state.chunks.values())
+            return sum(1 for r in self._state.chunks.values() if node_id in r)

@@ -42,6 +42,7 @@ _CHANNEL_OPTIONS = [
 Put = etcd_txn.Put
 Get = etcd_txn.Get
 Delete = etcd_txn.Delete
+Version = etcd_txn.Version  #: a transaction's compare: ``Version(key) == 0`` holds while ``key`` does not exist
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -113,8 +114,11 @@ class EtcdClient:
 
     # -- key-value ------------------------------------------------------------------------------------
 
-    def get(self, key: bytes) -> KeyValue | None:
-        resp = self.call("get", lambda: self._client.get_response(key))
+    def get(self, key: bytes, revision: int | None = None) -> KeyValue | None:
+        """The value of ``key`` now, or as it was at ``revision`` (``MetadataUnavailable`` once etcd compacted
+        that revision away)."""
+        at = {} if revision is None else {"revision": revision}
+        resp = self.call("get", lambda: self._client.get_response(key, **at))
         return KeyValue(resp.kvs[0]) if resp.kvs else None
 
     def get_prefix(self, prefix: bytes) -> list[KeyValue]:

@@ -4,6 +4,8 @@
 ``/kvpool/<cluster>/chunks/<key hex>/<node>`` → Placement of one replica, bound to the holder's lease
 ``/kvpool/<cluster>/sync``                     → a barrier marker (see ``MetadataCache.sync``)
 ``/kvpool/<cluster>/identities/<fingerprint>`` → a cache identity a client uses (see ``kvpool.metadata.identities``)
+``/kvpool/<cluster>/gone/<key hex>/<node>``     → Tombstone: why the node dropped the chunk, on a tombstone lease
+``/kvpool/<cluster>/departed/<node>``          → Departure: the node's record left etcd, on a tombstone lease
 """
 
 import re
@@ -71,6 +73,31 @@ class Namespace:
 
     def replica(self, key: bytes, node_id: str) -> bytes:
         return self.chunk(key) + validate_name("node_id", node_id).encode()
+
+    @property
+    def gone(self) -> bytes:
+        return self.root + b"gone/"
+
+    def tombstone(self, key: bytes, node_id: str) -> bytes:
+        return self.gone + self.chunk(key)[len(self.chunks) :] + validate_name("node_id", node_id).encode()
+
+    def parse_tombstone(self, etcd_key: bytes) -> tuple[bytes, str]:
+        """``(chunk key, node id)`` of a tombstone's etcd key; ``MalformedRecord`` otherwise."""
+        if not isinstance(etcd_key, bytes) or not etcd_key.startswith(self.gone):
+            raise MalformedRecord(f"etcd key {etcd_key!r:.120} is not under {self.gone!r}")
+        return self.parse_replica(self.chunks + etcd_key[len(self.gone) :])
+
+    @property
+    def departed(self) -> bytes:
+        return self.root + b"departed/"
+
+    def departure(self, node_id: str) -> bytes:
+        return self.departed + validate_name("node_id", node_id).encode()
+
+    def parse_departure(self, etcd_key: bytes) -> str:
+        if not isinstance(etcd_key, bytes) or not etcd_key.startswith(self.departed):
+            raise MalformedRecord(f"etcd key {etcd_key!r:.120} is not under {self.departed!r}")
+        return self._node_name(etcd_key, etcd_key[len(self.departed) :])
 
     def parse_replica(self, etcd_key: bytes) -> tuple[bytes, str]:
         """``(chunk key, node id)`` from a replica's etcd key, exactly as :meth:`replica` writes it;

@@ -6,7 +6,7 @@ into transactions of at most ``txn_max_ops`` operations (etcd's default limit is
 
 import logging
 from collections.abc import Iterator, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvpool.errors import MalformedRecord
 from kvpool.metadata.client import Delete, EtcdClient, Put
@@ -41,11 +41,12 @@ class PlacementStore:
             revision = max(revision, self.etcd.write(ops))
         return revision
 
-    def delete(self, placements: Sequence[Placement]) -> int:
-        """Delete placements; the etcd revision that shows them gone (0: nothing to delete)."""
+    def delete(self, placements: Sequence[Placement], also: Sequence[Any] = ()) -> int:
+        """Delete placements, and write ``also`` (their tombstones) in the same transactions; the etcd revision
+        that shows them gone (0: nothing to delete)."""
         revision = 0
-        for batch in batches(placements, self.max_ops):
-            revision = max(revision, self.etcd.write([Delete(self._etcd_key(p)) for p in batch]))
+        for batch in batches([*(Delete(self._etcd_key(p)) for p in placements), *also], self.max_ops):
+            revision = max(revision, self.etcd.write(batch))
         return revision
 
     def held_by(self, node: str) -> list[Placement]:

@@ -16,11 +16,20 @@ from msgspec import Meta, Struct
 
 from kvpool.errors import ConfigError, MalformedRecord
 from kvpool.pool.keys import CacheIdentity
-from kvpool.pool.types import IdentityRecord, NodeRecord, Placement, SegmentInfo, Tier
+from kvpool.pool.types import (
+    Departure,
+    DropCause,
+    IdentityRecord,
+    NodeRecord,
+    Placement,
+    SegmentInfo,
+    Tier,
+    Tombstone,
+)  # fmt: skip
 
 __all__ = [
-    "SCHEMA_VERSION", "decode_identity", "decode_node", "decode_placement", "encode_identity", "encode_node",
-    "encode_placement",
+    "SCHEMA_VERSION", "decode_departure", "decode_identity", "decode_node", "decode_placement", "decode_tombstone",
+    "encode_departure", "encode_identity", "encode_node", "encode_placement", "encode_tombstone",
 ]  # fmt: skip
 
 SCHEMA_VERSION: Final = 2  #: 2: placements carry ``stored`` and ``size`` (no 0-sentinel); write-only fields gone
@@ -82,10 +91,32 @@ class _IdentityWire(Struct, forbid_unknown_fields=True):
 
 
 assert get_args(_Version) == (SCHEMA_VERSION,), "bump both together"
+
+
+class _TombstoneWire(Struct, forbid_unknown_fields=True):
+    """A dropped chunk in etcd; the key and the node are in the etcd key."""
+
+    v: _Version
+    cause: DropCause
+    tier: Tier
+    at: _Finite
+    policy: str
+
+
+class _DepartureWire(Struct, forbid_unknown_fields=True):
+    """A node that left; its id is in the etcd key."""
+
+    v: _Version
+    revision: _Positive
+    at: _Finite
+
+
 _ENCODER = msgspec.msgpack.Encoder()
 _PLACEMENT_DECODER = msgspec.msgpack.Decoder(_PlacementWire)
 _NODE_DECODER = msgspec.msgpack.Decoder(_NodeWire)
 _IDENTITY_DECODER = msgspec.msgpack.Decoder(_IdentityWire)
+_TOMBSTONE_DECODER = msgspec.msgpack.Decoder(_TombstoneWire)
+_DEPARTURE_DECODER = msgspec.msgpack.Decoder(_DepartureWire)
 _ANY_MAP = msgspec.msgpack.Decoder(dict[str, Any])
 
 
@@ -155,3 +186,29 @@ def decode_identity(raw: bytes) -> IdentityRecord:
     except ConfigError as exc:
         raise MalformedRecord(f"identity record: {exc}") from None
     return IdentityRecord(identity, w.host, w.pid, w.at)
+
+
+def encode_tombstone(t: Tombstone) -> bytes:
+    return _ENCODER.encode(_TombstoneWire(SCHEMA_VERSION, t.cause, t.tier, t.at, t.policy))
+
+
+def decode_tombstone(key: bytes, node: str, raw: bytes) -> Tombstone:
+    """The tombstone of chunk ``key`` on ``node`` that ``raw`` encodes; ``MalformedRecord`` if it is not one."""
+    try:
+        w = _TOMBSTONE_DECODER.decode(raw)
+    except (msgspec.DecodeError, TypeError) as exc:
+        raise _malformed("tombstone", raw, exc) from None
+    return Tombstone(key, node, w.cause, w.tier, w.at, w.policy)
+
+
+def encode_departure(d: Departure) -> bytes:
+    return _ENCODER.encode(_DepartureWire(SCHEMA_VERSION, d.revision, d.at))
+
+
+def decode_departure(node: str, raw: bytes) -> Departure:
+    """The departure of ``node`` that ``raw`` encodes; ``MalformedRecord`` if it is not one."""
+    try:
+        w = _DEPARTURE_DECODER.decode(raw)
+    except (msgspec.DecodeError, TypeError) as exc:
+        raise _malformed("departure", raw, exc) from None
+    return Departure(node, w.revision, w.at)

@@ -10,7 +10,7 @@ import crc32c
 from kvpool.errors import ConfigError
 from kvpool.pool.keys import check_key
 from kvpool.pool.tiers.codecs import Buffer, TensorFormat
-from kvpool.pool.types import Tier
+from kvpool.pool.types import DropCause, Tier
 
 SEGMENT_NAMES = {Tier.DRAM: "dram0", Tier.NVME: "nvme0"}
 
@@ -57,6 +57,7 @@ class ChangeKind(enum.Enum):
 class Change:
     kind: ChangeKind
     chunk: StoredChunk
+    cause: DropCause | None = None  #: why a DROPPED chunk was let go
 
 
 @dataclass(frozen=True)

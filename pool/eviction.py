@@ -25,6 +25,8 @@ class ChunkState:
 
 
 class EvictionPolicy:
+    name = "lru"  #: what a tombstone of an eviction says chose it
+
     def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
         self.clock = clock
         self._chunks: dict[bytes, ChunkState] = {}

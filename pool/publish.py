@@ -2,7 +2,8 @@
 
 Every change the store records is published as placements bound to the node's lease (so they vanish with the node),
 one publish at a time and in the order the store changed; a publish etcd refused is kept and sent again with the
-next one.  The record's usage figures are refreshed by a thread, at most every ``RECORD_REFRESH_S``.  A lost and
+next one.  A dropped chunk leaves a tombstone saying why, written with the delete, and the node records the departure
+of every other node it sees leave (:mod:`kvpool.metadata.tombstones`).  The record's usage figures are refreshed by a thread, at most every ``RECORD_REFRESH_S``.  A lost and
 replaced lease republishes every placement.  The placements of the S3 tier go out on no lease (they outlive the
 node) through :attr:`Publisher.placements`.
 """
@@ -17,10 +18,11 @@ from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.metadata.registry import NodeRegistry
+from kvpool.metadata.tombstones import TombstoneWriter
 from kvpool.pool.chunks import Change, ChangeKind, StoredChunk, short
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.store import ChunkStore
-from kvpool.pool.types import NodeRecord, Placement
+from kvpool.pool.types import DropCause, NodeRecord, Placement
 
 log = logging.getLogger(__name__)
 RECORD_REFRESH_S = 1.0  #: the node record's usage figures lag by at most this
@@ -42,10 +44,15 @@ class Publisher:
         self.etcd = EtcdClient(config.metadata)
         namespace = Namespace(config.metadata.cluster)
         self.placements = PlacementStore(self.etcd, namespace)
+        self.tombstones = TombstoneWriter(self.etcd, namespace, node_id)
+        since = self.etcd.revision() + 1
         self.registration = NodeRegistry(self.etcd, namespace, config.metadata.lease_ttl_s).register(
             record(), on_new_lease=self._republish
         )
         threading.Thread(target=self._refresh_record, name="kvpool-node-record", daemon=True).start()
+        threading.Thread(
+            target=self.tombstones.follow_departures, args=(since, self._closing), name="kvpool-departures", daemon=True
+        ).start()
 
     def placement(self, chunk: StoredChunk) -> Placement:
         return Placement(
@@ -61,13 +68,16 @@ class Publisher:
         with self.lock:
             with self._lock:
                 changes, self._unpublished = [*self._unpublished, *self.store.take_changes()], []
-            final: dict[bytes, tuple[ChangeKind, StoredChunk]] = {}
-            for change in changes:
-                final[change.chunk.key] = (change.kind, change.chunk)
-            puts = [self.placement(c) for kind, c in final.values() if kind is not ChangeKind.DROPPED]
-            drops = [self.placement(c) for kind, c in final.values() if kind is ChangeKind.DROPPED]
+            final = {change.chunk.key: change for change in changes}
+            puts = [self.placement(c.chunk) for c in final.values() if c.kind is not ChangeKind.DROPPED]
+            drops = [(self.placement(c.chunk), c.cause or DropCause.REMOVED) for c in final.values()
+                     if c.kind is ChangeKind.DROPPED]  # fmt: skip
             try:
-                revision = max(self.placements.publish(puts, self.registration.lease_id), self.placements.delete(drops))
+                stones = self.tombstones.ops(drops, self.store.policy.name)
+                revision = max(
+                    self.placements.publish(puts, self.registration.lease_id),
+                    self.placements.delete([p for p, _ in drops], stones),
+                )
             except MetadataUnavailable:
                 self.errors += 1
                 self._unpublished = changes  # publishing is idempotent: all of them again next time

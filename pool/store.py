@@ -44,7 +44,7 @@ from kvpool.pool.keys import check_key
 from kvpool.pool.moves import Move, demotions, read_stored, run_moves, whole_blocks
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import TensorFormat, parse_codec
-from kvpool.pool.types import Tier
+from kvpool.pool.types import DropCause, Tier
 
 log = logging.getLogger(__name__)
 
@@ -257,15 +257,15 @@ class ChunkStore:
         if self.policy.state(key).pins and not corrupt:
             self.counters["busy"] += 1
             raise ChunkBusy(f"chunk {short(key)} is being read; remove it after the read")
-        self._drop(chunk)
+        self._drop(chunk, DropCause.CORRUPT if corrupt else DropCause.REMOVED)
         if corrupt:
             self.counters["corrupt"] += 1
 
-    def _drop(self, chunk: StoredChunk) -> None:
+    def _drop(self, chunk: StoredChunk, cause: DropCause) -> None:
         self.allocators[chunk.tier].free(chunk.offset)
         self.policy.remove(chunk.key)
         del self._chunks[chunk.key]
-        self._changes.append(Change(ChangeKind.DROPPED, chunk))
+        self._changes.append(Change(ChangeKind.DROPPED, chunk, cause))
 
     # -- room: allocation with eviction, migration by watermark ---------------------------------------
 
@@ -310,7 +310,7 @@ class ChunkStore:
                 return  # dropped: that made the room
             except PoolFull as exc:
                 log.info("NVMe cannot take %s (%s); dropping it from DRAM", short(chunk.key), exc)
-        self._drop(chunk)
+        self._drop(chunk, DropCause.EVICTED)
         self.counters["drops"] += 1
 
     def _move(self, chunk: StoredChunk, tier: Tier) -> StoredChunk:
@@ -383,7 +383,7 @@ class ChunkStore:
         if same and move.corrupt:
             log.warning("chunk %s fails its checksum in %s: dropped", short(move.key), move.chunk.tier.value)
             assert current is not None
-            self._drop(current)
+            self._drop(current, DropCause.CORRUPT)
             self.counters["corrupt"] += 1
             return None
         if not done or current is None or move.offset is None:
@@ -408,7 +408,7 @@ class ChunkStore:
         current = self._chunks.get(chunk.key)
         if current is not None and (current.tier, current.offset) == (chunk.tier, chunk.offset):
             log.warning("chunk %s fails its checksum in %s: dropped", short(chunk.key), chunk.tier.value)
-            self._drop(current)
+            self._drop(current, DropCause.CORRUPT)
             self.counters["corrupt"] += 1
 
     def move(self, key: bytes, tier: Tier) -> StoredChunk:

@@ -84,3 +84,32 @@ class IdentityRecord:
     host: str
     pid: int
     at: float  #: seconds since the epoch
+
+
+class DropCause(enum.Enum):
+    """Why a node let a chunk go (what a tombstone remembers)."""
+
+    EVICTED = "evicted"  #: made room: no tier below could take it
+    REMOVED = "removed"  #: a client or an operator removed it
+    CORRUPT = "corrupt"  #: its bytes failed their checksum
+
+
+@dataclass(frozen=True)
+class Tombstone:
+    """A chunk a node dropped: why, from which tier, when, and (evictions) by which policy."""
+
+    key: bytes
+    node: str
+    cause: DropCause
+    tier: Tier
+    at: float  #: seconds since the epoch
+    policy: str = ""  #: the eviction policy, for an eviction
+
+
+@dataclass(frozen=True)
+class Departure:
+    """A node whose record left etcd (its lease ran out, or it shut down): every chunk it held went with it."""
+
+    node: str
+    revision: int  #: the etcd revision that deleted its record (and, with its lease, its placements)
+    at: float  #: when a surviving node saw it, seconds since the epoch

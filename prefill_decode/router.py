@@ -112,6 +112,8 @@ class Router:
         cached_tokens = min(cached * self.connector.layout.chunk_size, n) if by_place else 0  # gone meanwhile
         decision = decide(self.cost, n, cached_tokens, by_path(by_place, here))
         self.count(decision)
+        self.counts["chunks"] += len(keys)  # full chunks looked up, and how many of them the pool held
+        self.counts["cached_chunks"] += cached
         log.info("route %s", decision)
         return Route(decision, keys, cached, {f"{t}@{node[:12]}": b for (t, node), b in by_place.items()})
 

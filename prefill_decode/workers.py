@@ -7,6 +7,7 @@ from wherever the chunks are — computes the partial last chunk the pool does n
 Neither imports a transport: all KV movement goes through :class:`~kvpool.pool.client.PoolClient`.
 """
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, PoolFull
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.keys import DEFAULT_CHUNK_SIZE, CacheIdentity, token_array
 from kvpool.prefill_decode.calibrate import measure_hardware, spec_of
@@ -27,6 +28,8 @@ from kvpool.prefill_decode.layout import LAYOUTS, KVLayout, is_layout_name
 from kvpool.prefill_decode.model import MODELS, load_model
 from kvpool.prefill_decode.router import Route, Router
 from kvpool.prefill_decode.runner import ModelRunner, Prefilled
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ class PrefillResult:
     first_token: int
     ttft_s: float  #: prompt in → first token out, on the prefill worker
     summary: PrefillSummary
-    saved_bytes: int  #: new KV put into the pool
+    saved_bytes: int  #: new KV put into the pool (0 when the pool was full: the request went on without it)
     revision: int  #: the etcd revision at which those chunks are visible
 
 
@@ -169,7 +172,12 @@ class PrefillWorker(Worker):
         first = pre.first_token
         ttft = time.perf_counter() - t0
         skip = 0 if pre.fell_back else route.cached_chunks  # the chunks the pool already has
-        saved = self.runner.save(pre, route.keys, skip) if len(route.keys) > skip else 0
+        saved = 0
+        try:
+            saved = self.runner.save(pre, route.keys, skip) if len(route.keys) > skip else 0
+        except PoolFull as exc:  # the answer does not depend on it: the decode worker recomputes what is missing
+            self.router.counts["save_failed"] += 1
+            log.warning("prompt KV not saved (%s); the request goes on without it", exc)
         summary = PrefillSummary.of(self.client.node_id, route, pre)
         return PrefillResult(first, ttft, summary, saved, self.client.cache.revision)
 
