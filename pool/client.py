@@ -51,6 +51,7 @@ from kvpool.errors import (
 from kvpool.metadata import identities
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
+from kvpool.metadata.misses import MissCause, miss_cause
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.advisor import AccessLog
@@ -75,6 +76,9 @@ log = logging.getLogger(__name__)
 
 def _at(fn: Callable[[int], None], index: list[int], j: int) -> None:
     fn(index[j])
+
+
+MISS_CAUSES = tuple(c.value for c in MissCause)
 
 
 class PoolClient:
@@ -350,6 +354,8 @@ class PoolClient:
         keys = check_keys(keys)
         held = self.cache.lookup_prefix(keys)
         self.count_lookup(len(keys), held)
+        if held < len(keys):
+            self.count_miss(miss_cause(self.cache, keys[held : held + 1])[0].value)
         self.record_lookup(keys)
         return held
 
@@ -368,6 +374,14 @@ class PoolClient:
                 f"count_lookup takes 0 <= held <= asked (ints), got asked={asked!r:.20}, held={held!r:.20}"
             )
         self._stats.seen.lookup(asked, held)
+        self._stats.report()
+
+    def count_miss(self, cause: str) -> None:
+        """Count a lookup that stopped short, or a reload that fell back, under ``cause`` (a
+        :class:`~kvpool.metadata.misses.MissCause` value): ``kvpool_misses_total{cause}``."""
+        if not isinstance(cause, str) or cause not in MISS_CAUSES:
+            raise ConfigError(f"count_miss takes one of {', '.join(MISS_CAUSES)}, got {cause!r:.40}")
+        self._stats.seen.miss(cause)
         self._stats.report()
 
     def record_engine(self, counts: dict[str, float]) -> None:

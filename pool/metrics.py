@@ -51,6 +51,9 @@ class ClientStats:
 
     lookup_hits: int = 0
     lookup_misses: int = 0
+    #: lookups that stopped short, by why their first missing chunk is missing, and reloads that fell back
+    #: (``read_failed``): see :mod:`kvpool.metadata.misses`
+    misses: dict[str, int] = field(default_factory=dict)
     get_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
     get_buckets: list[int] = field(default_factory=lambda: [0] * (len(GET_SECONDS_BUCKETS) + 1))
     get_seconds: float = 0.0
@@ -61,6 +64,9 @@ class ClientStats:
     def lookup(self, asked: int, held: int) -> None:
         self.lookup_hits += held
         self.lookup_misses += asked - held
+
+    def miss(self, cause: str) -> None:
+        self.misses[cause] = self.misses.get(cause, 0) + 1
 
     def get(self, seconds: float, by_source: dict[str, int]) -> None:
         for source, n in by_source.items():
@@ -79,6 +85,8 @@ class ClientStats:
     def merge(self, other: "ClientStats") -> None:
         self.lookup_hits += other.lookup_hits
         self.lookup_misses += other.lookup_misses
+        for cause, count in other.misses.items():
+            self.misses[cause] = self.misses.get(cause, 0) + count
         for source in SOURCES:
             self.get_bytes[source] = self.get_bytes.get(source, 0) + other.get_bytes.get(source, 0)
         self.get_buckets = [a + b for a, b in zip(self.get_buckets, other.get_buckets, strict=True)]
@@ -87,7 +95,7 @@ class ClientStats:
             self.engine[name] = self.engine.get(name, 0) + n
 
     def __bool__(self) -> bool:
-        return bool(self.lookup_hits or self.lookup_misses or sum(self.get_buckets) or self.engine)
+        return bool(self.lookup_hits or self.lookup_misses or self.misses or sum(self.get_buckets) or self.engine)
 
     def collect(self, node_id: str) -> Iterator[Metric]:
         lookups = CounterMetricFamily(
@@ -97,6 +105,14 @@ class ClientStats:
         )
         lookups.add_metric([node_id, "hit"], self.lookup_hits)
         lookups.add_metric([node_id, "miss"], self.lookup_misses)
+        misses = CounterMetricFamily(
+            "kvpool_misses",
+            "Lookups of clients on this node that stopped short, by why the first missing chunk is missing (evicted, "
+            "removed, corrupt, node_left, never_stored), and reloads that fell back to recomputing (read_failed)",
+            labels=["node", "cause"],
+        )
+        for cause, n in sorted(self.misses.items()):
+            misses.add_metric([node_id, cause], n)
         moved = CounterMetricFamily(
             "kvpool_client_get_bytes",
             "Bytes read by clients on this node, by where the chunk was",
@@ -112,7 +128,7 @@ class ClientStats:
             cumulative += n
             buckets.append((bound, cumulative))
         latency.add_metric([node_id], buckets, sum_value=self.get_seconds)
-        yield from (lookups, moved, latency)
+        yield from (lookups, misses, moved, latency)
         yield from self._engine_metrics(node_id)
 
     def _engine_metrics(self, node_id: str) -> Iterator[Metric]:

@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError
+from kvpool.metadata.misses import miss_cause
 from kvpool.pool.client import PoolClient
 from kvpool.pool.keys import CacheIdentity
 from kvpool.pool.types import Placement, nearest_first
@@ -159,6 +160,8 @@ class PoolConnector:
                 break
             n += 1
         self.client.count_lookup(len(keys), n)
+        if n < len(keys):
+            self.client.count_miss(miss_cause(self.client.cache, keys[n])[0].value)
         self.client.record_lookup([k for chunk in keys for k in chunk])
         return n
 

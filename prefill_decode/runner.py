@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from kvpool.errors import ChunkNotFound, ConfigError
+from kvpool.metadata.misses import MissCause
 from kvpool.pool.keys import token_array
 from kvpool.prefill_decode.connector import LoadTimes, PoolConnector
 from kvpool.prefill_decode.model import LoadedModel, forward, kv_cache
@@ -72,6 +73,7 @@ class ModelRunner:
                 return self._prefill_reusing(prompt, ids, keys, reuse_chunks, t0)
             except ChunkNotFound as exc:
                 log.warning("cached prefix lost mid-request (%s); recomputing all %d tokens", exc, len(prompt))
+                self.connector.client.count_miss(MissCause.READ_FAILED.value)
         out = forward(self.model, ids, logits_to_keep=1)
         return Prefilled(
             prompt,

@@ -8,9 +8,11 @@ import typer
 from rich.table import Table
 
 from kvpool.cli import connect, options, root
+from kvpool.cli.figures import fig
 from kvpool.errors import ConfigError
 from kvpool.pool.advisor import MissRatioCurve, curve_of_log, read_access_logs, tier_hits
 from kvpool.pool.types import Tier
+from kvpool.prefill_decode.cost import KNOWN_MODELS, REFERENCE_HARDWARE, CostModel, model_spec
 
 GiB = 2**30
 DEFAULT_CODECS = ["fp8-e4m3=2", "int4=3.6"]  #: nominal size ratios against 16-bit KV
@@ -110,6 +112,15 @@ def advise(
         DEFAULT_CODECS, "--codec", help="An NVMe codec to try, NAME=RATIO: how many times smaller it stores a chunk."
     ),
     png: Path = typer.Option(Path("kvpool-advise.png"), "--png", help="Where to write the miss-ratio curve."),
+    model: str = typer.Option(
+        "",
+        "--model",
+        help=f"Also predict the prefill time the hits save, for this model ({', '.join(KNOWN_MODELS)}): computing "
+        "the KV a hit holds against reading it from its tier.",
+    ),
+    tflops: float | None = typer.Option(None, "--tflops", help=options.TFLOPS_HELP),
+    dram_gbps: float | None = options.gbps_option("dram", "DRAM"),
+    nvme_gbps: float | None = options.gbps_option("nvme", "NVMe"),
 ) -> None:
     """Predict the hit rate of DRAM and NVMe for more or less of each and for NVMe codecs, from sampled lookups.
 
@@ -118,18 +129,38 @@ def advise(
     kvpool's tiers act as one LRU stack, DRAM on top."""
     with root.errors():
         codecs = _codecs(codec)
+        hardware = options.overridden(REFERENCE_HARDWARE, tflops, {"dram": dram_gbps, "nvme": nvme_gbps})
+        cost = CostModel(model_spec(model), hardware) if model else None
         rate, accesses, total = read_access_logs(str(p) for p in logs)
         curve = curve_of_log(rate, accesses, total)
         dram, nvme = capacities(dram_gib, nvme_gib, etcd, cluster)
         step_dram, step_nvme = (step_gib * GiB,) * 2 if step_gib else (dram / 4 or GiB, nvme / 4 or GiB)
         table = Table(title=f"predicted from {len(accesses):,} sampled lookups of {total:,} (rate {rate:g})")
-        for col in ("configuration", "DRAM", "NVMe", "DRAM hits", "NVMe hits", "recomputed"):
+        columns = ["configuration", "DRAM", "NVMe", "DRAM hits", "NVMe hits", "recomputed"]
+        for col in columns + (["prefill saved"] if cost else []):
             table.add_column(col, justify="left" if col == "configuration" else "right")
+        object_bytes = sum(size for _, size in accesses) / max(1, len(accesses))
         for name, d, n, ratio in rows(curve, dram, nvme, step_dram, step_nvme, codecs):
             hits = tier_hits(curve, d, n, ratio)
-            table.add_row(name, f"{d / GiB:g} GiB", f"{n / GiB:g} GiB", f"{hits.dram:.1%}", f"{hits.nvme:.1%}",
-                          f"{hits.recomputed:.1%}")  # fmt: skip
+            row = [
+                name,
+                f"{d / GiB:g} GiB",
+                f"{n / GiB:g} GiB",
+                f"{hits.dram:.1%}",
+                f"{hits.nvme:.1%}",
+                f"{hits.recomputed:.1%}",
+            ]
+            if cost is not None:
+                per_byte = hits.dram * cost.saved_per_byte_s("dram") + hits.nvme * cost.saved_per_byte_s("nvme", ratio)
+                row.append(f"{fig(total * object_bytes * per_byte)} s")
+            table.add_row(*row)
         root.console.print(table)
+        if cost is not None:
+            root.console.print(
+                f"prefill saved: {model} on {hardware.source} figures, over the {total:,} lookups the logs stand for "
+                f"(objects of {object_bytes / 2**20:.2f} MiB on average): each hit skips computing its KV (2·P FLOPs a "
+                "token, no attention term) and pays reading it from its tier"
+            )
         root.console.print(f"ceiling (a pool that keeps every chunk): {curve.ceiling():.1%} of lookups hit")
         plot(curve, dram, nvme, png)
         root.console.print(f"miss-ratio curve written to {png}")

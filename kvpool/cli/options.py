@@ -16,6 +16,7 @@ from kvpool.errors import ConfigError
 from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.tiers.s3_config import RemoteConfig
+from kvpool.prefill_decode.cost import REFERENCE_HARDWARE, Hardware
 from kvpool.prefill_decode.engine_config import ConnectorConfig
 
 
@@ -108,3 +109,26 @@ def pool_etcd(etcd: str | None, cluster: str, command: str) -> MetadataConfig:
 def remote_config(bucket: str, endpoint: str, codec: str, flush_after_s: float) -> RemoteConfig:
     """The ``--s3-*`` and ``--flush-after`` options as a config (off without a bucket)."""
     return RemoteConfig(bucket=bucket, endpoint_url=endpoint, codec=codec, flush_after_s=flush_after_s)
+
+
+#: ``--tflops`` of the commands that price reloads against prefill (plan, advise)
+TFLOPS_HELP = f"Effective prefill compute, TFLOP/s. Default: {REFERENCE_HARDWARE.flops / 1e12:g} (reference analysis)."
+
+
+def gbps_option(tier: str, label: str) -> Any:
+    default = REFERENCE_HARDWARE.bandwidth[tier] / 1e9
+    return typer.Option(
+        None,
+        f"--{tier}-gbps",
+        help=f"{label} tier read bandwidth, GB/s (decimal). Default: {default:g} (reference analysis).",
+    )
+
+
+def overridden(hardware: Hardware, tflops: float | None, gbps: dict[str, float | None]) -> Hardware:
+    """``hardware`` with the figures given on the command line (each > 0)."""
+    flags = {"--tflops": tflops, **{f"--{tier}-gbps": value for tier, value in gbps.items()}}
+    for flag, value in flags.items():
+        if value is not None and not value > 0:
+            raise ConfigError(f"{flag} must be > 0, got {value}")
+    bandwidth = {tier: None if value is None else value * 1e9 for tier, value in gbps.items()}
+    return hardware.with_overrides(flops=None if tflops is None else tflops * 1e12, **bandwidth)

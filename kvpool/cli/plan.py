@@ -1,14 +1,11 @@
 """``kvpool plan``: the break-even table of reloading a KV prefix from each tier against recomputing it."""
 
-from typing import Any
-
 import typer
 from rich.console import Group, RenderableType
 from rich.table import Table
 
-from kvpool.cli import root
+from kvpool.cli import options, root
 from kvpool.cli.figures import fig, si
-from kvpool.errors import ConfigError
 from kvpool.prefill_decode.cost import KNOWN_MODELS, REFERENCE_HARDWARE, Action, CostModel, Hardware, model_spec
 
 TIMES = "\N{MULTIPLICATION SIGN}"
@@ -68,25 +65,6 @@ def measure_hardware(probe: str) -> Hardware:
     return hardware
 
 
-def _gbps_option(tier: str, label: str) -> Any:
-    default = REFERENCE_HARDWARE.bandwidth[tier] / 1e9
-    return typer.Option(
-        None,
-        f"--{tier}-gbps",
-        help=f"{label} tier read bandwidth, GB/s (decimal). Default: {default:g} (reference analysis).",
-    )
-
-
-def _overridden(hardware: Hardware, tflops: float | None, gbps: dict[str, float | None]) -> Hardware:
-    """``hardware`` with the figures given on the command line (each > 0)."""
-    flags = {"--tflops": tflops, **{f"--{tier}-gbps": value for tier, value in gbps.items()}}
-    for flag, value in flags.items():
-        if value is not None and not value > 0:
-            raise ConfigError(f"{flag} must be > 0, got {value}")
-    bandwidth = {tier: None if value is None else value * 1e9 for tier, value in gbps.items()}
-    return hardware.with_overrides(flops=None if tflops is None else tflops * 1e12, **bandwidth)
-
-
 @root.app.command()
 def plan(
     model: str = typer.Argument("llama-3-70b", help=f"The model: one of {', '.join(KNOWN_MODELS)}."),
@@ -96,11 +74,11 @@ def plan(
     tflops: float | None = typer.Option(
         None,
         "--tflops",
-        help=f"Effective prefill compute, TFLOP/s. Default: {REFERENCE_HARDWARE.flops / 1e12:g} (reference analysis).",
+        help=options.TFLOPS_HELP,
     ),
-    dram_gbps: float | None = _gbps_option("dram", "DRAM"),
-    nvme_gbps: float | None = _gbps_option("nvme", "NVMe"),
-    remote_gbps: float | None = _gbps_option("remote", "Remote (S3)"),
+    dram_gbps: float | None = options.gbps_option("dram", "DRAM"),
+    nvme_gbps: float | None = options.gbps_option("nvme", "NVMe"),
+    remote_gbps: float | None = options.gbps_option("remote", "Remote (S3)"),
     attention: bool = typer.Option(
         False,
         "--attention/--no-attention",
@@ -126,6 +104,6 @@ def plan(
     with root.errors():
         spec = model_spec(model)
         gbps = {"dram": dram_gbps, "nvme": nvme_gbps, "remote": remote_gbps}
-        _overridden(REFERENCE_HARDWARE, tflops, gbps)  # bad overrides fail before a --measure run
-        hardware = _overridden(measure_hardware(probe) if measure else REFERENCE_HARDWARE, tflops, gbps)
+        options.overridden(REFERENCE_HARDWARE, tflops, gbps)  # bad overrides fail before a --measure run
+        hardware = options.overridden(measure_hardware(probe) if measure else REFERENCE_HARDWARE, tflops, gbps)
         root.console.print(render_plan(CostModel(spec, hardware, attention=attention), tokens))

@@ -48,6 +48,21 @@ def test_advise_predicts_from_sampled_logs(tmp_path: Path) -> None:
     assert more >= now_dram
     assert any(name.startswith("NVMe codec int4") for name in rows)
     assert png.stat().st_size > 1000 and "ceiling" in out.stdout
+    assert "prefill saved" not in out.stdout
+
+    priced = runner.invoke(app, [*args, "--model", "llama-3-8b"], env={"COLUMNS": "250"})
+    assert priced.exit_code == 0, priced.stdout
+    saved = {line.split("│")[1].strip(): float(line.split("│")[7].strip().rstrip(" s").replace(",", ""))
+             for line in priced.stdout.splitlines() if line.count("│") > 6}  # fmt: skip
+    assert saved["DRAM +0.0625 GiB"] >= saved["now"] > saved["DRAM -0.0625 GiB"] > 0
+    assert "llama-3-8b on reference analysis figures" in priced.stdout
+    slow = runner.invoke(app, [*args, "--model", "llama-3-8b", "--nvme-gbps", "0.001"], env={"COLUMNS": "250"})
+    slow_saved = {
+        line.split("│")[1].strip(): line.split("│")[7].strip()
+        for line in slow.stdout.splitlines()
+        if line.count("│") > 6
+    }
+    assert slow_saved["NVMe +0.0625 GiB"].startswith("-")  # a disk slower than computing costs time
 
 
 def test_bad_logs_and_options_are_one_line_errors(tmp_path: Path) -> None:

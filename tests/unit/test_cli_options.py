@@ -22,6 +22,7 @@ COMMANDS = (
     "put",
     "get",
     "events",
+    "explain",
     "vllm-config",
     "bench",
     "plan",

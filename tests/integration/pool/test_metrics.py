@@ -58,6 +58,7 @@ def test_client_lookups_and_gets_reach_their_nodes_metrics(client: PoolClient) -
         time.sleep(0.1)  # the report is a call the client does not wait for
     assert m.get(hit) == 5
     assert m[("kvpool_lookup_chunks_total", (*node, ("result", "miss")))] == 3
+    assert m[("kvpool_misses_total", (("cause", "never_stored"), *node))] == 1  # one lookup stopped short
     read = sum(m[("kvpool_client_get_bytes_total", (*node, ("source", s)))] for s in ("local", "peer"))
     assert read == 5 * 4096
     assert m[("kvpool_client_get_seconds_count", node)] == 1

@@ -96,8 +96,15 @@ def test_a_chunk_lost_mid_request_falls_back_to_recompute(stack: tuple, model: L
     route = router.route(tokens)
     assert route.reuse_chunks == 3
     runner.connector.client.remove(route.keys[2][-1])  # gone after the router looked: a node died, say
-
-    pre = runner.prefill(tokens, route.keys, route.reuse_chunks)
+    stats = runner.connector.client._stats
+    stats.report(force=True)
+    node, stats.node = stats.node, None  # hold the counts here (not handed to the node) to read them
+    try:
+        pre = runner.prefill(tokens, route.keys, route.reuse_chunks)
+        assert router.route(tokens).cached_chunks == 2
+        assert stats.seen.misses == {"read_failed": 1, "removed": 1}  # kvpool_misses_total{cause=...}
+    finally:
+        stats.node = node
     assert pre.fell_back and pre.reused_tokens == 0 and pre.computed_tokens == len(tokens)
     assert runner.decode(pre, 8) == generate(model, tokens, 8)
 

@@ -1,0 +1,500 @@
+"""Routing on a multi-tenant trace: round-robin, least-loaded and cache-aware lanes, one run, one table.
+
+Starts its own pool (embedded etcd, a local Ray cluster of ``--nodes`` nodes on 127.0.0.2 and up, a ``PoolNode``
+per node) and one lane per node (a prefill worker on node ``i``, its decode worker on node ``i + 1``, the
+random-weight Llama), then replays one trace, deterministic from ``--seed``:
+
+- **documents**: requests over ``--documents`` shared long documents with Zipf popularity, each with a per-user
+  question after it (the document's chunks are shared, the question is not);
+- **conversations**: ``--conversations`` multi-turn chats over a document, each turn the previous prompt plus an
+  answer and a new question (the whole previous turn is the shared prefix).
+
+Each routing policy replays the trace on a fresh pool (same capacities, new workers), ``--concurrency`` requests
+in flight, through :class:`~kvpool.prefill_decode.service.Service` as the HTTP front runs it.  It prints, per
+policy, the prefill's hit rate (prompt tokens reloaded / prompt tokens) beside the trace's **reuse ceiling** (the
+hit rate of one infinite cache), TTFT p50/p99 and throughput, beside the limits measured in the same run: one
+request alone, cold and warm.  Then two checks:
+
+- **the capacity advisor**: the access log of the cache-aware replay (``KVPOOL_ACCESS_LOG``, every lookup sampled)
+  gives a miss-ratio curve; its predicted hit ratio at two other capacities beside the hit ratio measured by
+  replaying the trace at those capacities (chunk lookups, prefill and decode workers together, as the log sees them);
+- **the event stream**: a consumer rebuilds the pool's contents from chunk events alone, disconnected halfway
+  through the cache-aware replay and resumed after its last revision, and is compared with the placements in etcd
+  (what ``kvpool ls`` lists).
+
+    python bench/routing.py [--requests 160] [--nodes 3] [--dram-mib 16 --nvme-mib 16] [--seed 0]
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+from rich.console import Console
+from rich.table import Table
+
+from kvpool.metadata.cache import MetadataCache
+from kvpool.metadata.client import EtcdClient
+from kvpool.metadata.events import EventStream, replay
+from kvpool.metadata.namespace import Namespace
+from kvpool.pool.advisor import curve_of_log, read_access_logs, tier_hits
+from kvpool.pool.config import MiB, PoolConfig
+from kvpool.pool.keys import CacheIdentity, chunk_keys
+from kvpool.pool.node import start_pool, stop_pool
+from kvpool.pool.types import Tier
+from kvpool.prefill_decode.cost import Hardware
+from kvpool.prefill_decode.router import Policy
+from kvpool.prefill_decode.service import Completion, Lane, Service, lane_router
+from kvpool.prefill_decode.workers import WorkerConfig, start_lanes
+
+console = Console(width=150)
+
+
+# -- the trace ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TraceSettings:
+    requests: int = 160  #: in all, conversation turns included
+    documents: int = 16
+    doc_tokens: tuple[int, int] = (512, 2048)  #: a document's length is drawn uniformly in this range
+    zipf: float = 1.1  #: document popularity: weight of the k-th document is 1 / k ** zipf
+    users: int = 32  #: a document request's question is one of these users' (a user asks the same each time)
+    question_tokens: tuple[int, int] = (16, 64)
+    conversations: int = 8
+    turns: int = 4
+    answer_tokens: int = 32  #: the previous turn's answer, as the next turn's prompt carries it
+    vocab: int = 4096
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Request:
+    tokens: list[int]
+    kind: str  #: "document" or "turn <n>"
+    label: str  #: which document / conversation
+
+
+def make_trace(s: TraceSettings) -> list[Request]:
+    """The requests in arrival order; the same list for the same settings."""
+    rng = np.random.default_rng(s.seed)
+
+    def draw(bounds: tuple[int, int]) -> list[int]:
+        return [int(t) for t in rng.integers(0, s.vocab, int(rng.integers(bounds[0], bounds[1] + 1)))]
+
+    docs = [draw(s.doc_tokens) for _ in range(s.documents)]
+    questions = [draw(s.question_tokens) for _ in range(s.users)]
+    weights = 1.0 / np.arange(1, s.documents + 1) ** s.zipf
+    weights /= weights.sum()
+    chats = min(s.conversations * s.turns, s.requests)
+    is_turn = np.zeros(s.requests, dtype=bool)
+    is_turn[rng.choice(s.requests, chats, replace=False)] = True
+    talks: list[tuple[int, list[int], int]] = []  #: (conversation, prompt so far, turns taken), not finished
+    started, out = 0, []
+    for turn_here in is_turn:
+        if not turn_here:
+            d = int(rng.choice(s.documents, p=weights))
+            out.append(Request(docs[d] + questions[int(rng.integers(s.users))], "document", f"doc{d}"))
+            continue
+        if started < s.conversations and (not talks or rng.random() < 0.5):
+            talks.append((started, docs[int(rng.choice(s.documents, p=weights))], 0))
+            started += 1
+        i = int(rng.integers(len(talks)))
+        conv, prompt, taken = talks[i]
+        prompt = prompt + draw(s.question_tokens)
+        out.append(Request(prompt, f"turn {taken + 1}", f"chat{conv}"))
+        prompt = prompt + [int(t) for t in rng.integers(0, s.vocab, s.answer_tokens)]
+        if taken + 1 < s.turns:
+            talks[i] = (conv, prompt, taken + 1)
+        else:
+            talks.pop(i)
+    return out
+
+
+def reuse_ceiling(trace: list[Request], chunk: int) -> float:
+    """The prefill hit rate of one infinite cache: each request reloads the full chunks of the longest prefix
+    an earlier request had (over the prompt tokens of the whole trace)."""
+    ident = CacheIdentity(model="trace", kv_dtype="-", layout="-", chunk_size=chunk)
+    seen: set[bytes] = set()
+    hit = total = 0
+    for r in trace:
+        keys = chunk_keys(ident, r.tokens)
+        n = 0
+        while n < len(keys) and keys[n] in seen:
+            n += 1
+        hit += min(n * chunk, len(r.tokens) - 1)
+        total += len(r.tokens)
+        seen.update(keys)
+    return hit / total
+
+
+# -- one replay ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Replay:
+    policy: str
+    dram_mib: int  #: per node
+    nvme_mib: int
+    ttft_s: list[float] = field(default_factory=list)
+    reused_tokens: int = 0
+    prompt_tokens: int = 0
+    lanes: list[int] = field(default_factory=list)  #: requests per lane
+    wall_s: float = 0.0
+    lookups: int = 0  #: chunk lookups of every worker (prefill and decode), as the access log sees them
+    lookup_hits: int = 0
+    log_paths: list[str] = field(default_factory=list)
+    events: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def lookup_hit_ratio(self) -> float:
+        return self.lookup_hits / self.lookups if self.lookups else 0.0
+
+    def row(self) -> dict[str, Any]:
+        t = sorted(self.ttft_s)
+        return {
+            "policy": self.policy, "dram_mib": self.dram_mib, "nvme_mib": self.nvme_mib, "requests": len(t),
+            "hit_rate": self.hit_rate, "lookup_hit_ratio": self.lookup_hit_ratio,
+            "ttft_p50_s": statistics.median(t), "ttft_p99_s": float(np.percentile(t, 99)),
+            "throughput_rps": len(t) / self.wall_s, "lanes": self.lanes, "events": self.events,
+        }  # fmt: skip
+
+
+@dataclass
+class Bench:
+    """What stays up across replays: the Ray cluster and etcd, and the worker settings."""
+
+    base: PoolConfig
+    nodes: list[str]  #: Ray node ids, sorted by address
+    worker: WorkerConfig
+    log_dir: str
+    concurrency: int
+    max_tokens: int = 4
+
+
+@contextmanager
+def lanes_on(bench: Bench, tag: str, dram_mib: int, nvme_mib: int, policy: str) -> Iterator[tuple[Service, PoolConfig]]:
+    """A fresh pool of the given capacities (its own cluster name and actors) and a lane per node over it."""
+    name = f"routing-{tag}-{uuid.uuid4().hex[:6]}"
+    pool = replace(
+        bench.base, dram_bytes=dram_mib * MiB, nvme_bytes=nvme_mib * MiB or -1, namespace=name,
+        metadata=replace(bench.base.metadata, cluster=name),
+    )  # fmt: skip
+    n = len(bench.nodes)
+    with ExitStack() as stack:
+        start_pool(pool)
+        stack.callback(stop_pool, pool)
+        pairs = start_lanes(
+            replace(bench.worker, pool=pool), [(bench.nodes[i], bench.nodes[(i + 1) % n]) for i in range(n)]
+        )
+
+        def close() -> None:
+            ray.get([w.close.remote() for pair in pairs for w in pair])  # flushes the access logs
+            for pair in pairs:
+                for w in pair:
+                    ray.kill(w)
+
+        stack.callback(close)
+        etcd = EtcdClient(pool.metadata)
+        stack.callback(etcd.close)
+        cache = stack.enter_context(MetadataCache(etcd, Namespace(pool.metadata.cluster)))
+        lanes = [Lane(*pair) for pair in pairs]
+        yield Service(lanes, model=bench.worker.model, router=lane_router(lanes, cache.replicas, policy)), pool
+
+
+async def _replay(service: Service, trace: list[Request], concurrency: int, max_tokens: int,
+                  halfway: threading.Event) -> tuple[list[Completion], float]:  # fmt: skip
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(trace)):
+        queue.put_nowait(i)
+    done: list[Completion | None] = [None] * len(trace)
+
+    async def client() -> None:
+        while not queue.empty():
+            i = queue.get_nowait()
+            done[i] = await service.complete(trace[i].tokens, max_tokens)
+            if sum(d is not None for d in done) >= len(trace) // 2:
+                halfway.set()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return [d for d in done if d is not None], time.perf_counter() - t0
+
+
+def _rebuild_with_a_disconnect(pool: PoolConfig, halfway: threading.Event, finished: threading.Event) -> dict[str, Any]:
+    """Follow the chunk events from the start until ``halfway``, disconnect, and once ``finished`` resume after the
+    last revision applied; then compare what was rebuilt with the placements etcd holds."""
+    etcd = EtcdClient(pool.metadata)
+    ns = Namespace(pool.metadata.cluster)
+    contents: dict[tuple[bytes, str], Tier | None] = {}
+    last, events = 0, 0
+    try:
+        stream = EventStream(etcd, ns)
+
+        def disconnect() -> None:
+            halfway.wait()
+            stream.cancel()
+
+        threading.Thread(target=disconnect, daemon=True).start()
+        for revision, batch in stream:
+            replay(batch, contents)
+            last, events = revision, events + len(batch)
+        disconnected_at = last
+        finished.wait()
+        held: dict[tuple[bytes, str], Tier | None] = {}
+        for _ in range(10):  # the pool may still demote or reap: compare at one revision, or try again
+            marker = etcd.put(ns.sync_marker, uuid.uuid4().bytes)  # moves the stream on to the present
+            for rev, batch in EventStream(etcd, ns, after=last, until=marker):
+                replay(batch, contents)
+                last, events = rev, events + len(batch)
+            snapshot_at, stored = next(iter(EventStream(etcd, ns, until=0)))  # the placements, as kvpool ls reads them
+            held = {}
+            replay(stored, held)
+            if snapshot_at == last:
+                break
+        return {
+            "events": events,
+            "disconnected_at": disconnected_at,
+            "resumed_to": last,
+            "replicas": len(held),
+            "match": contents == held,
+        }
+    finally:
+        etcd.close()
+
+
+def run_replay(bench: Bench, trace: list[Request], policy: str, dram_mib: int, nvme_mib: int,
+               follow_events: bool = False) -> Replay:  # fmt: skip
+    out = Replay(policy, dram_mib, nvme_mib)
+    before = set(os.listdir(bench.log_dir))
+    halfway, finished = threading.Event(), threading.Event()
+    with lanes_on(bench, policy, dram_mib, nvme_mib, policy) as (service, pool):
+        checker: dict[str, Any] = {}
+        thread = None
+        if follow_events:
+            thread = threading.Thread(
+                target=lambda: checker.update(_rebuild_with_a_disconnect(pool, halfway, finished)), daemon=True
+            )
+            thread.start()
+        done, out.wall_s = asyncio.run(_replay(service, trace, bench.concurrency, bench.max_tokens, halfway))
+        finished.set()
+        if thread is not None:
+            thread.join(timeout=120)
+            out.events = checker
+        out.ttft_s = [d.ttft_s for d in done]
+        out.reused_tokens = sum(d.prefill.summary.reused_tokens for d in done)
+        out.prompt_tokens = sum(len(d.prompt_tokens) for d in done)
+        out.lanes = [sum(d.lane == i for d in done) for i in range(len(service.lanes))]
+        stats = ray.get([w.stats.remote() for lane in service.lanes for w in (lane.prefill, lane.decode)])
+        out.lookups = sum(s.get("chunks", 0) for s in stats)
+        out.lookup_hits = sum(s.get("cached_chunks", 0) for s in stats)
+    out.log_paths = sorted(os.path.join(bench.log_dir, f) for f in set(os.listdir(bench.log_dir)) - before)
+    return out
+
+
+def probe(bench: Bench, prompt: list[int]) -> tuple[Hardware, float, float]:
+    """The workers' measured cost-model figures, and one request alone: cold (computed), then warm (reloaded)."""
+    with lanes_on(bench, "probe", 64, 0, "round-robin") as (service, _):
+        hardware = ray.get(service.lanes[0].prefill.hardware.remote())
+        one = Service(service.lanes[0], model=bench.worker.model)
+        cold = one.complete_sync(prompt, bench.max_tokens).ttft_s
+        warm = min(one.complete_sync(prompt, bench.max_tokens).ttft_s for _ in range(3))
+    return hardware, cold, warm
+
+
+# -- the run -------------------------------------------------------------------------------------------------
+
+
+def predicted_hit_ratio(log_paths: list[str], dram_bytes: float, nvme_bytes: float) -> float:
+    """The capacity advisor's hit ratio for a pool of these capacities, from the access logs of one replay."""
+    rate, accesses, total = read_access_logs(log_paths)
+    hits = tier_hits(curve_of_log(rate, accesses, total), dram_bytes, nvme_bytes)
+    return hits.dram + hits.nvme
+
+
+def held_at_lookup(log_paths: list[str]) -> float:
+    """The share of logged object lookups that found the object held (the per-object hit ratio the advisor
+    predicts; the prefix lookup's ratio also counts the held objects after a missing one as misses)."""
+    held = total = 0
+    for path in log_paths:
+        with open(path) as f:
+            for line in f:
+                row = json.loads(line)
+                if "key" in row:
+                    total += 1
+                    held += row["size"] > 0
+    return held / total if total else 0.0
+
+
+def render(out: dict[str, Any]) -> None:
+    lim = out["limits"]
+    table = Table(title=f"routing: {out['requests']} requests, {out['nodes']} lanes (one per node), "
+                        f"{out['concurrency']} in flight, {out['dram_mib']} + {out['nvme_mib']} MiB DRAM + NVMe per node")  # fmt: skip
+    for col in (
+        "policy",
+        "hit rate",
+        "of ceiling",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "p50 vs round-robin",
+        "req/s",
+        "requests per lane",
+    ):
+        table.add_column(col, justify="left" if col in ("policy", "requests per lane") else "right")
+    robin = next(r for r in out["policies"] if r["policy"] == "round-robin")
+    for r in out["policies"]:
+        table.add_row(
+            r["policy"], f"{r['hit_rate']:.1%}", f"{r['hit_rate'] / out['ceiling']:.0%}", f"{r['ttft_p50_s'] * 1e3:.0f}",
+            f"{r['ttft_p99_s'] * 1e3:.0f}", f"{robin['ttft_p50_s'] / r['ttft_p50_s']:.2f}x",
+            f"{r['throughput_rps']:.2f}", " / ".join(map(str, r["lanes"])),
+        )  # fmt: skip
+    table.add_row(
+        "limit", f"{out['ceiling']:.1%}", "ceiling", f"{lim['warm_ttft_s'] * 1e3:.0f} warm",
+        f"{lim['cold_ttft_s'] * 1e3:.0f} cold", "", "", "one request alone",
+    )  # fmt: skip
+    console.print(table)
+    adv = Table(title="capacity advisor: predicted from the cache-aware replay's access log vs replayed")
+    for col in ("DRAM + NVMe per node", "pool", "predicted hit ratio", "measured: prefix lookups", "difference",
+                "objects held at lookup", "difference"):  # fmt: skip
+        adv.add_column(col, justify="right")
+    for a in out["advisor"]:
+        adv.add_row(
+            f"{a['dram_mib']} + {a['nvme_mib']} MiB", f"{a['pool_mib']} MiB", f"{a['predicted']:.1%}",
+            f"{a['measured']:.1%}", f"{(a['predicted'] - a['measured']) * 100:+.1f} points",
+            f"{a['held']:.1%}", f"{(a['predicted'] - a['held']) * 100:+.1f} points",
+        )  # fmt: skip
+    console.print(adv)
+    ev = out["events"]
+    console.print(
+        f"events: {ev.get('events', 0):,} chunk events, disconnected at revision {ev.get('disconnected_at')}, resumed to "
+        f"{ev.get('resumed_to')}: rebuilt contents {'MATCH' if ev.get('match') else 'DIFFER FROM'} the {ev.get('replicas', 0):,} "
+        "replicas in etcd (kvpool ls)"
+    )
+
+
+def plot(out: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [r["policy"] for r in out["policies"]]
+    x = np.arange(len(names))
+    a.bar(x - 0.2, [r["ttft_p50_s"] * 1e3 for r in out["policies"]], 0.4, label="TTFT p50")
+    a.bar(x + 0.2, [r["ttft_p99_s"] * 1e3 for r in out["policies"]], 0.4, label="TTFT p99")
+    a.axhline(out["limits"]["warm_ttft_s"] * 1e3, color="k", ls=":", label="one warm request alone")
+    a.set_xticks(x, [f"{n}\nhit {r['hit_rate']:.0%}" for n, r in zip(names, out["policies"], strict=True)])
+    a.set_ylabel("ms")
+    a.set_yscale("log")
+    a.legend()
+    a.set_title(f"TTFT by routing policy (reuse ceiling {out['ceiling']:.0%})")
+    pts = out["advisor"]
+    b.plot([p["pool_mib"] for p in out["curve"]], [p["hit"] for p in out["curve"]], label="advisor: predicted")
+    b.scatter([p["pool_mib"] for p in pts], [p["measured"] for p in pts], color="C3", zorder=3,
+              label="replayed: prefix lookups")  # fmt: skip
+    b.scatter([p["pool_mib"] for p in pts], [p["held"] for p in pts], color="C2", marker="x", zorder=3,
+              label="replayed: objects held at lookup")  # fmt: skip
+    b.set_xlabel("pool capacity, MiB (DRAM + NVMe, all nodes)")
+    b.set_ylabel("chunk lookup hit ratio")
+    b.set_ylim(0, 1)
+    b.legend()
+    b.set_title("capacity advisor vs replay")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=3, help="Ray nodes, one lane each (>= 3 for the issue's goal)")
+    ap.add_argument("--requests", type=int, default=160)
+    ap.add_argument("--documents", type=int, default=16)
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=0, help="requests in flight (0: two per lane)")
+    ap.add_argument("--dram-mib", type=int, default=16, help="DRAM per node, MiB")
+    ap.add_argument("--nvme-mib", type=int, default=16, help="NVMe per node, MiB")
+    ap.add_argument("--advise", default="0.5,2", help="the other capacities replayed for the advisor, as factors")
+    ap.add_argument("--chunk", type=int, default=256, help="tokens per chunk")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default="bench/results/routing.json")
+    ap.add_argument("--png", default="bench/results/routing.png")
+    args = ap.parse_args()
+    if args.nodes < 2 or args.requests < 4:
+        ap.error("need --nodes >= 2 and --requests >= 4")
+    from kvpool.metadata.config import MetadataConfig
+    from kvpool.servers.etcd import EmbeddedEtcd
+    from kvpool.servers.ray_cluster import LocalRayCluster
+
+    trace = make_trace(TraceSettings(args.requests, args.documents, conversations=args.conversations, seed=args.seed))
+    ceiling = reuse_ceiling(trace, args.chunk)
+    factors = [float(f) for f in args.advise.split(",") if f]
+    with tempfile.TemporaryDirectory(prefix="kvpool-routing-") as logs, ExitStack() as stack:
+        os.environ.update({"KVPOOL_ACCESS_LOG": logs, "KVPOOL_ACCESS_RATE": "1.0"})  # the workers inherit it
+        with console.status("starting etcd and a local Ray cluster"):
+            etcd = stack.enter_context(EmbeddedEtcd())
+            cluster = stack.enter_context(LocalRayCluster(nodes=args.nodes))
+        ids = sorted((n["NodeManagerAddress"], n["NodeID"]) for n in ray.nodes() if n["Alive"])
+        base = PoolConfig(metadata=MetadataConfig(endpoints=(etcd.endpoint,)), metrics_port=-1)
+        worker = WorkerConfig(pool=base, chunk_size=args.chunk, torch_threads=1)
+        bench = Bench(base, [i for _, i in ids], worker, logs, args.concurrency or 2 * args.nodes)
+        with console.status("one request alone, cold and warm; measuring the cost model's figures"):
+            hardware, cold, warm = probe(bench, make_trace(replace(TraceSettings(), seed=args.seed + 1))[0].tokens)
+        bench.worker = replace(worker, hardware=hardware)  # every replay's workers price alike, and start faster
+        rows, replays = [], {}
+        for policy in (Policy.ROUND_ROBIN, Policy.LEAST_LOADED, Policy.CACHE_AWARE):
+            with console.status(f"replaying {len(trace)} requests, {policy.value}"):
+                r = run_replay(bench, trace, policy.value, args.dram_mib, args.nvme_mib, policy is Policy.CACHE_AWARE)
+            replays[policy] = r
+            rows.append(r.row())
+            console.print(f"{policy.value}: hit rate {r.hit_rate:.1%}, TTFT p50 {rows[-1]['ttft_p50_s'] * 1e3:.0f} ms")
+        logged = replays[Policy.CACHE_AWARE]
+        n = args.nodes
+        advisor = [{"dram_mib": args.dram_mib, "nvme_mib": args.nvme_mib, "pool_mib": n * (args.dram_mib + args.nvme_mib),
+                    "predicted": predicted_hit_ratio(logged.log_paths, n * args.dram_mib * MiB, n * args.nvme_mib * MiB),
+                    "measured": logged.lookup_hit_ratio, "held": held_at_lookup(logged.log_paths)}]  # fmt: skip
+        for f in factors:
+            dram, nvme = max(1, round(args.dram_mib * f)), max(1, round(args.nvme_mib * f))
+            with console.status(f"replaying at {dram} + {nvme} MiB per node for the advisor"):
+                r = run_replay(bench, trace, Policy.CACHE_AWARE.value, dram, nvme)
+            predicted = predicted_hit_ratio(logged.log_paths, n * dram * MiB, n * nvme * MiB)
+            advisor.append({"dram_mib": dram, "nvme_mib": nvme, "pool_mib": n * (dram + nvme), "predicted": predicted,
+                            "measured": r.lookup_hit_ratio, "held": held_at_lookup(r.log_paths)})  # fmt: skip
+        top = max(a["pool_mib"] for a in advisor) * 1.5
+        curve = [{"pool_mib": m, "hit": predicted_hit_ratio(logged.log_paths, m * MiB * args.dram_mib / (args.dram_mib + args.nvme_mib),
+                                                            m * MiB * args.nvme_mib / (args.dram_mib + args.nvme_mib))}
+                 for m in np.linspace(1, top, 40)]  # fmt: skip
+        del cluster
+    out = {
+        "requests": len(trace), "nodes": args.nodes, "concurrency": bench.concurrency, "dram_mib": args.dram_mib,
+        "nvme_mib": args.nvme_mib, "chunk": args.chunk, "seed": args.seed, "ceiling": ceiling,
+        "limits": {"cold_ttft_s": cold, "warm_ttft_s": warm, "hardware": {"flops": hardware.flops, **hardware.bandwidth}},
+        "policies": rows, "advisor": advisor, "curve": curve, "events": replays[Policy.CACHE_AWARE].events,
+        "trace": {"documents": args.documents, "conversations": args.conversations,
+                  "prompt_tokens": sum(len(r.tokens) for r in trace)},
+    }  # fmt: skip
+    render(out)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+    plot(out, Path(args.png))
+    console.print(f"figures written to {args.json}, plot to {args.png}")
+
+
+if __name__ == "__main__":
+    main()
