@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.errors import MetadataUnavailable
-from kvpool.metadata.client import EtcdClient, Put, Version
+from kvpool.metadata.client import EtcdClient, Put, Version, WatchStream
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.records import encode_departure, encode_tombstone
 from kvpool.pool.types import Departure, DropCause, Placement, Tombstone
@@ -83,15 +83,19 @@ class TombstoneWriter:
     def follow_departures(self, from_revision: int, stop: threading.Event) -> None:
         """Thread body: watch the node records from ``from_revision`` and record every other node's departure."""
         ns = self.namespace
+        current: list[WatchStream | None] = [None]
+
+        def cancel_on_stop() -> None:
+            stop.wait()
+            if current[0] is not None:
+                current[0].cancel()
+
+        threading.Thread(target=cancel_on_stop, name="kvpool-departures-stop", daemon=True).start()
         while not stop.is_set():
             try:
-                watch = self.etcd.watch(ns.nodes, from_revision)
-
-                def cancel_on_stop(watch: Any = watch) -> None:
-                    stop.wait()
+                watch = current[0] = self.etcd.watch(ns.nodes, from_revision)
+                if stop.is_set():
                     watch.cancel()
-
-                threading.Thread(target=cancel_on_stop, daemon=True).start()
                 for resp in watch:
                     for ev in resp.events:
                         from_revision = max(from_revision, int(ev.kv.mod_revision) + 1)

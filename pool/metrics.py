@@ -39,6 +39,7 @@ _COUNTERS = {
 
 
 #: upper bounds (seconds) of the client get latency histogram; one batched get is one observation
+MISS_PREFIX = "miss_"  #: an engine's count named ``miss_<cause>`` is a short lookup or failed load: kvpool_misses_total
 GET_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 SOURCES = ("local", "peer", "remote_tier")  #: this node, another node, the S3 tier
 
@@ -80,7 +81,11 @@ class ClientStats:
         ):
             raise ConfigError(f"counts must be a dict of names to numbers, got {counts!r:.80}")
         for name, n in counts.items():
-            self.engine[name] = self.engine.get(name, 0) + n
+            if name.startswith(MISS_PREFIX):
+                cause = name.removeprefix(MISS_PREFIX)
+                self.misses[cause] = self.misses.get(cause, 0) + int(n)
+            else:
+                self.engine[name] = self.engine.get(name, 0) + n
 
     def merge(self, other: "ClientStats") -> None:
         self.lookup_hits += other.lookup_hits

@@ -42,8 +42,8 @@ class Completion:
 
 @dataclass(frozen=True)
 class Lane:
-    """A prefill actor and the decode actor its requests go on to (from
-    :func:`~kvpool.prefill_decode.workers.start_workers`)."""
+    """A prefill actor and the decode actor its requests go on to (a pair from
+    :func:`~kvpool.prefill_decode.workers.start_lanes`)."""
 
     prefill: Any
     decode: Any

@@ -4,6 +4,7 @@ etcd watch cache and, each step, the plan of loads and saves it sends the worker
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,7 @@ from kvpool.errors import KvPoolError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.identities import register as register_identity
+from kvpool.metadata.misses import miss_cause
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.advisor import AccessLog
 from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
@@ -49,6 +51,7 @@ class KvPoolMetadata(KVConnectorMetadata):
     saves: list[Transfer] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
     lookups: tuple[int, int] = (0, 0)  #: prompt tokens asked for and found in the pool since the last step
+    misses: dict[str, int] = field(default_factory=dict)  #: short lookups since the last step, by cause
 
 
 @dataclass
@@ -76,6 +79,7 @@ class SchedulerSide:
         self._reqs: dict[str, _Request] = {}
         self._saving: set[str] = set()  #: requests with saves sent to the workers
         self._asked = self._found = 0
+        self._misses: Counter[str] = Counter()  #: why lookups stopped short (kvpool_misses_total)
         self.access_log = AccessLog.from_env()  #: sampled lookups for kvpool advise (KVPOOL_ACCESS_LOG)
         self._connect()
 
@@ -119,8 +123,10 @@ class SchedulerSide:
                 self.access_log.record(wanted, cache.size_of)
             for layer in range(self.layers):
                 held = min(held, cache.lookup_prefix([layer_key(k, layer) for k in keys[:held]]))
-                if held == 0:
-                    return 0
+            if held < limit:
+                missing = [layer_key(keys[held], layer) for layer in range(self.layers)]
+                self._misses[miss_cause(cache, missing)[0].value] += 1
+                return held
         return held
 
     def matched(self, request: Any, num_computed: int) -> int:
@@ -144,6 +150,7 @@ class SchedulerSide:
     def build(self, out: Any) -> KvPoolMetadata:
         meta = KvPoolMetadata(preempted=set(getattr(out, "preempted_req_ids", None) or ()))
         meta.lookups, self._asked, self._found = (self._asked, self._found), 0, 0
+        meta.misses, self._misses = dict(self._misses), Counter()
         bpc = self.chunk // self.block_size
         computed: dict[str, int] = {}
         for new in out.scheduled_new_reqs:

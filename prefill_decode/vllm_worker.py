@@ -13,6 +13,7 @@ import torch
 
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
+from kvpool.pool.metrics import MISS_PREFIX
 from kvpool.prefill_decode.engine_config import ConnectorConfig
 from kvpool.prefill_decode.vllm_scheduler import RETRY_S, KvPoolMetadata, Transfer
 
@@ -121,6 +122,8 @@ class WorkerSide:
         self._load = None
         if meta.lookups != (0, 0):
             self._count(lookup_tokens=meta.lookups[0], hit_tokens=meta.lookups[1])
+        if meta.misses:
+            self._count(**{f"{MISS_PREFIX}{cause}": n for cause, n in meta.misses.items()})
         if not meta.loads or not self.layers:
             self._layer_ready = {}
             return
@@ -154,6 +157,8 @@ class WorkerSide:
             tokens = sum((t.end - t.first) * self.config.chunk_size for t in loads)
             self._count(loaded_tokens=tokens, loaded_bytes=loaded_bytes, load_errors=len(errors),
                         load_seconds=time.perf_counter() - started)  # fmt: skip
+            if errors:  # the chunks were there when looked up, and could not be read: recomputed
+                self._count(**{f"{MISS_PREFIX}read_failed": sum(1 for bad in failed if bad)})
         finally:
             for ready in self._layer_ready.values():
                 ready.set()  # never leave a layer waiting

@@ -160,8 +160,13 @@ def test_a_fresh_engine_answers_from_the_pool_as_if_it_had_computed(
                 seg.write(p.offset + 100, bytes([seg.view(p.offset + 100, 1)[0] ^ 0xFF]))
             [recomputed] = b.generate([R], reset=True)
             assert same_answer(recomputed, baseline["R"])
-            assert b.ask(connector=True)["totals"]["load_errors"] > 0
+            totals = b.ask(connector=True)["totals"]
+            assert totals["load_errors"] > 0 and totals["miss_read_failed"] > 0  # kvpool_misses_total{cause}
             assert client.cache.wait_until(lambda c: not c.replicas(victim), 10)  # the corrupt replica was dropped
+            [again] = b.generate([R], reset=True)  # stops at the dropped chunk (and says why) unless B saved it again
+            assert same_answer(again, baseline["R"])
+            corrupt = b.ask(connector=True)["totals"].get("miss_corrupt", 0)
+            assert (again["cached"], corrupt >= 1) in ((CHUNK, True), (2 * CHUNK, False)), (again["cached"], corrupt)
 
 
 def test_etcd_unreachable_means_no_hits_and_normal_answers(

@@ -1,0 +1,23 @@
+"""What clients report to their node for its metrics: miss causes, from our connector and from an engine's."""
+
+from prometheus_client.core import Metric
+
+from kvpool.pool.metrics import MISS_PREFIX, ClientStats
+
+
+def _samples(stats: ClientStats) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    families: list[Metric] = list(stats.collect("n1"))
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+
+
+def test_miss_causes_add_up_and_are_served() -> None:
+    a, b = ClientStats(), ClientStats()
+    a.miss("evicted")
+    a.miss("evicted")
+    b.add_engine({f"{MISS_PREFIX}read_failed": 3, "lookup_tokens": 100})  # an engine's counts: misses apart
+    a.merge(b)
+    assert a.misses == {"evicted": 2, "read_failed": 3} and a.engine == {"lookup_tokens": 100}
+    got = _samples(a)
+    assert got[("kvpool_misses_total", (("cause", "evicted"), ("node", "n1")))] == 2
+    assert got[("kvpool_misses_total", (("cause", "read_failed"), ("node", "n1")))] == 3
+    assert bool(ClientStats()) is False and bool(b) is True
