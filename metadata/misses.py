@@ -42,6 +42,7 @@ class MissCause(enum.Enum):
     OTHER_IDENTITY = "other_identity"
 
 
+MISS_CAUSES = tuple(c.value for c in MissCause)  #: the ``cause`` label values of ``kvpool_misses_total``
 _OF_DROP = {
     DropCause.EVICTED: MissCause.EVICTED,
     DropCause.REMOVED: MissCause.REMOVED,

@@ -51,7 +51,7 @@ from kvpool.errors import (
 from kvpool.metadata import identities
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
-from kvpool.metadata.misses import MissCause, miss_cause
+from kvpool.metadata.misses import MISS_CAUSES, miss_cause
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.advisor import AccessLog
@@ -76,9 +76,6 @@ log = logging.getLogger(__name__)
 
 def _at(fn: Callable[[int], None], index: list[int], j: int) -> None:
     fn(index[j])
-
-
-MISS_CAUSES = tuple(c.value for c in MissCause)
 
 
 class PoolClient:

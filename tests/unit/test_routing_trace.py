@@ -1,9 +1,9 @@
-"""bench/routing.py's trace: the same requests from the same seed, shaped as asked, and its reuse ceiling."""
+"""bench/traces.py, the trace bench/routing.py replays: same seed, same requests, shaped as asked; its ceiling."""
 
 import itertools
 from dataclasses import replace
 
-from kvpool.bench.routing import TraceSettings, make_trace, reuse_ceiling
+from kvpool.bench.traces import TraceSettings, make_trace, reuse_ceiling
 
 
 def test_trace_is_deterministic_and_shaped() -> None:
@@ -22,7 +22,7 @@ def test_trace_is_deterministic_and_shaped() -> None:
 
 def test_reuse_ceiling() -> None:
     doc = list(range(100))
-    from kvpool.bench.routing import Request
+    from kvpool.bench.traces import Request
 
     trace = [
         Request([*doc, 1], "document", "d"),
