@@ -4,9 +4,12 @@ longest-prefix lookup latency.
 Runs against a real etcd (embedded by default, or --etcd host:port) and prints each figure beside the
 floor it cannot beat on this machine: raw etcd transactions of the same size without kvpool's
 encoding, a loopback TCP round trip, and plain dict lookups.  --codec-only measures the
-record codec alone, without etcd.
+record codec alone, without etcd.  --scale runs the simulation of many nodes publishing and many clients
+watching against that one etcd instead (``bench/metadata_scale.py``: publish rate, watch lag, a client's memory
+per chunk and snapshot time, by node count; table, JSON and PNG under bench/results/).
 
     python bench/metadata.py [--placements 10000] [--lookups 2000] [--etcd host:port] [--codec-only]
+    python bench/metadata.py --scale [--nodes 1,4,16,64] [--chunks 100000] [--caches 4] [--watchers 60]
 """
 
 import argparse
@@ -169,7 +172,20 @@ def main() -> None:
     ap.add_argument("--lookups", type=int, default=2_000, help="prefix lookups to time (default 2000)")
     ap.add_argument("--etcd", help="host:port of an etcd to use instead of an embedded one")
     ap.add_argument("--codec-only", action="store_true", help="only the record encode/decode rates (no etcd)")
+    from kvpool.bench import metadata_scale  # imports this module: not at the top
+
+    metadata_scale.add_arguments(ap)
     args = ap.parse_args()
+    if args.scale:
+        server = None if args.etcd else EmbeddedEtcd().start()
+        try:
+            db_file = None if server is None else server.data_dir / "member" / "snap" / "db"
+            pid = None if server is None else server.pid
+            metadata_scale.main(args, args.etcd or server.endpoint, pid, db_file)  # type: ignore[union-attr]
+        finally:
+            if server is not None:
+                server.stop()
+        return
     rows = codec_rows()
     title = f"kvpool record codec ({CODEC_RECORDS} records, best of {CODEC_ROUNDS})"
     if not args.codec_only:
