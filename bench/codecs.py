@@ -9,6 +9,9 @@ token-major objects ``[T, 2, H, D]`` of ``--chunk`` tokens (the last one shorter
 - encode / decode GB/s: object bytes per second, one object at a time, one thread (``--threads``), the fastest of
   ``--repeat`` passes; beside them memcpy GB/s: the same objects cloned (allocate and copy, the least a decode has
   to do), the physical limit;
+- seal / open GB/s: encryption at rest (``pool/tiers/crypto.py``, AES-256-GCM with a per-chunk derived key) of the
+  codec's output, as an encrypted tier adds it after the codec: bytes sealed (the encoded bytes) per second, the
+  same way (one object at a time, one thread, fastest pass);
 - KV error: ``||decoded - original|| / ||original||`` over the whole cache;
 - the model: every object encoded and decoded and the cache rebuilt from them, then ``--steps`` greedy decode steps
   compared with the same steps from the original cache: max |logit difference| with both fed the original's tokens
@@ -25,6 +28,7 @@ Ratios are against the model's KV dtype (``--dtype``, float32 by default, as the
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,6 +42,7 @@ from rich.table import Table
 from transformers import DynamicCache
 
 from kvpool.pool.tiers.codecs import Codec, parse_codec
+from kvpool.pool.tiers.crypto import KEY_BYTES, Keyring
 from kvpool.pool.tiers.lossless import ZSTD_LEVEL
 from kvpool.pool.tiers.quantizers import Int4, Quantizer
 from kvpool.prefill_decode.demo import demo_prompt
@@ -131,12 +136,16 @@ def bench_model(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any
         f"smallest top-1 margin over the {args.steps} steps {margin:.2f}; original greedy continuation{text}"
     )
     copy_s = pass_seconds(torch.Tensor.clone, flat, args.repeat)
+    keyring, chunk_key = Keyring({"bench": os.urandom(KEY_BYTES)}), os.urandom(32)
     rows = []
     for spec in args.codecs:
         codec = parse_codec(spec)
         encoded = [codec.encode(o) for o in flat]
         encode_s = pass_seconds(codec.encode, flat, args.repeat)
         decode_s = pass_seconds(codec.decode, encoded, args.repeat)
+        sealed = [keyring.seal(b, chunk_key, codec.name) for b in encoded]
+        seal_s = pass_seconds(lambda b: keyring.seal(b, chunk_key, codec.name), encoded, args.repeat)  # noqa: B023
+        open_s = pass_seconds(lambda b: keyring.open(b, chunk_key, codec.name), sealed, args.repeat)  # noqa: B023
         decoded = [codec.decode(b) for b in encoded]
         err = torch.stack([(d.float() - o.float()).pow(2).sum() for d, o in zip(decoded, flat, strict=True)]).sum()
         norm = torch.stack([o.float().pow(2).sum() for o in flat]).sum()
@@ -151,6 +160,8 @@ def bench_model(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any
                 "object_shape": list(flat[0].shape), "bytes": nbytes, "encoded_bytes": sum(map(len, encoded)),
                 "ratio": nbytes / sum(map(len, encoded)), "encode_gbps": nbytes / encode_s / 1e9,
                 "decode_gbps": nbytes / decode_s / 1e9, "memcpy_gbps": nbytes / copy_s / 1e9,
+                "object_bytes": flat[0].numel() * flat[0].element_size(),
+                "seal_gbps": sum(map(len, encoded)) / seal_s / 1e9, "open_gbps": sum(map(len, encoded)) / open_s / 1e9,
                 "kv_rel_err": float((err / norm).sqrt()) if norm > 0 else 0.0,
                 "max_logit_err": float((forced_logits - ref_logits).abs().max()),
                 "forced_top1_agree": sum(a == b for a, b in zip(forced_tokens, ref_tokens, strict=True)) / args.steps,
@@ -160,7 +171,8 @@ def bench_model(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any
         )  # fmt: skip
         r = rows[-1]
         console.print(
-            f"  {codec.name:24} {r['ratio']:5.2f}x  enc {r['encode_gbps']:.2f} dec {r['decode_gbps']:.2f} GB/s  "
+            f"  {codec.name:24} {r['ratio']:5.2f}x  enc {r['encode_gbps']:.2f} dec {r['decode_gbps']:.2f} "
+            f"seal {r['seal_gbps']:.2f} open {r['open_gbps']:.2f} GB/s  "
             f"max|dlogit| {r['max_logit_err']:.3f}  tokens {r['free_tokens_same']}/{args.steps}"
         )
     return rows, delta_rows(name, flat, nbytes)
@@ -209,7 +221,8 @@ def stored(q: Quantizer, codes: np.ndarray) -> bytes:
 def render(rows: list[dict[str, Any]], deltas: list[dict[str, Any]], steps: int) -> None:
     table = Table(title=f"KV codecs: size, speed (one thread) and the effect on {steps} greedy decode steps")
     cols = (
-        "model", "codec", "ratio", "encode GB/s", "decode GB/s", "memcpy GB/s", "KV rel err", "max |Δlogit|",
+        "model", "codec", "ratio", "encode GB/s", "decode GB/s", "memcpy GB/s", "seal GB/s", "open GB/s",
+        "KV rel err", "max |Δlogit|",
         "top-1 agree (forced)", "same tokens (free)", "first diff",
     )  # fmt: skip
     for col in cols:
@@ -218,7 +231,8 @@ def render(rows: list[dict[str, Any]], deltas: list[dict[str, Any]], steps: int)
     for i, r in enumerate(rows):
         table.add_row(
             r["model"], r["codec"], f"{r['ratio']:.2f}x", f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}",
-            f"{r['memcpy_gbps']:.1f}", f"{r['kv_rel_err']:.4f}", f"{r['max_logit_err']:.3f}",
+            f"{r['memcpy_gbps']:.1f}", f"{r['seal_gbps']:.2f}", f"{r['open_gbps']:.2f}", f"{r['kv_rel_err']:.4f}",
+            f"{r['max_logit_err']:.3f}",
             f"{r['forced_top1_agree']:.0%}", f"{r['free_tokens_same']}/{r['steps']}",
             "-" if r["first_diff"] is None else str(r["first_diff"]),
             end_section=i + 1 < len(rows) and rows[i + 1]["model"] != r["model"],
@@ -226,9 +240,10 @@ def render(rows: list[dict[str, Any]], deltas: list[dict[str, Any]], steps: int)
     console.print(table)
     console.print(
         "ratio: object bytes / encoded bytes, headers included; GB/s: object bytes per second; memcpy: the same "
-        "objects cloned, the floor for any decode; max |Δlogit| and top-1 agree: the codec'd cache fed the original's "
-        "tokens; same tokens: free greedy decoding, positions equal to the original's; first diff: the first step "
-        "that differs (- for none)."
+        "objects cloned, the floor for any decode; seal / open: AES-256-GCM of the encoded bytes (encryption at rest, "
+        "after the codec), bytes sealed per second; max |Δlogit| and top-1 agree: the codec'd cache fed the "
+        "original's tokens; same tokens: free greedy decoding, positions equal to the original's; first diff: the "
+        "first step that differs (- for none)."
     )
     dt = Table(title="CacheGen-style token-wise delta before zstd, per base quantizer (compression ratios)")
     for col in ("model", "base", "+zstd", "+delta+zstd", "delta gain", "codec int4+delta+zstd"):

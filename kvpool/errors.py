@@ -73,3 +73,9 @@ class RemoteUnavailable(KvPoolError):
     """The remote (S3) tier could not be used: the endpoint is down or unreachable, the credentials were refused
     (403), or the bucket is missing.  For a read the chunk is a miss in that tier; nothing in the other tiers is
     affected."""
+
+
+class TenantRefused(KvPoolError):
+    """A request named a tenant the tenants file does not have, a shared namespace its tenant may not use, or an API
+    key no tenant holds (the HTTP front answers 401/403).  Add the tenant or the namespace to the tenants file, or
+    send a key it lists."""

@@ -22,6 +22,7 @@ from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.config import PoolConfig
 
 if TYPE_CHECKING:
+    from kvpool.pool.tenants import Tenants
     from kvpool.prefill_decode.service import Service
 
 log = logging.getLogger(__name__)
@@ -153,11 +154,16 @@ def check_pool(pool: PoolConfig, chunks: int = 16) -> PoolCheck:
 
 @contextmanager
 def demo_service(
-    pool: PoolConfig, model: str, report: Report | None = None, lanes: int = 1, policy: str = "cache-aware"
+    pool: PoolConfig,
+    model: str,
+    report: Report | None = None,
+    lanes: int = 1,
+    policy: str = "cache-aware",
+    tenants: "Tenants | None" = None,
 ) -> "Iterator[Service]":
     """``lanes`` prefill workers, lane ``i``'s on Ray node ``i`` and its decode worker on the next node (one lane:
     prefill on the first node, decode on the last), and the ``Service`` over them, routing by ``policy`` when
-    there are several; the workers are killed on exit."""
+    there are several (and serving ``tenants``' requests only, when given); the workers are killed on exit."""
     from kvpool.metadata.cache import MetadataCache
     from kvpool.metadata.client import EtcdClient
     from kvpool.metadata.namespace import Namespace
@@ -191,7 +197,8 @@ def demo_service(
             router = lane_router([Lane(*pair) for pair in started], cache.replicas, policy)
             report.done(f"routing   {policy} over {lanes} lanes")
         eos = tokenizer.eos_token_id if tokenizer is not None else None
-        yield Service([Lane(*pair) for pair in started], model=model, tokenizer=tokenizer, eos=eos, router=router)
+        served = [Lane(*pair) for pair in started]
+        yield Service(served, model=model, tokenizer=tokenizer, eos=eos, router=router, tenants=tenants)
 
 
 def serve(service: "Service", port: int, report: Report | None = None) -> None:

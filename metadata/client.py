@@ -3,10 +3,18 @@
 Every call is bounded: a retriable failure (etcd down, leader change, timeout) is retried with backoff
 until ``retry_deadline_s``, then raised as :class:`MetadataUnavailable`; nothing waits forever.  Callers
 never see a gRPC or pyetcd exception.
+
+Given several endpoints (the members of one etcd cluster) the client fails over: a member that fails a call is
+set aside for a second and the retry goes to the next, and a watch whose member dies resumes on another from the
+revision after the last event it delivered, so a member's death loses no event.  With TLS configured every
+channel is TLS; a mismatch (a TLS client and a plaintext etcd, or a client without a certificate and a TLS etcd)
+is diagnosed at once and raised with its fix, never retried until the deadline.
 """
 
 import logging
 import queue
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -19,8 +27,8 @@ from pyetcd import exceptions as etcd_exc
 from pyetcd import transactions as etcd_txn
 from pyetcd import utils as etcd_utils
 
-from kvpool.errors import MetadataUnavailable
-from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig, parse_endpoint
+from kvpool.errors import ConfigError, MetadataUnavailable
+from kvpool.metadata.config import ENDPOINTS_ENV, TLS_ENV, MetadataConfig, parse_endpoint
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,6 +46,9 @@ _CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+FAILED_MEMBER_S = 1.0  #: with several endpoints, a member that failed a call is skipped this long
+#: how to reach etcd over TLS from the command line, for error messages
+_TLS_HOW = f"--etcd-tls DIR (the cluster's certificate directory), or {', '.join(TLS_ENV.values())}"
 
 Put = etcd_txn.Put
 Get = etcd_txn.Get
@@ -53,6 +64,33 @@ def _retriable(exc: BaseException) -> bool:
     if isinstance(exc, _RETRIABLE_EXC):
         return True
     return isinstance(exc, grpc.RpcError) and exc.code() in _RETRIABLE_CODES
+
+
+def _rpc_error(exc: BaseException) -> grpc.RpcError | None:
+    """The gRPC error behind ``exc`` (pyetcd raises its own exception types from inside gRPC's)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, grpc.RpcError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def speaks_tls(host: str, port: int, timeout_s: float = 1.0) -> bool | None:
+    """Whether the server at ``host:port`` answers a TLS handshake (certificates unchecked: this only tells a TLS
+    listener from a plaintext one); None when it cannot be reached."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as raw, ctx.wrap_socket(raw) as tls:
+            tls.do_handshake()
+        return True
+    except ssl.SSLError as exc:  # an alert (e.g. certificate required) is a TLS server talking
+        return "ALERT" in str(exc).upper()
+    except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError):
+        return False  # hung up on a ClientHello: a plaintext server
+    except OSError:
+        return None
 
 
 class KeyValue:
@@ -77,14 +115,26 @@ class EtcdClient:
                 f"no etcd endpoints configured: start an embedded etcd (kvpool up) or set {ENDPOINTS_ENV}"
             )
         self.config = config
-        several = len(config.endpoints) > 1
+        self.several = len(config.endpoints) > 1
+        creds, opts = None, list[tuple[str, int | str]](_CHANNEL_OPTIONS)
+        if config.tls:
+            creds = grpc.ssl_channel_credentials(
+                _read(config.tls_ca), _read(config.tls_key) if config.tls_key else None,
+                _read(config.tls_cert) if config.tls_cert else None,
+            )  # fmt: skip
+            if config.tls_server_name:
+                opts.append(("grpc.ssl_target_name_override", config.tls_server_name))
         endpoints = [
-            pyetcd.Endpoint(host, port, secure=False, time_retry=1.0 if several else 0.0, opts=_CHANNEL_OPTIONS)
+            pyetcd.Endpoint(
+                host, port, secure=config.tls, creds=creds, time_retry=FAILED_MEMBER_S if self.several else 0.0,
+                opts=opts,
+            )
             for host, port in map(parse_endpoint, config.endpoints)
-        ]
+        ]  # fmt: skip
         self._client = pyetcd.MultiEndpointEtcd3Client(
-            endpoints=endpoints, timeout=config.request_timeout_s, failover=several
+            endpoints=endpoints, timeout=config.request_timeout_s, failover=self.several
         )
+        self._lock = threading.Lock()  #: moving from a failed member to the next, for watches
         self.endpoints = ", ".join(config.endpoints)
 
     def close(self) -> None:
@@ -101,6 +151,9 @@ class EtcdClient:
             try:
                 return fn()
             except (grpc.RpcError, etcd_exc.Etcd3Exception) as exc:
+                mismatch = self.tls_mismatch(exc)
+                if mismatch:
+                    raise MetadataUnavailable(f"{what}: {mismatch}") from None
                 if not _retriable(exc):
                     raise MetadataUnavailable(f"etcd at {self.endpoints} refused {what}: {_describe(exc)}") from exc
                 if time.monotonic() + delay > deadline:
@@ -111,6 +164,63 @@ class EtcdClient:
                     ) from exc
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
+
+    def current(self) -> tuple[str, int]:
+        """The member calls go to now (host, port)."""
+        with self._lock:
+            host, _, port = self._client.endpoint_in_use.netloc.rpartition(":")
+        return host, int(port)
+
+    def tls_mismatch(self, exc: BaseException) -> str | None:
+        """What is wrong, and the fix, when ``exc`` comes from TLS on one side only or a refused certificate;
+        None for any other failure.  Asks the member whether it speaks TLS, so it costs a connection."""
+        rpc = _rpc_error(exc)
+        details = (rpc.details() or "") if rpc is not None else ""
+        low = details.lower()
+        host, port = self.current()
+        where = f"etcd at {host}:{port}"
+        if self.config.tls:
+            if "handshake" not in low and "ssl" not in low and "tls" not in low:
+                return None
+            tls = speaks_tls(host, port)
+            if tls is None:
+                return None  # not reachable now (a member restarting): retriable
+            if not tls:
+                return (
+                    f"{where} does not serve TLS, and this client is configured for TLS only ({_TLS_HOW}): start "
+                    "etcd with TLS (kvpool etcd --tls-dir DIR) or point the client at the TLS etcd"
+                )
+            if not self.config.tls_cert and "certificate" in low:
+                return (
+                    f"{where} asks for a client certificate and none is configured: give one signed by etcd's CA "
+                    f"({_TLS_HOW}) [{details}]"
+                )
+            return (
+                f"the TLS handshake with {where} failed: etcd's certificate must be signed by {self.config.tls_ca} "
+                f"and name the host (or tls_server_name), and the client's by the CA etcd trusts [{details}]"
+            )
+        if "socket closed" in low and speaks_tls(host, port):
+            return (
+                f"{where} serves TLS and this client has no TLS settings: give it the cluster's CA and a client "
+                f"certificate ({_TLS_HOW})"
+            )
+        return None
+
+    def fail_over(self, member: str) -> None:
+        """Set ``member`` (``host:port``) aside: it failed a watch, so the next channel is another member's."""
+        if self.several:
+            with self._lock:
+                self._client.endpoints[member].fail()
+
+    def channel(self) -> tuple[str, grpc.Channel]:
+        """A member not failed lately (pyetcd's failover picks it) and a channel to it; ``MetadataUnavailable``
+        when every member failed within the last :data:`FAILED_MEMBER_S`."""
+        with self._lock:
+            try:
+                channel = self._client.channel
+            except (etcd_exc.NoServerAvailableError, ValueError) as exc:
+                raise MetadataUnavailable(f"no etcd member of {self.endpoints} answers") from exc
+            return self._client.endpoint_in_use.netloc, channel
 
     # -- key-value ------------------------------------------------------------------------------------
 
@@ -218,8 +328,16 @@ class EtcdClient:
 
     def watch(self, prefix: bytes, start_revision: int, *, prev_kv: bool = False) -> "WatchStream":
         """Every change under ``prefix`` from ``start_revision`` on (``prev_kv``: each event also carries the
-        value the key held before)."""
-        return WatchStream(self._client.channel, prefix, start_revision, self._client.metadata, prev_kv=prev_kv)
+        value the key held before); with several members it moves to another when its member fails."""
+        return WatchStream(self, prefix, start_revision, prev_kv=prev_kv)
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path} for etcd's TLS ({exc}); every node needs the file at that path") from exc
 
 
 def _kv_from_meta(value: bytes, meta: Any) -> KeyValue:
@@ -230,49 +348,81 @@ def _kv_from_meta(value: bytes, meta: Any) -> KeyValue:
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, grpc.RpcError):
-        return f"{exc.code().name}: {exc.details()}"
+    rpc = _rpc_error(exc)
+    if rpc is not None:
+        return f"{rpc.code().name}: {rpc.details()}"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 class WatchStream:
     """A watch on a prefix from ``start_revision``: iterate for responses, :meth:`cancel` from any thread.
 
-    Iteration raises :class:`MetadataUnavailable` when the stream breaks (etcd died or restarted) or
+    With several members, a stream that breaks is opened again on another member from the revision after the last
+    event delivered (etcd numbers revisions cluster-wide, and sends all events of one revision in one response), for
+    up to ``retry_deadline_s`` without an answer.  Otherwise iteration raises :class:`MetadataUnavailable` when the
+    stream breaks (etcd died or restarted: a lone etcd may come back empty, so its revisions cannot be trusted) or
     the start revision was compacted away; the caller re-snapshots and watches again.
     """
 
-    def __init__(
-        self, channel: grpc.Channel, prefix: bytes, start_revision: int, metadata: Any, *, prev_kv: bool = False
-    ) -> None:
-        self._requests: queue.Queue[Any] = queue.Queue()
-        create = etcdrpc.WatchCreateRequest(
-            key=prefix, range_end=prefix_end(prefix), start_revision=start_revision, prev_kv=prev_kv
-        )
-        self._requests.put(etcdrpc.WatchRequest(create_request=create))
-        self._call = etcdrpc.WatchStub(channel).Watch(iter(self._requests.get, None), metadata=metadata)
+    def __init__(self, etcd: EtcdClient, prefix: bytes, start_revision: int, *, prev_kv: bool = False) -> None:
+        self._etcd, self._prefix, self._prev_kv = etcd, prefix, prev_kv
+        self._next = start_revision  #: the first revision not yet delivered
         self._lock = threading.Lock()
         self._cancelled = False
+        self._requests: queue.Queue[Any] = queue.Queue()
+        self._call: Any = None
+        self._member = ""  #: the member the stream is open on
+        self._open()
+
+    def _open(self) -> None:
+        create = etcdrpc.WatchCreateRequest(
+            key=self._prefix, range_end=prefix_end(self._prefix), start_revision=self._next, prev_kv=self._prev_kv
+        )
+        requests: queue.Queue[Any] = queue.Queue()
+        requests.put(etcdrpc.WatchRequest(create_request=create))
+        member, channel = self._etcd.channel()
+        call = etcdrpc.WatchStub(channel).Watch(iter(requests.get, None), metadata=self._etcd._client.metadata)
+        with self._lock:
+            self._requests, self._call, self._member = requests, call, member
+            if self._cancelled:
+                requests.put(None)
+                call.cancel()
 
     def cancel(self) -> None:
         with self._lock:
             self._cancelled = True
-        self._requests.put(None)
-        self._call.cancel()
+            self._requests.put(None)
+            self._call.cancel()
 
     def __iter__(self) -> Iterator[Any]:
-        try:
-            for resp in self._call:
-                if resp.compact_revision:
-                    raise MetadataUnavailable(f"watch start revision compacted (now {resp.compact_revision})")
-                if resp.canceled:
-                    raise MetadataUnavailable(f"etcd cancelled the watch: {resp.cancel_reason or 'no reason given'}")
-                yield resp
-        except grpc.RpcError as exc:
+        broken_since: float | None = None
+        while True:
+            try:
+                for resp in self._call:
+                    broken_since = None
+                    if resp.compact_revision:
+                        raise MetadataUnavailable(f"watch start revision compacted (now {resp.compact_revision})")
+                    if resp.canceled:
+                        raise MetadataUnavailable(
+                            f"etcd cancelled the watch: {resp.cancel_reason or 'no reason given'}"
+                        )
+                    if resp.events:
+                        self._next = resp.events[-1].kv.mod_revision + 1
+                    yield resp
+                why = "watch stream ended"
+            except grpc.RpcError as exc:
+                why = f"watch stream broke: {_describe(exc)}"
             with self._lock:
                 if self._cancelled:
                     return
-            raise MetadataUnavailable(f"watch stream broke: {_describe(exc)}") from exc
-        with self._lock:
-            if not self._cancelled:
-                raise MetadataUnavailable("watch stream ended")
+            now = time.monotonic()
+            broken_since = now if broken_since is None else broken_since
+            if not self._etcd.several or now - broken_since > self._etcd.config.retry_deadline_s:
+                raise MetadataUnavailable(why)
+            log.info("%s; resuming from revision %d on another member", why, self._next)
+            self._etcd.fail_over(self._member)
+            time.sleep(0.05)
+            try:
+                self._open()
+            except MetadataUnavailable:
+                time.sleep(0.2)  # every member failed within the last second: the next pass tries again

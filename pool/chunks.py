@@ -31,6 +31,7 @@ class StoredChunk:
     codec: str = "raw"  #: how the stored bytes encode the chunk ("raw": they are the chunk)
     fmt: TensorFormat | None = None  #: the chunk's tensor format, if it was put as a tensor
     in_s3: bool = False  #: a copy is in the S3 (remote) tier (flushed), so dropping this one loses nothing
+    tenant: str = ""  #: who put it (quotas, metrics: pool/tenants.py); "" for no tenant
 
     @property
     def segment(self) -> str:

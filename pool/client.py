@@ -65,6 +65,7 @@ from kvpool.pool.node_handle import NodeHandles, NodeInfo, call
 from kvpool.pool.peers import Peers, node_record
 from kvpool.pool.reads import NodeReads, Outcome
 from kvpool.pool.segment import DramSegment
+from kvpool.pool.tenants import check_tenant
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.s3_config import GC_GRACE_S
 from kvpool.pool.tiers.s3_reads import S3Reads
@@ -107,7 +108,8 @@ class PoolClient:
             log.info("no pool node on this Ray node (%s): every transfer goes to peers", self.node_id[:12])
         self._stats = StatsReporter(self._local)  #: what this client saw, for its node's metrics
         self.info = info  #: what the pool node on this Ray node told of itself (None: there is none)
-        self.reads = NodeReads(self.node_id, self.nodes, self.peers, self._segment, self._local, info)
+        self.reads = NodeReads(self.node_id, self.nodes, self.peers, self._segment, self._local, info,
+                               config.encryption.keyring())  # fmt: skip
         self.device = DeviceReads(self.node_id, info, self._local)
 
     def close(self) -> None:
@@ -138,11 +140,15 @@ class PoolClient:
     def put(self, key: bytes, data: Any, replicas: int = 1) -> None:
         self.put_batch([(key, data)], replicas=replicas)
 
-    def put_batch(self, items: Sequence[tuple[bytes, Any]], replicas: int = 1, nodes: Sequence[str] = ()) -> None:
+    def put_batch(
+        self, items: Sequence[tuple[bytes, Any]], replicas: int = 1, nodes: Sequence[str] = (), tenant: str = ""
+    ) -> None:
         """Store each ``(key, data)`` on ``replicas`` distinct nodes: this node first when it has a pool
         node, then those with the most free space; or exactly on ``nodes`` when given.  Keys name
         content: a key already held by a target is not written again.  A chunk given as a float tensor
-        carries its format, so tiers with a codec can encode it; bytes are stored raw everywhere."""
+        carries its format, so tiers with a codec can encode it; bytes are stored raw everywhere.  ``tenant``: whose
+        chunks they are (its quota, its metrics; ``Scope.tenant`` of the keys' chain)."""
+        check_tenant(tenant)
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
             raise ConfigError(f"replicas must be an int >= 1, got {replicas!r:.40}")
         if not all(isinstance(n, str) for n in check_list(nodes, "nodes")):
@@ -159,21 +165,23 @@ class PoolClient:
         with ThreadPoolExecutor(1, thread_name_prefix="kvpool-put") as pool:  # this node's copy beside the peers'
             mine = None
             if segment is not None:
-                mine = pool.submit(put_local, self._local, self.node_id, self.rooms, segment, views, sums, replicated)
+                mine = pool.submit(
+                    put_local, self._local, self.node_id, self.rooms, segment, views, sums, replicated, tenant
+                )
             revision = 0
             for node_id in targets:
                 if node_id != self.node_id or segment is None:  # peers one at a time: they share the staging buffer
-                    revision = max(revision, self._put_peer(node_id, views, sums, replicated))
+                    revision = max(revision, self._put_peer(node_id, views, sums, replicated, tenant))
             if mine is not None:
                 revision = max(revision, mine.result())
         self._caught_up(revision)
 
-    def _put_peer(self, node_id: str, views: list[Item], sums: list[Summary], replicated: bool) -> int:
+    def _put_peer(self, node_id: str, views: list[Item], sums: list[Summary], replicated: bool, tenant: str) -> int:
         record = node_record(self.cache, node_id)
         if record is None:  # it left the pool since the put chose it
             raise NodeUnreachable(f"pool node {node_id[:12]} left the pool during the put; put again")
         dram = record.capacity(Tier.DRAM)
-        return put_peer(self.nodes[node_id], node_id, self.rooms, self.peers, dram, views, sums, replicated)
+        return put_peer(self.nodes[node_id], node_id, self.rooms, self.peers, dram, views, sums, replicated, tenant)
 
     def _targets(self, replicas: int) -> list[str]:
         nodes = self.cache.nodes()

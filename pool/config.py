@@ -4,10 +4,12 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvpool.errors import ConfigError
 from kvpool.metadata.config import MetadataConfig
+from kvpool.pool.tiers.crypto import EncryptionConfig
 from kvpool.pool.tiers.s3_config import RemoteConfig, check_codec
 
 MiB = 1 << 20
@@ -32,7 +34,8 @@ class PoolConfig:
 
     ``dram_bytes`` / ``nvme_bytes`` of 0 mean "the default": a quarter of the free space in ``shm_dir`` and
     a tenth of the free space in ``nvme_dir``, capped at 4 GiB and 16 GiB.  ``nvme_dir`` empty means a
-    fresh temporary directory.  ``nvme_bytes < 0`` disables the NVMe tier.
+    fresh temporary directory, removed when the node stops; a directory given keeps the node's segment across
+    restarts (``warm_restart``).  ``nvme_bytes < 0`` disables the NVMe tier.
     """
 
     metadata: MetadataConfig = field(default_factory=MetadataConfig)
@@ -49,7 +52,16 @@ class PoolConfig:
     reservation_ttl_s: float = 30.0  #: room reserved but never committed (its writer died) is reclaimed after this
     busy_wait_s: float = 10.0  #: a move or remove of a chunk being read waits this long for the read, then ChunkBusy
     nvme_codec: str = "raw"  #: how chunks put as tensors are stored on NVMe (pool/tiers/codecs.py), e.g. "fp8-e4m3"
+    #: with ``nvme_dir`` set, keep the NVMe segment and its journal across restarts: a node started again on the same
+    #: host and address takes back every chunk that verifies (pool/journal.py); off: a fresh segment every start
+    warm_restart: bool = True
+    #: tenant -> (DRAM bytes, NVMe bytes) its chunks may take on each node (0: no limit): over it, its own least
+    #: recently used chunks go first (pool/tenants.py; ``Tenants.quotas()`` gives these from a tenants file)
+    quotas: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     remote: RemoteConfig = field(default_factory=RemoteConfig)  #: the S3 tier; off until ``remote.bucket`` is set
+    #: encryption at rest of the NVMe tier: every chunk there sealed with AES-256-GCM (pool/tiers/crypto.py); off
+    #: until a key file or variable is set.  The S3 tier has its own, ``remote.encryption``
+    encryption: EncryptionConfig = field(default_factory=EncryptionConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.metadata, MetadataConfig):
@@ -58,6 +70,8 @@ class PoolConfig:
             raise ConfigError(f"watermarks must be a Watermarks, got {type(self.watermarks).__name__}")
         if not isinstance(self.remote, RemoteConfig):
             raise ConfigError(f"remote must be a RemoteConfig, got {type(self.remote).__name__}")
+        if not isinstance(self.encryption, EncryptionConfig):
+            raise ConfigError(f"encryption must be an EncryptionConfig, got {type(self.encryption).__name__}")
         try:
             check_codec(self.nvme_codec)
         except ConfigError as exc:
@@ -66,8 +80,10 @@ class PoolConfig:
             value = getattr(self, name)
             if not isinstance(value, str) or (not value and name != "nvme_dir"):
                 raise ConfigError(f"{name} must be a {'' if name == 'nvme_dir' else 'non-empty '}string, got {value!r}")
-        if not isinstance(self.promote_on_hit, bool):
-            raise ConfigError(f"promote_on_hit must be True or False, got {self.promote_on_hit!r}")
+        _check_quotas(self.quotas)
+        for name in ("promote_on_hit", "warm_restart"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("dram_bytes", "nvme_bytes", "alignment"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -111,6 +127,21 @@ class PoolConfig:
         if self.nvme_bytes:
             return max(self.nvme_bytes, 0)
         return min(shutil.disk_usage(directory).free // 10, 16 * GiB) // MiB * MiB
+
+
+def _check_quotas(quotas: object) -> None:
+    if not isinstance(quotas, Mapping):
+        raise ConfigError(f"quotas must map tenant -> (DRAM bytes, NVMe bytes), got {type(quotas).__name__}")
+    for tenant, limits in quotas.items():
+        ok = isinstance(limits, tuple) and len(limits) == 2
+        if not isinstance(tenant, str) or not tenant or not ok or not all(_int(n) and n >= 0 for n in limits):
+            raise ConfigError(
+                f"quotas: {tenant!r:.40} -> {limits!r:.40} is not tenant -> (DRAM bytes, NVMe bytes), ints >= 0"
+            )
+
+
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _fraction(value: object) -> bool:

@@ -10,6 +10,7 @@ from kvpool.errors import RemoteUnavailable
 from kvpool.pool.chunks import Recoded, StoredChunk
 from kvpool.pool.moves import read_stored, recode
 from kvpool.pool.store import ChunkStore
+from kvpool.pool.tiers.crypto import sealed_name
 from kvpool.pool.tiers.s3 import RemoteStore
 from kvpool.pool.tiers.s3_config import RemoteConfig
 from kvpool.pool.types import Placement, Tier
@@ -41,11 +42,13 @@ def idle(store: ChunkStore, tier: Tier, idle_s: float, max_bytes: int) -> list[S
 
 class Flusher:
     """Uploads NVMe chunks idle for ``config.flush_after_s`` (least recently used first) to the S3 tier, encoded
-    with ``config.codec``.  A turn with a failed upload pauses the next ones (1 s, doubling to 60 s); the chunks
+    with ``config.codec`` (and sealed, with ``config.encryption`` set: every chunk, bytes or tensor).  A turn with a failed upload pauses the next ones (1 s, doubling to 60 s); the chunks
     it could not upload stay on NVMe, unflushed, for a later turn."""
 
     def __init__(self, s3: RemoteStore, config: RemoteConfig, store: ChunkStore, clock: Clock = SYSTEM_CLOCK) -> None:
         self.s3, self.config, self.store, self.clock = s3, config, store, clock
+        self.keys = config.encryption.keyring()  #: seals what goes up (None: the tier is not encrypted)
+        self.codec = config.codec if self.keys is None else sealed_name(config.codec)  #: objects' codec
         self.pause_s = 0.0  #: the current back-off (0: the last turn went through)
         self.not_before = 0.0  #: no turn before this (the clock's monotonic seconds)
 
@@ -99,4 +102,4 @@ class Flusher:
     def _encoded(self, chunk: StoredChunk) -> Recoded | None:
         """A pinned chunk's bytes under the remote codec (None: they failed their checksum)."""
         stored = read_stored(self.store.segments[chunk.tier], chunk.offset, chunk.stored)
-        return recode(chunk, stored, self.config.codec)
+        return recode(chunk, stored, self.codec, self.keys, self.store.keyring)

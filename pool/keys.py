@@ -12,12 +12,15 @@ import json
 import re
 from collections.abc import Mapping, Set
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvpool.errors import ConfigError
 from kvpool.metadata.namespace import KEY_BYTES
+
+if TYPE_CHECKING:
+    from kvpool.pool.tenants import Scope
 
 DEFAULT_CHUNK_SIZE = 256
 _MAX_TOKEN_ID = 2**32 - 1  # tokens are hashed as little-endian uint32
@@ -154,14 +157,15 @@ def next_key(previous: bytes, chunk_tokens: np.ndarray) -> bytes:
     return h.digest()
 
 
-def chunk_keys(identity: CacheIdentity, tokens: Any) -> list[bytes]:
-    """The keys of every *full* chunk of ``tokens``; a trailing partial chunk gets no key."""
+def chunk_keys(identity: CacheIdentity, tokens: Any, scope: "Scope | None" = None) -> list[bytes]:
+    """The keys of every *full* chunk of ``tokens``; a trailing partial chunk gets no key.  ``scope``: a tenant's
+    (or a shared namespace's) chain, rooted in its secret (:mod:`kvpool.pool.tenants`); None: the identity's own."""
     if not isinstance(identity, CacheIdentity):
         raise ConfigError(f"identity must be a CacheIdentity, got {type(identity).__name__}")
     arr = token_array(tokens)
     c = identity.chunk_size
     keys: list[bytes] = []
-    key = identity.root()
+    key = identity.root() if scope is None else scope.root(identity.root())
     for start in range(0, len(arr) - c + 1, c):
         key = next_key(key, arr[start : start + c])
         keys.append(key)

@@ -17,6 +17,7 @@ from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.errors import ConfigError
 from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.gds import nvme_io_path
+from kvpool.pool.types import Tier
 
 #: store counter → (metric name, help, labels): migrations and promotions are moves between tiers
 _COUNTERS = {
@@ -25,7 +26,8 @@ _COUNTERS = {
     "misses": ("kvpool_get_misses", "Reads of chunks this node no longer held (a placement gone stale)", {}),
     "migrations": ("kvpool_tier_moves", "Chunks moved between tiers", {"from_tier": "dram", "to_tier": "nvme"}),
     "promotions": ("kvpool_tier_moves", "Chunks moved between tiers", {"from_tier": "nvme", "to_tier": "dram"}),
-    "drops": ("kvpool_evictions", "Chunks dropped to make room", {}),
+    "drops": ("kvpool_evictions", "Chunks dropped to make room", {"reason": "room"}),
+    "quota_drops": ("kvpool_evictions", "Chunks dropped to make room", {"reason": "tenant_quota"}),
     "reaped": ("kvpool_reservations_reaped", "Reservations never committed (writer died), space reclaimed", {}),
     "busy": ("kvpool_busy_refusals", "Moves and removes put off because a reader had the chunk pinned", {}),
     "corrupt": ("kvpool_corrupt_chunks", "Replicas dropped because their bytes failed the checksum", {}),
@@ -35,6 +37,16 @@ _COUNTERS = {
     "flushed": ("kvpool_remote_flushed_chunks", "NVMe chunks copied to the remote (S3) tier", {}),
     "flushed_bytes": ("kvpool_remote_flushed_bytes", "Bytes uploaded to the remote tier (after its codec)", {}),
     "remote_errors": ("kvpool_remote_errors", "Flush turns or checks the remote tier refused (endpoint, 403)", {}),
+    "recovered": (
+        "kvpool_restart_chunks",
+        "NVMe chunks found at start, left by this node's last run",
+        {"outcome": "adopted"},
+    ),
+    "recovery_dropped": (
+        "kvpool_restart_chunks",
+        "NVMe chunks found at start, left by this node's last run",
+        {"outcome": "dropped"},
+    ),
 }
 
 
@@ -199,7 +211,7 @@ class StoreCollector(Collector):
         )
         marks.add_metric([self.node_id, "high"], self.store.watermarks.high)
         marks.add_metric([self.node_id, "low"], self.store.watermarks.low)
-        yield from (used, cap, chunks, frag, marks)
+        yield from (used, cap, chunks, frag, marks, *self._tenants())
         families: dict[str, CounterMetricFamily] = {}
         for key, (name, doc, labels) in _COUNTERS.items():
             fam = families.setdefault(name, CounterMetricFamily(name, doc, labels=["node", *labels]))
@@ -210,6 +222,18 @@ class StoreCollector(Collector):
         io.add_metric([self.node_id, nvme_io_path().name], 1)
         yield from (*families.values(), errors, io)
         yield from self.clients.collect(self.node_id)
+
+    def _tenants(self) -> Iterator[Metric]:
+        """Bytes each tenant holds per tier, and its quota (pool/tenants.py); chunks put by no tenant: tenant=""."""
+        used = GaugeMetricFamily("kvpool_tenant_used_bytes", "Bytes a tenant's chunks take in a tier", labels=["node", "tenant", "tier"])  # fmt: skip
+        quota = GaugeMetricFamily("kvpool_tenant_quota_bytes", "Bytes a tenant may hold in a tier (0: no quota)", labels=["node", "tenant", "tier"])  # fmt: skip
+        for tenant, tiers in self.store.policy.used().items():
+            for tier, n in tiers.items():
+                used.add_metric([self.node_id, tenant, tier.value], n)
+        for tenant, limits in self.store.quotas.items():
+            for tier, n in zip((Tier.DRAM, Tier.NVME), limits, strict=True):
+                quota.add_metric([self.node_id, tenant, tier.value], n)
+        yield from (used, quota)
 
 
 def serve_metrics(collector: StoreCollector, host: str, port: int) -> tuple[Any, str]:

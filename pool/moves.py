@@ -23,6 +23,7 @@ from kvpool.errors import ChunkBusy, KvPoolError, PoolFull
 from kvpool.pool.chunks import Recoded, StoredChunk, checksum, short
 from kvpool.pool.segment import ALIGN, DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import Buffer, transcode
+from kvpool.pool.tiers.crypto import Keyring, UndecryptableChunk, seal, split, unseal
 from kvpool.pool.types import Tier
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ class Move:
     corrupt: bool = False  #: its stored bytes failed their checksum: the chunk is dropped at the finish
     failed: str = ""  #: why it could not be done (no room, an I/O error): the chunk stays where it was
     pin: object = None  #: the eviction policy's record of the chunk the move pinned (a dropped chunk's is gone)
+    keys: Keyring | None = None  #: the store's keys: seal for a sealed ``codec``, open a sealed chunk
 
     @property
     def key(self) -> bytes:
@@ -65,17 +67,36 @@ def read_stored(segment: DramSegment | NvmeSegment, offset: int, length: int) ->
     return segment.read(offset, length)
 
 
-def recode(chunk: StoredChunk, stored: Buffer, codec: str) -> Recoded | None:
-    """``chunk``'s stored bytes under ``codec``; None if they fail their checksum.  A chunk ``codec`` cannot encode
-    (NaN in a quantized codec's input) keeps the codec it has."""
+def recode(
+    chunk: StoredChunk, stored: Buffer, codec: str, keys: Keyring | None = None, source_keys: Keyring | None = None
+) -> Recoded | None:
+    """``chunk``'s stored bytes under ``codec``; None if they fail their checksum, or are sealed and cannot be opened
+    (with ``source_keys``, default ``keys``: the key is gone, or the bytes were altered) or sealed.  A chunk ``codec``
+    cannot encode (NaN in a quantized codec's input; plain bytes) keeps the codec it has below the seal: a ``codec``
+    ending in ``+aes256gcm`` (pool/tiers/crypto.py) seals whatever the chunk is, with ``keys``."""
     if checksum(stored) != chunk.checksum:
         return None
+    target, sealed = split(codec)
     try:
-        data, fmt = transcode(stored, chunk.codec, codec, chunk.fmt)
-    except KvPoolError as exc:  # UnencodableTensor (NaN/inf), UndecodableChunk
-        log.info("chunk %s stays %s: %s", short(chunk.key), chunk.codec, exc)
+        plain, source = unseal(stored, chunk.codec, chunk.key, keys if source_keys is None else source_keys)
+    except UndecryptableChunk as exc:
+        log.warning("chunk %s cannot be opened by this node: %s", short(chunk.key), exc)
+        return None
+    try:
+        data, fmt = transcode(plain, source, target, chunk.fmt)
+    except KvPoolError as exc:  # UnencodableTensor (NaN/inf, plain bytes), UndecodableChunk
+        if not sealed:
+            log.info("chunk %s stays %s: %s", short(chunk.key), source, exc)
+        data, fmt, target = plain, chunk.fmt, source
+    if sealed:
+        try:
+            data, target = seal(data, chunk.key, target, keys, chunk.tenant)
+        except KvPoolError as exc:  # never stored unsealed in a tier that seals
+            log.warning("chunk %s cannot be sealed: %s", short(chunk.key), exc)
+            return None
+    if data is stored:
         return Recoded(stored, chunk.codec, chunk.fmt, chunk.checksum)
-    return Recoded(data, codec, fmt, chunk.checksum if data is stored else checksum(data))
+    return Recoded(data, target, fmt, checksum(data))
 
 
 def load(move: Move, segments: Segments) -> None:
@@ -88,7 +109,7 @@ def load(move: Move, segments: Segments) -> None:
     except OSError as exc:
         move.failed = f"reading {short(move.key)}: {exc}"
         return
-    move.recoded = recode(move.chunk, stored, move.codec)
+    move.recoded = recode(move.chunk, stored, move.codec, move.keys)
     move.corrupt = move.recoded is None
 
 
@@ -164,10 +185,21 @@ def demotions(store: "ChunkStore", max_bytes: int | None = None, need: int = 0) 
     alloc = store.allocators[Tier.DRAM]
     #: what DRAM's free extents would be after the moves planned so far (only while room for ``need`` is wanted)
     after = alloc.copy() if need > alloc.largest_free else None
-    if not store.over_high_watermark() and after is None:
+    #: first: tenants over their DRAM quota move their own (with no NVMe below, the store drops them instead)
+    quota = store.policy.over_quota(store.quotas, Tier.DRAM) if Tier.NVME in store.segments else []
+    if not store.over_high_watermark() and after is None and not quota:
         return []
     excess, planned = alloc.used - store.watermarks.low * alloc.capacity, 0
     out: list[Move] = []
+    for key in quota:
+        try:
+            out.append(store.begin_move(key, Tier.NVME))
+        except PoolFull as exc:
+            log.warning("a tenant is over its DRAM quota but NVMe cannot take more: %s", exc)
+            return out
+        planned += alloc.size_of(out[-1].chunk.offset)
+        if after is not None:
+            after.free(out[-1].chunk.offset)
     for key in list(store.policy.lru(Tier.DRAM)):
         room_made = after is None or after.largest_free >= need
         if (planned >= excess and room_made) or (max_bytes is not None and out and planned >= max_bytes):

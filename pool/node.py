@@ -33,12 +33,14 @@ from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, MetadataUnavail
 from kvpool.pool.chunks import SEGMENT_NAMES, Room, StoredChunk, check_length
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.flush import FLUSH_BYTES, Flusher
+from kvpool.pool.journal import NvmeJournal, Recovery, recover, segment_name
 from kvpool.pool.metrics import ClientStats, StoreCollector, serve_metrics
 from kvpool.pool.moves import demotions, moves_to, promotions, read_stored, run_moves
 from kvpool.pool.node_handle import NodeInfo, Settled, actor_name
 from kvpool.pool.publish import Publisher
 from kvpool.pool.segment import DramSegment, NvmeSegment, reap_stale_segments
 from kvpool.pool.store import ChunkStore
+from kvpool.pool.tenants import check_tenant
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.gds import nvme_io_path
 from kvpool.pool.tiers.s3 import RemoteStore
@@ -64,12 +66,21 @@ class PoolNode:
         self._nvme_dir = config.resolved_nvme_dir(tag)
         self._own_nvme_dir = not config.nvme_dir
         nvme_bytes = config.resolved_nvme_bytes(self._nvme_dir)
-        self.nvme = NvmeSegment.create(nvme_bytes, self._nvme_dir, name=tag) if nvme_bytes > 0 else None
+        self.journal: NvmeJournal | None = None  #: set when the NVMe segment outlives this node (warm restart)
+        named: list[StoredChunk] = []  #: what the journal of an earlier node on that segment names
+        self.nvme: NvmeSegment | None
+        if nvme_bytes > 0 and config.nvme_dir and config.warm_restart:
+            name = segment_name(config.metadata.cluster, ray.util.get_node_ip_address())
+            self.nvme, self.journal, named = NvmeJournal.open(self._nvme_dir, name, nvme_bytes)
+        else:
+            self.nvme = NvmeSegment.create(nvme_bytes, self._nvme_dir, name=tag) if nvme_bytes > 0 else None
         self.transport = NixlTransport(f"kvpool-node-{tag}", serve=True, scope=config.metadata.cluster)
         self.transport.register(SEGMENT_NAMES[Tier.DRAM], self.dram.base_address, self.dram.capacity)
         self.store = ChunkStore(
             self.dram, self.nvme, watermarks=config.watermarks, promote_on_hit=config.promote_on_hit,
             alignment=config.alignment, codecs={Tier.NVME: config.nvme_codec}, demote_inline=False,
+            keyring=config.encryption.keyring(),
+            quotas=config.quotas,
         )  # fmt: skip
         self._lock = threading.Lock()  #: the store's books: held only between I/O steps
         self._closing = threading.Event()
@@ -77,6 +88,7 @@ class PoolNode:
         self._publish_later = threading.Event()  #: changes a call left for the background thread to publish
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvpool-io")
         self.store.counters.update(flushed=0, flushed_bytes=0, remote_errors=0)
+        self.recovery = self._take_back(named)
         self.s3 = RemoteStore(config.remote, config.metadata.cluster) if config.remote.enabled else None
         self.flusher = None if self.s3 is None else Flusher(self.s3, config.remote, self.store)
         if self.s3 is not None:
@@ -92,10 +104,24 @@ class PoolNode:
             self._metrics_server, self.metrics_address = serve_metrics(
                 collector, config.metrics_host, config.metrics_port
             )
-        self.publisher = Publisher(config, node_id, self.store, self._lock, self._record)
+        self.publisher = Publisher(config, node_id, self.store, self._lock, self._record, self.journal)
+        if self.recovery is not None:
+            self.publisher.publish()  # what was taken back is served from now on
         threading.Thread(target=self._timer, name="kvpool-node-timer", daemon=True).start()
         threading.Thread(target=self._background, name="kvpool-node-background", daemon=True).start()
         log.info("pool node %s up: DRAM %d B at %s, NVMe %d B", node_id, self.dram.capacity, self.dram.path, nvme_bytes)
+
+    def _take_back(self, named: list[StoredChunk]) -> Recovery | None:
+        """Adopt the chunks an earlier node left on this segment that verify; the journal starts afresh with them."""
+        if self.journal is None or self.nvme is None:
+            return None
+        recovery = recover(self.nvme, named, self._io)
+        self.store.adopt(recovery.adopted, recovery.dropped)
+        self.journal.rewrite(recovery.adopted)
+        self.store.counters.update(recovered=len(recovery.adopted), recovery_dropped=len(recovery.dropped))
+        if named:
+            log.info("pool node %s %s (%s)", self.node_id, recovery.summary(), self.nvme.path)
+        return recovery
 
     # -- the node's own threads ------------------------------------------------------------------------
 
@@ -164,6 +190,7 @@ class PoolNode:
         return NodeInfo(
             self.node_id, self.dram.path, self.dram.capacity, self.nvme.capacity if self.nvme else 0,
             bool(self.nvme and self.nvme.direct), self.nvme.path if self.nvme else "", self.metrics_address,
+            self.recovery.summary() if self.recovery else "",
         )  # fmt: skip
 
     def open_room(self, length: int) -> Room:
@@ -183,7 +210,7 @@ class PoolNode:
 
     def fill_room(
         self, room_id: int, items: Sequence[tuple[bytes, int, int, int, TensorFormat | None]], replicated: bool,
-        next_length: int,
+        next_length: int, tenant: str = "",
     ) -> tuple[int, Room | None]:  # fmt: skip
         """Make the chunks written into room ``room_id`` visible (see ``ChunkStore.fill_room``) and open the writer's
         next room of ``next_length`` bytes (none if 0, above an eighth of DRAM, or if DRAM has no room for it):
@@ -194,7 +221,7 @@ class PoolNode:
         room = None
         try:
             with self._lock:
-                self.store.fill_room(room_id, items, replicated=bool(replicated))
+                self.store.fill_room(room_id, items, replicated=bool(replicated), tenant=check_tenant(tenant))
                 # a writer's idle room holds an eighth of DRAM at most, and is opened only where there is space
                 # now: making space (disk writes) is left to the writer's next open_room, outside the lock
                 if 0 < next_length <= self.dram.capacity // 8 and self.store.allocators[Tier.DRAM].can_allocate(
@@ -375,6 +402,7 @@ class PoolNode:
             "registrations": self.transport.registrations,
             "nvme_io": nvme_io_path().name,  #: NVMe <-> GPU: gds (cuFile), kvikio-compat or posix (see pool/tiers/gds.py)
             "nvme_io_reason": nvme_io_path().reason,
+            "restart": self.recovery.figures() if self.recovery else {},
             "codecs": {Tier.DRAM.value: "raw", Tier.NVME.value: self.config.nvme_codec}
             | ({Tier.REMOTE.value: self.config.remote.codec} if self.s3 else {}),
             **self.store.counters,
@@ -393,7 +421,9 @@ class PoolNode:
             self._metrics_server.server_close()
         self.dram.close()
         if self.nvme is not None:
-            self.nvme.close()
+            self.nvme.close()  # a warm-restart segment is kept (not its owner), its journal synced below
+        if self.journal is not None:
+            self.journal.close()
         if self._own_nvme_dir:
             shutil.rmtree(self._nvme_dir, ignore_errors=True)
 

@@ -34,6 +34,7 @@ class NodeInfo:
     nvme_direct: bool  #: O_DIRECT in use on the NVMe segment
     nvme_path: str  #: the NVMe segment's file ("" without one), which a same-node client reads into device memory
     metrics_address: str  #: host:port of its Prometheus endpoint ("" if off)
+    restart: str = ""  #: what it took back of its last run's NVMe chunks (warm restart; "" if nothing was there)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """What a pool node tells etcd: its record on a lease, and one placement per chunk it holds, following its store.
 
 Every change the store records is published as placements bound to the node's lease (so they vanish with the node),
-one publish at a time and in the order the store changed; a publish etcd refused is kept and sent again with the
-next one.  A dropped chunk leaves a tombstone saying why, written with the delete, and the node records the
+one publish at a time and in the order the store changed (told first to the node's NVMe journal, if it keeps one:
+:mod:`kvpool.pool.journal`); a publish etcd refused is kept and sent again with the next one.  A dropped chunk leaves a tombstone saying why, written with the delete, and the node records the
 departure of every other node it sees leave (:mod:`kvpool.metadata.tombstones`).  The record's usage figures are
 refreshed by a thread, at most every ``RECORD_REFRESH_S``.  A lost and replaced lease republishes every placement.  The placements of the S3 tier go out on no lease (they outlive the
 node) through :attr:`Publisher.placements`.
@@ -21,6 +21,7 @@ from kvpool.metadata.registry import NodeRegistry
 from kvpool.metadata.tombstones import TombstoneWriter
 from kvpool.pool.chunks import Change, ChangeKind, StoredChunk, short
 from kvpool.pool.config import PoolConfig
+from kvpool.pool.journal import NvmeJournal
 from kvpool.pool.store import ChunkStore
 from kvpool.pool.types import DropCause, NodeRecord, Placement
 
@@ -33,9 +34,10 @@ class Publisher:
 
     def __init__(
         self, config: PoolConfig, node_id: str, store: ChunkStore, lock: AbstractContextManager[object],
-        record: Callable[[], NodeRecord],
+        record: Callable[[], NodeRecord], journal: NvmeJournal | None = None,
     ) -> None:  # fmt: skip
         self.node_id, self.store, self._lock, self._record = node_id, store, lock, record
+        self.journal = journal  #: told every change first, when the NVMe segment outlives the node
         self.errors = 0  #: etcd requests that failed after their retries
         self.lock = threading.RLock()  #: one publish at a time, in the order the store changed
         self._revision = 0  #: the etcd revision of the last publish
@@ -67,7 +69,10 @@ class Publisher:
         ``MetadataUnavailable``, so nothing is acknowledged that etcd does not show."""
         with self.lock:
             with self._lock:
-                changes, self._unpublished = [*self._unpublished, *self.store.take_changes()], []
+                fresh = self.store.take_changes()
+            if self.journal is not None:
+                self.journal.record(fresh)
+            changes, self._unpublished = [*self._unpublished, *fresh], []
             final = {change.chunk.key: change for change in changes}
             puts = [self.placement(c.chunk) for c in final.values() if c.kind is not ChangeKind.DROPPED]
             drops = [(self.placement(c.chunk), c.cause or DropCause.REMOVED) for c in final.values()

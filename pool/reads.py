@@ -3,7 +3,9 @@
 Per holder, one call pins the chunks (promoting NVMe hits to DRAM), one copy or one batched READ moves them, one
 call (not waited for) releases them.  Chunks in this node's DRAM are first copied with no call at all, at the
 offsets their placements give; a copy whose checksum does not match (the chunk moved meanwhile) goes the pinned
-way.  Every chunk is verified against its checksum before it counts: the caller never gets wrong bytes.
+way.  Every chunk is verified against its checksum before it counts: the caller never gets wrong bytes.  A chunk
+left on an encrypted NVMe tier is opened with ``keys`` (the client's ``PoolConfig.encryption``); one this process
+cannot open is a miss, not a corrupt replica.
 """
 
 import contextlib
@@ -17,22 +19,25 @@ from kvpool.pool.node_handle import NodeHandles, NodeInfo, call
 from kvpool.pool.peers import STAGING_BYTES, Peers, rounds
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import decode
+from kvpool.pool.tiers.crypto import Keyring, unseal
 from kvpool.pool.types import Placement, Tier
 from kvpool.transport.base import Op
 
 Outcome = bool | None  #: per chunk: True intact, False failed its checksum, None not read (moved, gone, unreachable)
 
 
-def fill(dest: memoryview, data: Any, codec: str, expected: int) -> bool:
+def fill(dest: memoryview, data: Any, codec: str, expected: int, key: bytes = b"", keys: Keyring | None = None) -> bool:
     """Put a chunk's stored bytes (encoded with ``codec``) into ``dest`` if they match their checksum and
-    decode to exactly ``dest``'s size; whether they did."""
+    decode to exactly ``dest``'s size; whether they did.  Sealed bytes (``codec`` ends in ``+aes256gcm``) are opened
+    with ``keys`` for chunk ``key`` first: ``UndecryptableChunk`` (a ``ChunkNotFound``) if they cannot be."""
     if codec == "raw":
         dest[:] = data
         return checksum(dest) == expected
     if checksum(data) != expected:
         return False
+    data, codec = unseal(data, codec, key, keys)
     try:
-        flat = byte_view(decode(data))
+        flat = byte_view(decode(data)) if codec != "raw" else memoryview(data)
     except UndecodableChunk:
         return False
     if flat.nbytes != dest.nbytes:
@@ -47,9 +52,10 @@ class NodeReads:
 
     def __init__(
         self, node_id: str, handles: NodeHandles, peers: Peers, segment: DramSegment | None, local: Any,
-        info: NodeInfo | None = None,
+        info: NodeInfo | None = None, keys: Keyring | None = None,
     ) -> None:  # fmt: skip
         self.node_id, self.handles, self.peers, self.segment, self.local = node_id, handles, peers, segment, local
+        self.keys = keys  #: opens chunks left on an encrypted NVMe tier
         self._nvme_file = (info.nvme_path, info.nvme_capacity) if info is not None and info.nvme_path else None
         self._nvme: NvmeSegment | None = None  #: the node's NVMe segment file, opened read-only on first use
 
@@ -121,7 +127,9 @@ class NodeReads:
         if chunk.codec == "raw":
             self._nvme.read_into(chunk.offset, dest)
             return checksum(dest) == chunk.checksum
-        return fill(dest, self._nvme.read(chunk.offset, chunk.stored), chunk.codec, chunk.checksum)
+        return fill(
+            dest, self._nvme.read(chunk.offset, chunk.stored), chunk.codec, chunk.checksum, chunk.key, self.keys
+        )
 
     def _from_peer(
         self, node_id: str, node: Any, usable: list[tuple[int, StoredChunk]], dests: list[memoryview],
@@ -134,7 +142,8 @@ class NodeReads:
             copies = call(node.read_batch.remote([c.key for _, c in on_nvme]))
             for (j, c), data in zip(on_nvme, copies, strict=True):
                 if data is not None:
-                    mark(j, fill(dests[j], data, c.codec, c.checksum))
+                    with contextlib.suppress(ChunkNotFound):  # sealed, and this process cannot open it: a miss
+                        mark(j, fill(dests[j], data, c.codec, c.checksum, c.key, self.keys))
         in_dram = [(j, c) for j, c in usable if c.tier is Tier.DRAM]
         addresses = {j: self.peers.registered_address(dests[j]) for j, _ in in_dram}
         direct = [(j, c, a) for j, c in in_dram if (a := addresses[j]) is not None]

@@ -214,24 +214,43 @@ class NvmeSegment(_Segment):
         """
         path, fd = _create_file(directory, name, "nvme", capacity, _round_up(capacity))
         try:
-            use_direct = False
-            if direct is not False:
-                try:
-                    direct_fd = os.open(path, os.O_RDWR | os.O_DIRECT)
-                except OSError as e:
-                    if e.errno != errno.EINVAL:
-                        raise
-                    if direct:
-                        raise ConfigError(f"direct=True but {directory} does not support O_DIRECT") from e
-                    logger.warning("%s does not support O_DIRECT; segment %s uses buffered I/O", directory, path)
-                else:
-                    os.close(fd)
-                    fd, use_direct = direct_fd, True
-            return cls(path, capacity, fd, use_direct, owner=True)
+            return cls._opened(path, capacity, fd, direct, owner=True)
         except BaseException:
-            os.close(fd)
             os.unlink(path)
             raise
+
+    @classmethod
+    def reopen(cls, path: str, capacity: int, direct: bool | None = None) -> Self:
+        """Open a segment file an earlier node left (see :mod:`kvpool.pool.journal`) read/write, as :meth:`create`
+        would have; it must hold ``capacity`` bytes (rounded up to ``ALIGN``).  Closing it keeps the file."""
+        fd = os.open(path, os.O_RDWR)
+        if os.fstat(fd).st_size != _round_up(capacity):
+            os.close(fd)
+            raise ConfigError(f"{path} holds {os.path.getsize(path)} bytes, not a segment of {capacity}")
+        return cls._opened(path, capacity, fd, direct, owner=False)
+
+    @classmethod
+    def _opened(cls, path: str, capacity: int, fd: int, direct: bool | None, owner: bool) -> Self:
+        """The segment over ``fd`` (read/write, closed here on failure), reopened with ``O_DIRECT`` unless ``direct``
+        is False or the filesystem refuses it (then: ``ConfigError`` if ``direct`` is True, else buffered I/O and
+        one warning)."""
+        use_direct = False
+        if direct is not False:
+            try:
+                direct_fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+            except OSError as e:
+                if e.errno != errno.EINVAL or direct:
+                    os.close(fd)
+                    if e.errno != errno.EINVAL:
+                        raise
+                    raise ConfigError(f"direct=True but {os.path.dirname(path)} does not support O_DIRECT") from e
+                logger.warning(
+                    "%s does not support O_DIRECT; segment %s uses buffered I/O", os.path.dirname(path), path
+                )
+            else:
+                os.close(fd)
+                fd, use_direct = direct_fd, True
+        return cls(path, capacity, fd, use_direct, owner)
 
     @classmethod
     def attach(cls, path: str, capacity: int) -> Self:

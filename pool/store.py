@@ -14,7 +14,8 @@ when DRAM passes its high watermark, promoted back on a hit → dropped when a f
 Tiers below DRAM may store chunks with a codec (``codecs``, e.g. NVMe ``fp8-e4m3``): a chunk put as a tensor
 (it carries a :class:`~kvpool.pool.tiers.codecs.TensorFormat`) is encoded when it moves down and decoded when it is
 promoted; its checksum is verified before either, so a corrupt chunk is dropped, never re-encoded into
-"valid" bytes.  A chunk put as plain bytes stays raw everywhere.  DRAM is always raw: readers copy it
+"valid" bytes.  A chunk put as plain bytes stays raw, unless NVMe is encrypted (``keyring``): then every chunk
+there, bytes or tensor, is sealed after its codec (pool/tiers/crypto.py).  DRAM is always raw: readers copy it
 one-sided, straight into their buffers.
 """
 
@@ -44,6 +45,7 @@ from kvpool.pool.keys import check_key
 from kvpool.pool.moves import Move, demotions, read_stored, run_moves, whole_blocks
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import TensorFormat, parse_codec
+from kvpool.pool.tiers.crypto import Keyring, sealed_name
 from kvpool.pool.types import DropCause, Tier
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,8 @@ class ChunkStore:
         clock: Clock = SYSTEM_CLOCK,
         codecs: Mapping[Tier, str] | None = None,
         demote_inline: bool = True,
+        keyring: Keyring | None = None,
+        quotas: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
         self.segments: dict[Tier, DramSegment | NvmeSegment] = {Tier.DRAM: dram}
         self.allocators = {Tier.DRAM: OffsetAllocator(dram.capacity, alignment)}
@@ -72,6 +76,8 @@ class ChunkStore:
             raise ConfigError(
                 "the DRAM tier stores chunks raw (readers copy them one-sided); put codecs on NVMe or remote"
             )
+        self.keyring = keyring  #: seals every chunk stored on NVMe (None: NVMe is not encrypted)
+        self.quotas = dict(quotas or {})  #: tenant -> (DRAM bytes, NVMe bytes) it may hold here; 0: no limit
         self.watermarks = watermarks or Watermarks()
         self.promote_on_hit = promote_on_hit
         self.demote_inline = demote_inline  #: a commit above the high watermark demotes at once (else: ``over_high``)
@@ -86,6 +92,7 @@ class ChunkStore:
         self.counters = {
             "puts": 0, "gets": 0, "misses": 0, "migrations": 0, "promotions": 0, "drops": 0, "corrupt": 0, "reaped": 0,
             "busy": 0,  #: moves and removes refused because a reader had the chunk pinned
+            "quota_drops": 0,  #: chunks dropped because their tenant was over its quota
             "encoded": 0, "decoded": 0,  #: chunks re-stored with another codec on a move (down, up)
             "bytes_via_ray": 0,  #: KV bytes that came or went as Ray call arguments/results, not one-sided
         }  # fmt: skip
@@ -136,7 +143,9 @@ class ChunkStore:
         if room is not None:
             self.allocators[Tier.DRAM].free(room.offset)
 
-    def fill_room(self, room_id: int, items: Sequence[RoomChunk], *, replicated: bool = False) -> None:
+    def fill_room(
+        self, room_id: int, items: Sequence[RoomChunk], *, replicated: bool = False, tenant: str = ""
+    ) -> None:
         """Make the chunks a writer put into room ``room_id`` visible (see ``Room.checked``); the rest of the room is
         freed.  A key held already keeps its first copy.  Everything is checked before anything changes: on bad
         input the room is closed and nothing is stored (``ConfigError``); a room reclaimed meanwhile is a
@@ -159,12 +168,13 @@ class ChunkStore:
             self.allocators[Tier.DRAM].claim(offset, length)
             self._reserved[key] = Reservation(key, offset, length)
         for key, _, _, checksum, fmt in first.values():
-            self.commit(key, checksum, replicated=replicated, fmt=fmt)
+            self.commit(key, checksum, replicated=replicated, fmt=fmt, tenant=tenant)
 
     def commit(
-        self, key: bytes, checksum: int, *, replicated: bool = False, fmt: TensorFormat | None = None
+        self, key: bytes, checksum: int, *, replicated: bool = False, fmt: TensorFormat | None = None, tenant: str = ""
     ) -> StoredChunk:
-        """Make a reserved chunk visible (then migrate by watermark); ``fmt``: its tensor format, if any."""
+        """Make a reserved chunk visible (then migrate by watermark and by ``tenant``'s quota); ``fmt``: its tensor
+        format, if any."""
         check_checksum(checksum)
         if fmt is not None and not isinstance(fmt, TensorFormat):
             raise ConfigError(f"fmt must be a TensorFormat or None, got {type(fmt).__name__}")
@@ -175,16 +185,26 @@ class ChunkStore:
             self.abort(key)
             raise ConfigError(f"chunk {short(key)}: {r.length} bytes reserved, its format {fmt} has {fmt.nbytes}")
         del self._reserved[key]
-        chunk = StoredChunk(key, Tier.DRAM, r.offset, stored=r.length, size=r.length, checksum=checksum, fmt=fmt)
+        chunk = StoredChunk(key, Tier.DRAM, r.offset, r.length, r.length, checksum, fmt=fmt, tenant=tenant)
         self._chunks[key] = chunk
-        self.policy.add(key, Tier.DRAM, self.allocators[Tier.DRAM].size_of(r.offset), replicated=replicated)
+        self.policy.add(
+            key, Tier.DRAM, self.allocators[Tier.DRAM].size_of(r.offset), replicated=replicated, tenant=tenant
+        )
         self.counters["puts"] += 1
         self._changes.append(Change(ChangeKind.ADDED, chunk))
         if self.demote_inline:
             self.maintain()
-        elif self.over_high_watermark():
+        elif self.over_high_watermark() or self.policy.over_quota(self.quotas, Tier.DRAM):
             self.over_high.set()
-        return self._chunks[key]
+        self._trim_quotas()
+        return self._chunks.get(key, chunk)
+
+    def _trim_quotas(self) -> None:
+        """Tenants over their quota lose their own LRU chunks: dropped from NVMe (or from DRAM when there is no NVMe
+        below it); over it in DRAM with NVMe below, they move down with the next demotions (``moves.demotions``)."""
+        for key in self.policy.over_quota(self.quotas, Tier.NVME if Tier.NVME in self.segments else Tier.DRAM):
+            self._drop(self._chunks[key], DropCause.EVICTED)
+            self.counters["quota_drops"] += 1
 
     def abort(self, key: bytes) -> None:
         """Give a reservation's space back; a key that is not reserved (or not a key) is left alone: cleanup
@@ -194,8 +214,9 @@ class ChunkStore:
             self.allocators[Tier.DRAM].free(r.offset)
 
     def put(
-        self, key: bytes, data: memoryview, checksum: int, *, replicated: bool = False, fmt: TensorFormat | None = None
-    ) -> StoredChunk:
+        self, key: bytes, data: memoryview, checksum: int, *, replicated: bool = False, fmt: TensorFormat | None = None,
+        tenant: str = "",
+    ) -> StoredChunk:  # fmt: skip
         check_checksum(checksum)
         r = self.reserve(key, data.nbytes)
         if r.already_stored:
@@ -205,7 +226,7 @@ class ChunkStore:
         except BaseException:
             self.abort(key)
             raise
-        return self.commit(key, checksum, replicated=replicated, fmt=fmt)
+        return self.commit(key, checksum, replicated=replicated, fmt=fmt, tenant=tenant)
 
     def take_changes(self) -> list[Change]:
         """Every change since the last call, in order."""
@@ -334,7 +355,9 @@ class ChunkStore:
         if self.busy(key):
             self.counters["busy"] += 1
             raise ChunkBusy(f"chunk {short(key)} is being read or moved; move it after that")
-        move = Move(chunk, tier, self.codecs.get(tier, "raw") if chunk.fmt is not None else "raw")
+        codec = self.codecs.get(tier, "raw") if chunk.fmt is not None else "raw"
+        sealed = tier is Tier.NVME and self.keyring is not None
+        move = Move(chunk, tier, sealed_name(codec) if sealed else codec, keys=self.keyring)
         self.policy.pin(key)  # not a victim of the room we make for it, nor of anyone else's
         move.pin = self.policy.state(key)
         self._moving[key] = move
@@ -396,12 +419,13 @@ class ChunkStore:
             if r.codec != current.codec:
                 self.counters["encoded" if r.codec != "raw" else "decoded"] += 1
         self._chunks[move.key] = moved
-        self.policy.move(move.key, move.tier)
+        self.policy.move(move.key, move.tier, self.allocators[move.tier].size_of(move.offset))
         self.counters["migrations" if move.tier is Tier.NVME else "promotions"] += 1
         self._changes.append(Change(ChangeKind.MOVED, moved))
         if move.tier is Tier.DRAM and self.over_high_watermark():  # promoted past the high watermark: demote others
             self.over_high.set()
-        return moved
+        self._trim_quotas()
+        return self._chunks.get(move.key)
 
     def drop_corrupt(self, chunk: StoredChunk) -> None:
         """``chunk``'s bytes failed their checksum where it was read: drop it, unless it has moved since."""
@@ -444,6 +468,18 @@ class ChunkStore:
         return bool(self.policy.state(key).pins) or key in self._moving
 
     # -- the remote tier: which chunks have a copy there (pool/flush.py picks what to flush) ---------
+
+    def adopt(self, chunks: Iterable[StoredChunk], corrupt: Iterable[StoredChunk] = ()) -> None:
+        """Take back the NVMe chunks a node before this one left in the segment (verified: see
+        :mod:`kvpool.pool.journal`), oldest first, as if just stored; ``corrupt``: those that failed, published as
+        dropped (their tombstones say why they are gone)."""
+        allocator = self.allocators[Tier.NVME]
+        for chunk in chunks:
+            allocator.claim(chunk.offset, chunk.stored)
+            self._chunks[chunk.key] = chunk
+            self.policy.add(chunk.key, Tier.NVME, allocator.size_of(chunk.offset), tenant=chunk.tenant)
+            self._changes.append(Change(ChangeKind.ADDED, chunk))
+        self._changes += [Change(ChangeKind.DROPPED, c, DropCause.CORRUPT) for c in corrupt]
 
     def mark_in_s3(self, keys: Iterable[bytes]) -> None:
         """These chunks have a copy in the remote tier now: a full tier drops them first."""

@@ -64,11 +64,11 @@ class Rooms:
 
     def fill(
         self, node_id: str, node: Any, room: Room, chunks: list[tuple[bytes, int, int, int, TensorFormat | None]],
-        replicated: bool,
+        replicated: bool, tenant: str = "",
     ) -> int:  # fmt: skip
-        """Hand the chunks written into ``room`` over (one call, which opens the next room of the same size); the
-        etcd revision that shows them."""
-        revision, nxt = call(node.fill_room.remote(room.id, chunks, replicated, room.length))
+        """Hand the chunks written into ``room`` over as ``tenant``'s (one call, which opens the next room of the same
+        size); the etcd revision that shows them."""
+        revision, nxt = call(node.fill_room.remote(room.id, chunks, replicated, room.length, tenant))
         if nxt is not None:
             with self._lock:
                 old = self._held.pop(node_id, None)
@@ -88,7 +88,7 @@ class Rooms:
 
 def _put_round(
     rooms: Rooms, node_id: str, node: Any, items: Sequence[Item], sums: Sequence[Summary], replicated: bool,
-    write: Callable[[list[int]], None],
+    write: Callable[[list[int]], None], tenant: str,
 ) -> int:  # fmt: skip
     """One round: a room for ``items``, ``write(offsets)`` of their bytes into it, the fill; the etcd revision that
     shows them.  A room the node no longer has (reclaimed after its TTL, or the node restarted) is written again
@@ -102,7 +102,7 @@ def _put_round(
             raise
         chunks = [(k, o, v.nbytes, *s) for o, (k, v), s in zip(offsets, items, sums, strict=True)]
         try:
-            return rooms.fill(node_id, node, room, chunks, replicated)
+            return rooms.fill(node_id, node, room, chunks, replicated, tenant)
         except ChunkNotFound:
             if attempt:
                 raise
@@ -111,7 +111,7 @@ def _put_round(
 
 def put_local(
     node: Any, node_id: str, rooms: Rooms, segment: DramSegment, items: Sequence[Item], sums: Sequence[Summary],
-    replicated: bool,
+    replicated: bool, tenant: str = "",
 ) -> int:  # fmt: skip
     """Write ``items`` into this node (``node``: its actor, ``segment``: its mapped DRAM); the etcd revision that
     shows them."""
@@ -122,13 +122,13 @@ def put_local(
             for offset, (_, view) in zip(offsets, batch, strict=True):
                 segment.write(offset, view)
 
-        revision = max(revision, _put_round(rooms, node_id, node, items[r], sums[r], replicated, write))
+        revision = max(revision, _put_round(rooms, node_id, node, items[r], sums[r], replicated, write, tenant))
     return revision
 
 
 def put_peer(
     node: Any, node_id: str, rooms: Rooms, peers: Peers, dram_bytes: int, items: Sequence[Item],
-    sums: Sequence[Summary], replicated: bool,
+    sums: Sequence[Summary], replicated: bool, tenant: str = "",
 ) -> int:  # fmt: skip
     """Write ``items`` into the peer ``node_id`` (``node``: its actor, ``dram_bytes``: its DRAM capacity) from
     the staging buffer, one batched one-sided WRITE a round; the etcd revision that shows them."""
@@ -144,5 +144,5 @@ def put_peer(
                 at += view.nbytes
             peers.write(node_id, ops)
 
-        revision = max(revision, _put_round(rooms, node_id, node, items[r], sums[r], replicated, write))
+        revision = max(revision, _put_round(rooms, node_id, node, items[r], sums[r], replicated, write, tenant))
     return revision

@@ -26,6 +26,7 @@ from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError
 from kvpool.metadata.misses import miss_cause
 from kvpool.pool.client import PoolClient
 from kvpool.pool.keys import CacheIdentity
+from kvpool.pool.tenants import Scope
 from kvpool.pool.types import Placement, nearest_first
 from kvpool.prefill_decode.layout import KVBuffer, KVLayout
 
@@ -149,8 +150,8 @@ class PoolConnector:
         self._storage: torch.Tensor | None = None  #: reused by every load
         self._registered = False  #: _storage is registered with the transport
 
-    def keys(self, tokens: Any) -> list[list[bytes]]:
-        return self.layout.keys(self.identity, tokens)
+    def keys(self, tokens: Any, scope: Scope | None = None) -> list[list[bytes]]:
+        return self.layout.keys(self.identity, tokens, scope)
 
     def cached_chunks(self, keys: Sequence[Sequence[bytes]]) -> int:
         """How many leading chunks have every one of their objects in the pool (no etcd round trip)."""
@@ -172,20 +173,21 @@ class PoolConnector:
         return min(replicas, key=nearest_first(self.client.node_id))
 
     def save(
-        self, cache: DynamicCache, keys: Sequence[Sequence[bytes]], first_chunk: int = 0, replicas: int = 1
-    ) -> int:
-        """Put chunks ``first_chunk ..`` of ``cache`` (the full chunks ``keys`` names); returns bytes put."""
+        self, cache: DynamicCache, keys: Sequence[Sequence[bytes]], first_chunk: int = 0, replicas: int = 1,
+        tenant: str = "",
+    ) -> int:  # fmt: skip
+        """Put chunks ``first_chunk ..`` of ``cache`` (the full chunks ``keys`` names) as ``tenant``'s; bytes put."""
         count = len(keys) - first_chunk
         if count <= 0:
             return 0
         buffer = KVBuffer(self.layout, count)
         buffer.fill_from(cache, first_chunk)
-        return self.put_buffer(buffer, keys[first_chunk:], replicas)
+        return self.put_buffer(buffer, keys[first_chunk:], replicas, tenant)
 
-    def put_buffer(self, buffer: KVBuffer, keys: Sequence[Sequence[bytes]], replicas: int = 1) -> int:
+    def put_buffer(self, buffer: KVBuffer, keys: Sequence[Sequence[bytes]], replicas: int = 1, tenant: str = "") -> int:
         """Put a filled buffer's chunks, named by ``keys`` (one entry per chunk of the buffer); bytes put."""
         items = [(keys[c][g], view) for c, g, view in buffer.object_views()]
-        self.client.put_batch(items, replicas=replicas)
+        self.client.put_batch(items, replicas=replicas, tenant=tenant)
         return buffer.chunks * self.layout.chunk_size * self.layout.token_bytes
 
     def load(

@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from kvpool.errors import ConfigError
+from kvpool.pool.tenants import Scope
 from kvpool.prefill_decode.connector import PoolConnector
 from kvpool.prefill_decode.layout import KVBuffer
 
@@ -43,6 +44,7 @@ class Resident:
     cache: DynamicCache
     nbytes: int
     priority: Priority
+    scope: Scope | None = None  #: the tenant's chain its chunks are keyed in when offloaded
 
 
 @dataclass
@@ -87,13 +89,15 @@ class DeviceTier:
         return sum(e.nbytes for e in self._resident.values()) + sum(p.entry.nbytes for p in self._pending)
 
     def admit(
-        self, name: str, tokens: Sequence[int], cache: DynamicCache, priority: Priority = Priority.NORMAL
-    ) -> None:
-        """Keep ``cache`` (the KV of ``tokens``) on the device under ``name``, then apply the watermarks."""
+        self, name: str, tokens: Sequence[int], cache: DynamicCache, priority: Priority = Priority.NORMAL,
+        scope: Scope | None = None,
+    ) -> None:  # fmt: skip
+        """Keep ``cache`` (the KV of ``tokens``, a request of ``scope``'s tenant) on the device under ``name``, then
+        apply the watermarks."""
         self.poll()
         if name in self._resident:
             del self._resident[name]
-        self._resident[name] = Resident(list(tokens), cache, cache_bytes(cache), priority)
+        self._resident[name] = Resident(list(tokens), cache, cache_bytes(cache), priority, scope)
         self.counts["admitted"] += 1
         self._enforce()
         self.poll()  # copies that are done already (all of them, on the CPU)
@@ -125,7 +129,7 @@ class DeviceTier:
             self._start_offload(victim, self._resident.pop(victim))
 
     def _start_offload(self, name: str, entry: Resident) -> None:
-        keys = self.connector.keys(entry.tokens)
+        keys = self.connector.keys(entry.tokens, entry.scope)
         if not keys:  # shorter than a chunk: nothing the pool keeps
             self.counts["dropped"] += 1
             return
@@ -156,7 +160,7 @@ class DeviceTier:
             self._finish(p)
 
     def _finish(self, p: _Offload) -> None:
-        self.connector.put_buffer(p.buffer, p.keys)
+        self.connector.put_buffer(p.buffer, p.keys, tenant=p.entry.scope.tenant if p.entry.scope else "")
         self.counts["offloaded"] += 1
         self.counts["offloaded_bytes"] += p.buffer.tensor.numel() * p.buffer.tensor.element_size()
         log.info("device tier above %.0f%%: offloaded %s to the pool", 100 * self.offload_at, p.name)

@@ -34,6 +34,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvpool.errors import ConfigError
 from kvpool.pool.keys import DEFAULT_CHUNK_SIZE, CacheIdentity, chunk_keys, layer_key
+from kvpool.pool.tenants import Scope
 
 LAYOUTS = ("auto", "all-layers", "per-layer", "groups-of-G")  #: G: layers per object, a divisor of the model's layers
 AUTO_OBJECT_BYTES = 512 << 10  #: the largest pool object ``auto`` makes of several layers
@@ -130,11 +131,12 @@ class KVLayout:
         dtype = str(self.dtype).removeprefix("torch.")
         return CacheIdentity(model, dtype, self.shape_string(), self.chunk_size, tp_size, tp_rank, codec)
 
-    def keys(self, identity: CacheIdentity, tokens: Any) -> list[list[bytes]]:
-        """Per full chunk of ``tokens``, the keys of its pool objects: one (all-layers) or one per group of layers."""
+    def keys(self, identity: CacheIdentity, tokens: Any, scope: Scope | None = None) -> list[list[bytes]]:
+        """Per full chunk of ``tokens``, the keys of its pool objects: one (all-layers) or one per group of layers;
+        ``scope``: a tenant's chain (:mod:`kvpool.pool.tenants`)."""
         if identity.chunk_size != self.chunk_size:
             raise ConfigError(f"identity chunk size {identity.chunk_size} != layout chunk size {self.chunk_size}")
-        chain = chunk_keys(identity, tokens)
+        chain = chunk_keys(identity, tokens, scope)
         if self.groups == 1:
             return [[k] for k in chain]
         return [[layer_key(k, g) for g in range(self.groups)] for k in chain]

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvpool.errors import ConfigError
 from kvpool.pool.keys import token_array
+from kvpool.pool.tenants import Scope
 from kvpool.pool.types import Placement, Tier, nearest_first
 from kvpool.prefill_decode.connector import PoolConnector
 from kvpool.prefill_decode.cost import Action, CostModel, Decision
@@ -103,9 +104,9 @@ class Router:
         self.cost = cost
         self.counts: Counter[str] = Counter()
 
-    def route(self, tokens: Sequence[int]) -> Route:
+    def route(self, tokens: Sequence[int], scope: Scope | None = None) -> Route:
         n = len(token_array(tokens))
-        keys = self.connector.keys(tokens)
+        keys = self.connector.keys(tokens, scope)
         cached = self.connector.cached_chunks(keys)
         here = self.connector.client.node_id
         by_place = prefix_sources(self.connector.client.cache.replicas, keys, cached, here)
@@ -198,7 +199,8 @@ class LaneRouter:
     """
 
     def __init__(
-        self, nodes: Sequence[str], costs: Sequence[CostModel], keys: Callable[[Sequence[int]], list[list[bytes]]],
+        self, nodes: Sequence[str], costs: Sequence[CostModel],
+        keys: Callable[[Sequence[int], Scope | None], list[list[bytes]]],
         chunk_size: int, replicas: Callable[[bytes], Sequence[Placement]], policy: "Policy | str" = Policy.CACHE_AWARE,
     ) -> None:  # fmt: skip
         if not nodes or len(nodes) != len(costs):
@@ -214,10 +216,10 @@ class LaneRouter:
         self._lock = threading.Lock()
         self.counts: Counter[str] = Counter()
 
-    def quotes(self, tokens: Sequence[int]) -> list[Quote]:
-        """Every lane's prediction for ``tokens``, as things stand."""
+    def quotes(self, tokens: Sequence[int], scope: Scope | None = None) -> list[Quote]:
+        """Every lane's prediction for ``tokens`` (keyed in ``scope``: a tenant's chain), as things stand."""
         n = len(token_array(tokens))
-        keys = self.keys(tokens)
+        keys = self.keys(tokens, scope)
         cached = 0
         while cached < len(keys) and all(self.replicas(k) for k in keys[cached]):
             cached += 1
@@ -235,10 +237,10 @@ class LaneRouter:
             out.append(Quote(lane, decision, self._queued[lane], self._queued_s[lane], flat))
         return out
 
-    def pick(self, tokens: Sequence[int]) -> Quote:
+    def pick(self, tokens: Sequence[int], scope: Scope | None = None) -> Quote:
         """The lane for ``tokens``, booked: call :meth:`release` with the quote once its prefill is done."""
         with self._lock:
-            quote = choose(self.policy, self.quotes(tokens), self._turn)
+            quote = choose(self.policy, self.quotes(tokens, scope), self._turn)
             self._turn += 1
             self._queued[quote.lane] += 1
             self._queued_s[quote.lane] += quote.prefill_s

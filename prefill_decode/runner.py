@@ -102,11 +102,14 @@ class ModelRunner:
             time.perf_counter() - t0, loading.times,
         )  # fmt: skip
 
-    def save(self, prefilled: Prefilled, keys: Sequence[Sequence[bytes]], skip_chunks: int = 0) -> int:
-        """Put the prompt's full chunks from ``skip_chunks`` on (those before are in the pool); bytes put."""
+    def save(
+        self, prefilled: Prefilled, keys: Sequence[Sequence[bytes]], skip_chunks: int = 0, tenant: str = ""
+    ) -> int:
+        """Put the prompt's full chunks from ``skip_chunks`` on (those before are in the pool) as ``tenant``'s; bytes
+        put."""
         if self.connector is None:
             raise ConfigError("save needs a runner with a PoolConnector")
-        return self.connector.save(prefilled.cache, keys, skip_chunks)
+        return self.connector.save(prefilled.cache, keys, skip_chunks, tenant=tenant)
 
     @torch.no_grad()
     def decode(

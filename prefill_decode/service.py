@@ -20,8 +20,9 @@ from typing import Any
 import ray
 from aiohttp import web
 
-from kvpool.errors import ConfigError, KvPoolError, WorkerUnavailable
+from kvpool.errors import ConfigError, KvPoolError, TenantRefused, WorkerUnavailable
 from kvpool.pool.keys import token_array
+from kvpool.pool.tenants import Scope, Tenants
 from kvpool.prefill_decode.router import LaneRouter, Policy, Quote
 from kvpool.prefill_decode.workers import DecodeResult, PrefillResult
 
@@ -54,7 +55,7 @@ class Service:
 
     def __init__(
         self, lanes: Lane | Sequence[Lane], *, model: str, tokenizer: Any = None, eos: int | None = None,
-        router: LaneRouter | None = None,
+        router: LaneRouter | None = None, tenants: Tenants | None = None,
     ) -> None:  # fmt: skip
         self.lanes = [lanes] if isinstance(lanes, Lane) else list(lanes)
         if not self.lanes or not all(isinstance(lane, Lane) for lane in self.lanes):
@@ -63,7 +64,10 @@ class Service:
             raise ConfigError(f"{len(self.lanes)} lanes need a LaneRouter to choose between them")
         if router is not None and len(router.nodes) != len(self.lanes):
             raise ConfigError(f"the router knows {len(router.nodes)} lanes, the service has {len(self.lanes)}")
+        if tenants is not None and not isinstance(tenants, Tenants):
+            raise ConfigError(f"tenants must be a Tenants (Tenants.load(path)), got {type(tenants).__name__}")
         self.router = router
+        self.tenants = tenants  #: when set, every request is a tenant's (its API key), keyed in the tenant's chain
         self.model = model
         self.tokenizer = tokenizer
         self.eos = eos
@@ -87,23 +91,35 @@ class Service:
             return ""
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
 
-    async def complete(self, tokens: list[int], max_tokens: int) -> Completion:
+    def scope(self, api_key: str | None, namespace: str = "") -> Scope | None:
+        """The scope of a request that came with ``api_key`` (None: no tenants here) and asked for the shared
+        ``namespace`` (""), or ``TenantRefused``: with tenants, a request without a tenant's key is refused."""
+        if self.tenants is None:
+            if api_key or namespace:
+                raise ConfigError(
+                    "this front serves no tenants: send no API key or cache_namespace (or start it with --tenants)"
+                )
+            return None
+        return self.tenants.scope(self.tenants.by_api_key(api_key or ""), namespace)
+
+    async def complete(self, tokens: list[int], max_tokens: int, scope: Scope | None = None) -> Completion:
+        """``scope``: whose chain the prompt's chunks are keyed in (:meth:`scope`); None: the identity's own."""
         if not tokens:
             raise ConfigError("the prompt is empty")
         if max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
         t0 = time.perf_counter()
-        quote = self.router.pick(tokens) if self.router is not None else None
+        quote = self.router.pick(tokens, scope) if self.router is not None else None
         lane = self.lanes[quote.lane if quote is not None else 0]
         try:
             try:
-                first: PrefillResult = await lane.prefill.prefill.remote(tokens)
+                first: PrefillResult = await lane.prefill.prefill.remote(tokens, scope)
             finally:
                 if quote is not None and self.router is not None:
                     self.router.release(quote)
             ttft = time.perf_counter() - t0
             done: DecodeResult = await lane.decode.decode.remote(
-                tokens, first.first_token, max_tokens, revision=first.revision, eos=self.eos
+                tokens, first.first_token, max_tokens, revision=first.revision, eos=self.eos, scope=scope
             )
         except ray.exceptions.RayTaskError as exc:  # a worker's own error (a bad prompt, a pool error): as itself
             if isinstance(exc.cause, KvPoolError):
@@ -114,8 +130,8 @@ class Service:
         index = quote.lane if quote is not None else 0
         return Completion(tokens, done.tokens, ttft, time.perf_counter() - t0, first, done, index, quote)
 
-    def complete_sync(self, tokens: list[int], max_tokens: int) -> Completion:
-        return asyncio.run(self.complete(tokens, max_tokens))
+    def complete_sync(self, tokens: list[int], max_tokens: int, scope: Scope | None = None) -> Completion:
+        return asyncio.run(self.complete(tokens, max_tokens, scope))
 
 
 def lane_router(lanes: Sequence[Lane], replicas: Any, policy: "Policy | str" = Policy.CACHE_AWARE) -> LaneRouter:
@@ -178,9 +194,24 @@ def make_app(service: Service) -> web.Application:
             return _error(400, "prompt must be a string or a list of token ids", "invalid_request_error")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= 4096:
             return _error(400, "max_tokens must be an int in [1, 4096]", "invalid_request_error")
+        namespace = body.get("cache_namespace", "")
+        if not isinstance(namespace, str):
+            return _error(
+                400,
+                "cache_namespace must be a string (a shared namespace of the tenants file)",
+                "invalid_request_error",
+            )
+        key = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        try:
+            scope = service.scope(key or None, namespace)
+        except TenantRefused as exc:  # 401: no tenant's key; 403: a tenant's, asking for what it may not use
+            known = service.tenants is not None and service.tenants.knows(key)
+            return _error(403 if known else 401, str(exc), "authentication_error")
+        except ConfigError as exc:
+            return _error(400, str(exc), "invalid_request_error")
         try:
             tokens = service.tokenize(prompt, chat=bool(body.get("chat", False)))
-            done = await service.complete(tokens, max_tokens)
+            done = await service.complete(tokens, max_tokens, scope)
         except ConfigError as exc:
             return _error(400, str(exc), "invalid_request_error")
         except KvPoolError as exc:

@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from kvpool.errors import ConfigError, PoolFull
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.keys import DEFAULT_CHUNK_SIZE, CacheIdentity, token_array
+from kvpool.pool.tenants import Scope
 from kvpool.prefill_decode.calibrate import measure_hardware, spec_of
 from kvpool.prefill_decode.connector import PoolConnector
 from kvpool.prefill_decode.cost import CostModel, Hardware
@@ -142,8 +143,8 @@ class Worker:
                 f"{arr.size} prompt tokens + {more} new ones exceed {self.loaded.name}'s {limit} positions: shorten the prompt"
             )
 
-    def _prefill(self, tokens: Sequence[int]) -> tuple[Route, Prefilled]:
-        route = self.router.route(tokens)
+    def _prefill(self, tokens: Sequence[int], scope: Scope | None) -> tuple[Route, Prefilled]:
+        route = self.router.route(tokens, scope)
         return route, self.runner.prefill(tokens, route.keys, route.reuse_chunks)
 
     def node_id(self) -> str:
@@ -165,16 +166,18 @@ class Worker:
 
 
 class PrefillWorker(Worker):
-    def prefill(self, tokens: Sequence[int]) -> PrefillResult:
+    def prefill(self, tokens: Sequence[int], scope: Scope | None = None) -> PrefillResult:
+        """``scope``: whose chain the prompt's chunks are keyed in (a tenant's: :mod:`kvpool.pool.tenants`)."""
         t0 = time.perf_counter()
         self._check(tokens, 1)
-        route, pre = self._prefill(tokens)
+        route, pre = self._prefill(tokens, scope)
         first = pre.first_token
         ttft = time.perf_counter() - t0
         skip = 0 if pre.fell_back else route.cached_chunks  # the chunks the pool already has
         saved = 0
         try:
-            saved = self.runner.save(pre, route.keys, skip) if len(route.keys) > skip else 0
+            tenant = scope.tenant if scope is not None else ""
+            saved = self.runner.save(pre, route.keys, skip, tenant) if len(route.keys) > skip else 0
         except PoolFull as exc:  # the answer does not depend on it: the decode worker recomputes what is missing
             self.router.counts["save_failed"] += 1
             log.warning("prompt KV not saved (%s); the request goes on without it", exc)
@@ -193,18 +196,19 @@ class DecodeWorker(Worker):
         self._sequences = 0
 
     def decode(
-        self, tokens: Sequence[int], first_token: int, max_new_tokens: int, *, revision: int = 0, eos: int | None = None
-    ) -> DecodeResult:
+        self, tokens: Sequence[int], first_token: int, max_new_tokens: int, *, revision: int = 0, eos: int | None = None,
+        scope: Scope | None = None,
+    ) -> DecodeResult:  # fmt: skip
         """Continue ``tokens`` from ``first_token``: reload the prompt's KV (once this worker's placement
         cache has reached ``revision``, where the prefill worker's chunks are visible), then decode."""
         self._check(tokens, max_new_tokens)
         self.client.cache.wait_until(lambda c: c.revision >= revision, timeout_s=10)
-        route, pre = self._prefill(tokens)
+        route, pre = self._prefill(tokens, scope)
         t0 = time.perf_counter()
         out = self.runner.decode(pre, max_new_tokens, first_token=first_token, eos=eos)
         if self.device_tier is not None:  # the cache now holds the prompt and every new token but the last
             self._sequences += 1
-            self.device_tier.admit(f"seq-{self._sequences}", [*pre.tokens, *out[:-1]], pre.cache)
+            self.device_tier.admit(f"seq-{self._sequences}", [*pre.tokens, *out[:-1]], pre.cache, scope=scope)
         return DecodeResult(out, PrefillSummary.of(self.client.node_id, route, pre), time.perf_counter() - t0)
 
     def stats(self) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The pool's nodes on a Ray cluster that is already up: ``kvpool join`` starts this node's ``PoolNode``
 (what every node of a ``ray up`` cluster runs), ``kvpool down`` stops them all."""
 
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -76,6 +77,7 @@ def _start_node(ray_address: str, node_ip: str, base: PoolConfig, dram_mib: int,
 def join(
     ray_address: str = options.RAY_ADDRESS,
     etcd: str | None = options.ETCD,
+    etcd_tls: str | None = options.ETCD_TLS,
     cluster: str = options.CLUSTER,
     namespace: str = options.NAMESPACE,
     node_ip: str = typer.Option(
@@ -97,7 +99,12 @@ def join(
         min=0,
         help="NVMe segment, MiB. 0: the node's Ray resource kvpool_nvme_mib, else the pool's default.",
     ),
-    nvme_dir: str = options.NVME_DIR,
+    nvme_dir: str = typer.Option(
+        "~/.kvpool/nvme",
+        "--nvme-dir",
+        help="Where this node's NVMe segment lives (created if missing). It outlives the node: started again here, "
+        "the node takes back every chunk of it that still verifies (warm restart). '' for a temp dir per start.",
+    ),
     metrics_host: str = typer.Option(
         options.field_default(PoolConfig, "metrics_host"), "--metrics-host", help="Where the node serves its metrics."
     ),
@@ -114,8 +121,11 @@ def join(
     pool's defaults when it has neither).  Running it twice is harmless.  'kvpool down' stops the pool.
     """
     with root.errors():
+        if nvme_dir:
+            nvme_dir = os.path.expanduser(nvme_dir)
+            os.makedirs(nvme_dir, exist_ok=True)
         base = PoolConfig(
-            metadata=options.pool_etcd(etcd, cluster, "join"), nvme_dir=nvme_dir, namespace=namespace,
+            metadata=options.pool_etcd(etcd, cluster, "join", etcd_tls), nvme_dir=nvme_dir, namespace=namespace,
             metrics_host=metrics_host, nvme_codec=nvme_codec,
             remote=options.remote_config(s3_bucket, s3_endpoint, s3_codec, flush_after),
         )  # fmt: skip
@@ -125,3 +135,5 @@ def join(
             f"pool node {info.node_id[:12]} up on {ip}: DRAM {size(info.dram_capacity)}, {nvme}, "
             f"metrics {info.metrics_address or 'off'}"
         )
+        if info.restart:
+            root.console.print(f"warm restart from {info.nvme_path}: {info.restart}")

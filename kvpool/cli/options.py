@@ -7,13 +7,14 @@ every command with it.  The builders turn the options' values into those config 
 
 import dataclasses
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any
 
 import typer
 
 from kvpool.errors import ConfigError
-from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig
+from kvpool.metadata.config import ENDPOINTS_ENV, TLS_ENV, MetadataConfig
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.tiers.s3_config import RemoteConfig
 from kvpool.prefill_decode.cost import REFERENCE_HARDWARE, Hardware
@@ -44,6 +45,17 @@ ETCD = typer.Option(
     "--etcd",
     envvar=ENDPOINTS_ENV,
     help="etcd endpoints of the pool, host:port[,host:port...]. Without it, up and bench start an embedded etcd.",
+)
+#: the directory of a cluster's etcd certificates, for every command that reaches etcd
+TLS_DIR_ENV = "KVPOOL_ETCD_TLS"
+ETCD_TLS = typer.Option(
+    None,
+    "--etcd-tls",
+    envvar=TLS_DIR_ENV,
+    help="Reach etcd over TLS only, with the CA and client certificate in this directory (ca.pem, client.pem, "
+    "client-key.pem, as 'kvpool etcd --tls-dir' or 'kvpool certs' make them). Without --etcd, up starts its embedded "
+    f"etcd with TLS from it. Or set {', '.join(TLS_ENV.values())}.",
+    show_default=False,
 )
 CLUSTER = typer.Option(
     field_default(MetadataConfig, "cluster"),
@@ -92,15 +104,25 @@ REPLICAS = typer.Option(
 )
 
 
-def metadata_config(etcd: str | None, cluster: str) -> MetadataConfig:
-    """``--etcd`` and ``--cluster`` as a config; no endpoints means "start an embedded etcd"."""
+def metadata_config(etcd: str | None, cluster: str, tls_dir: str | None = None) -> MetadataConfig:
+    """``--etcd``, ``--cluster`` and ``--etcd-tls`` (else ``$KVPOOL_ETCD_TLS``, else the ``KVPOOL_ETCD_CA`` /
+    ``_CERT`` / ``_KEY`` files) as a config; no endpoints means "start an embedded etcd"."""
     endpoints = tuple(e.strip() for e in (etcd or "").split(",") if e.strip())
-    return MetadataConfig(endpoints=endpoints, cluster=cluster)
+    tls_dir = tls_dir or os.environ.get(TLS_DIR_ENV, "").strip()
+    if not tls_dir:
+        return MetadataConfig.from_env(endpoints=endpoints, cluster=cluster)
+    from kvpool.servers.certs import SERVER_NAME, client_files
+
+    files = client_files(tls_dir)
+    return MetadataConfig(
+        endpoints=endpoints, cluster=cluster, tls_ca=str(files.ca), tls_cert=str(files.cert), tls_key=str(files.key),
+        tls_server_name=SERVER_NAME,
+    )  # fmt: skip
 
 
-def pool_etcd(etcd: str | None, cluster: str, command: str) -> MetadataConfig:
+def pool_etcd(etcd: str | None, cluster: str, command: str, tls_dir: str | None = None) -> MetadataConfig:
     """The metadata config of a running pool, which ``command`` needs: its etcd must be given."""
-    config = metadata_config(etcd, cluster)
+    config = metadata_config(etcd, cluster, tls_dir)
     if not config.endpoints:
         raise ConfigError(f"{command} needs the pool's etcd: pass --etcd host:port or set {ENDPOINTS_ENV}")
     return config

@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager, contextmanager
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from kvpool.errors import KvPoolError
 
@@ -39,7 +40,7 @@ def errors() -> Iterator[None]:
     except KvPoolError as exc:
         if _state["debug"]:
             raise
-        err_console.print(f"[bold red]error[/] ({type(exc).__name__}): {exc}", soft_wrap=True)
+        err_console.print(f"[bold red]error[/] ({type(exc).__name__}): {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(1) from None
 
 

@@ -4,8 +4,10 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-#: the labels a sample's name keeps (``name{level}``, ``name{result}``); every other label is summed over
+#: the labels a sample's name keeps (``name{level}``, ``name{result}``, ``name{tenant,tier}``); every other label is
+#: summed over
 KEPT_LABELS = ("level", "result")
+TENANT_LABELS = ("tenant", "tier")
 
 
 def scrape(address: str, timeout_s: float = 1.0) -> dict[str, float]:
@@ -25,6 +27,8 @@ def summed(text: str) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             label = next((sample.labels[k] for k in KEPT_LABELS if k in sample.labels), None)
+            if "tenant" in sample.labels:
+                label = ",".join(sample.labels.get(k, "") for k in TENANT_LABELS)
             name = sample.name + (f"{{{label}}}" if label is not None else "")
             out[name] = out.get(name, 0.0) + sample.value
     return out

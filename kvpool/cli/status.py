@@ -8,7 +8,7 @@ of a :class:`PoolStatus`, so tests build one by hand.
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import typer
 from rich import box
@@ -45,6 +45,8 @@ class NodeStatus:
     moves: int | None
     lookup_hits: int  #: chunks found by prefix lookups of clients on this node
     lookups: int  #: chunks those lookups asked for
+    #: tenant -> tier -> (bytes its chunks take, its quota; 0: none), from the node's metrics
+    tenants: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,14 @@ def _node(cache: MetadataCache, n: NodeRecord, m: dict[str, float], now: float) 
 
     low, high = "kvpool_dram_watermark_ratio{low}", "kvpool_dram_watermark_ratio{high}"
     hits, misses = (int(m.get(f"kvpool_lookup_chunks_total{{{r}}}", 0.0)) for r in ("hit", "miss"))
+    tenants: dict[str, dict[str, tuple[int, int]]] = {}
+    for name, value in m.items():
+        metric, _, labels = name.partition("{")
+        if metric in ("kvpool_tenant_used_bytes", "kvpool_tenant_quota_bytes"):
+            tenant, tier = labels.rstrip("}").split(",")
+            used, quota = tenants.setdefault(tenant, {}).get(tier, (0, 0))
+            is_used = metric == "kvpool_tenant_used_bytes"
+            tenants[tenant][tier] = (int(value), quota) if is_used else (used, int(value))
     return NodeStatus(
         node_id=n.node_id, host=n.host, pid=n.pid,
         dram=TierUse(cache.bytes_held(n.node_id, Tier.DRAM), n.capacity(Tier.DRAM)),
@@ -121,7 +131,7 @@ def _node(cache: MetadataCache, n: NodeRecord, m: dict[str, float], now: float) 
         replicas=cache.replica_count(n.node_id), up_s=now - n.started if n.started else None, metrics=n.metrics,
         watermarks=(m[low], m[high]) if low in m and high in m else None,
         puts=count("kvpool_puts_total"), gets=count("kvpool_gets_total"), moves=count("kvpool_tier_moves_total"),
-        lookup_hits=hits, lookups=hits + misses,
+        lookup_hits=hits, lookups=hits + misses, tenants=tenants,
     )  # fmt: skip
 
 
@@ -200,6 +210,21 @@ def identities_table(s: PoolStatus) -> Table:
     return table
 
 
+def tenant_table(s: PoolStatus, tenant: str) -> Table:
+    """What ``tenant`` holds on each live node against its quota there (pool/tenants.py)."""
+    table = Table(title=f"tenant '{tenant}' — {_title(s)}", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for col in ("node", "host", "DRAM used / quota", "NVMe used / quota"):
+        table.add_column(col, justify="left" if col in ("node", "host") else "right")
+    for n in s.nodes:
+        tiers = n.tenants.get(tenant, {})
+        cells = []
+        for tier in (Tier.DRAM.value, Tier.NVME.value):
+            used, quota = tiers.get(tier, (0, 0))
+            cells.append(f"{size(used)} / {size(quota) if quota else 'no quota'}")
+        table.add_row(n.node_id[:12], n.host, *cells)
+    return table
+
+
 def warnings(s: PoolStatus) -> str:
     return "\n".join(f"warning: {w}" for w in s.warnings)
 
@@ -229,6 +254,9 @@ def status(
         False, "--wide", help="Every column: pid, watermarks, puts/gets/moves, lookups, metrics endpoint."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the snapshot as JSON, for scripts."),
+    tenant: str = typer.Option(
+        "", "--tenant", help="Show what this tenant (of the tenants file) holds on each node against its quota."
+    ),
 ) -> None:
     """Show a running pool: live nodes, their tiers (held / capacity) and the chunks they hold.
 
@@ -239,5 +267,9 @@ def status(
         snapshot = gather(cache)
     if as_json:
         typer.echo(to_json(snapshot))
+    elif tenant:
+        root.console.print(tenant_table(snapshot, tenant))
+        if not any(tenant in n.tenants for n in snapshot.nodes):
+            root.console.print(f"tenant '{tenant}' holds nothing on the live nodes (and none of them has its quota)")
     else:
         root.console.print(render(snapshot, wide))

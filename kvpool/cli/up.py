@@ -1,15 +1,19 @@
 """``kvpool up``: a whole local pool (``kvpool.stack``), checked with a put and a get, the prefill/decode demo
 on it, its status; then it leaves, holds until Ctrl-C, or serves HTTP."""
 
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
 
-from kvpool.cli import connect, options, root
+from kvpool.cli import options, root
 from kvpool.errors import ConfigError, KvPoolError
+from kvpool.metadata.cache import MetadataCache
+from kvpool.metadata.client import EtcdClient
+from kvpool.metadata.namespace import Namespace
 from kvpool.pool.config import MiB, PoolConfig
+from kvpool.pool.tenants import Tenants
 from kvpool.prefill_decode.demo import MODELS, QUESTION
 
 if TYPE_CHECKING:
@@ -62,6 +66,8 @@ def _hold(pool: PoolConfig) -> None:
     import ray
 
     where = f"--etcd {pool.metadata.endpoints[0]} --cluster {pool.metadata.cluster}"
+    if pool.metadata.tls:
+        root.console.print(f"etcd is TLS only: export {options.TLS_DIR_ENV}=<the --etcd-tls directory> in that shell")
     node_ip = min(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
     root.console.print(f"pool up. In another shell: kvpool status {where}")
     root.console.print(
@@ -73,7 +79,22 @@ def _hold(pool: PoolConfig) -> None:
     root.wait_for_interrupt("the pool")
 
 
-def _run(pool: PoolConfig, stack: ExitStack, demo: str, serve: int, hold: bool, lanes: int, route: str) -> None:
+def _tls_etcd(stack: ExitStack, tls_dir: str) -> str:
+    """An embedded etcd serving TLS only, with client-certificate authentication, from ``tls_dir`` (the CA and
+    certificates are made there if missing); its endpoint."""
+    from kvpool.servers.certs import server_files
+    from kvpool.servers.etcd import EmbeddedEtcd
+
+    with root.console.status("starting embedded etcd (TLS)"):
+        server = stack.enter_context(EmbeddedEtcd(tls=server_files(tls_dir)))
+    root.console.print(f"etcd      embedded, {server.url}, TLS with client certificates (CA in {tls_dir})")
+    return server.endpoint
+
+
+def _run(
+    pool: PoolConfig, stack: ExitStack, demo: str, serve: int, hold: bool, lanes: int, route: str,
+    tenants: Tenants | None = None,
+) -> None:  # fmt: skip
     """Everything ``up`` does on the running ``pool``."""
     from kvpool.cli import status  # here, not above: up comes first in --help
     from kvpool.prefill_decode.demo import run_demo
@@ -88,13 +109,14 @@ def _run(pool: PoolConfig, stack: ExitStack, demo: str, serve: int, hold: bool, 
     service = None
     if demo != "none" or serve >= 0:
         model = demo if demo != "none" else MODELS[0]
-        service = stack.enter_context(demo_service(pool, model, report, lanes, route))
+        service = stack.enter_context(demo_service(pool, model, report, lanes, route, tenants))
     if service is not None and demo != "none":
         run = run_demo(service)
         root.console.print(demo_table(run))
         for line in demo_lines(run):
             root.console.print(line)
-    with connect.running_cache(",".join(pool.metadata.endpoints), pool.metadata.cluster, "up") as cache:
+    etcd = stack.enter_context(closing(EtcdClient(pool.metadata)))  # pool.metadata: with the TLS settings
+    with MetadataCache(etcd, Namespace(pool.metadata.cluster)) as cache:
         cache.sync()
         root.console.print(status.render(status.gather(cache)))
     if service is not None and serve >= 0:
@@ -106,6 +128,7 @@ def _run(pool: PoolConfig, stack: ExitStack, demo: str, serve: int, hold: bool, 
 @root.app.command()
 def up(
     etcd: str | None = options.ETCD,
+    etcd_tls: str | None = options.ETCD_TLS,
     cluster: str = options.CLUSTER,
     ray_address: str | None = typer.Option(
         None,
@@ -151,6 +174,13 @@ def up(
     hold: bool = typer.Option(
         False, "--hold", help="Keep the pool up until Ctrl-C (default: check it, run the demo, leave)."
     ),
+    tenants: str = typer.Option(
+        "",
+        "--tenants",
+        help="A tenants file (TOML; kvpool tenants check FILE): --serve then answers only requests with a tenant's "
+        "API key (Authorization: Bearer KEY), keys each tenant's chunks from its own secret, and every node enforces "
+        "the tenants' quotas.",
+    ),
 ) -> None:
     """Bring a pool up, check it with a put and a get, run the prefill/decode demo, print the status.
 
@@ -168,11 +198,21 @@ def up(
             raise ConfigError(f"--demo must be one of {', '.join(MODELS)} or none, got {demo!r}")
         if route not in ROUTES:
             raise ConfigError(f"--route must be one of {', '.join(ROUTES)}, got {route!r:.40}")
+        tenants_file = Tenants.load(tenants) if tenants else None
+        if etcd_tls and not etcd:
+            etcd = _tls_etcd(stack, etcd_tls)
+        metadata = options.metadata_config(etcd, cluster, etcd_tls)
+        if metadata.tls and not metadata.endpoints:
+            raise ConfigError(
+                "etcd TLS files are set (KVPOOL_ETCD_CA...) but no --etcd: pass --etcd-tls DIR to start the embedded "
+                "etcd with TLS, or --etcd for a running one"
+            )
         pool = PoolConfig(
-            metadata=options.metadata_config(etcd, cluster), dram_bytes=dram_mib * MiB, nvme_bytes=nvme_mib * MiB or -1,
+            metadata=metadata, dram_bytes=dram_mib * MiB, nvme_bytes=nvme_mib * MiB or -1,
             nvme_dir=nvme_dir, nvme_codec=nvme_codec,
             remote=options.remote_config(s3_bucket, s3_endpoint, s3_codec, flush_after),
+            quotas=tenants_file.quotas() if tenants_file else {},
         )  # fmt: skip
         config = StackConfig(pool=pool, nodes=nodes, ray_address=ray_address or "")
         running = stack.enter_context(running_pool(config, root.ConsoleReport()))
-        _run(running, stack, demo, serve, hold, lanes, route)
+        _run(running, stack, demo, serve, hold, lanes, route, tenants_file)

@@ -45,6 +45,10 @@ bit in an uncompressed body is not detected here: the pool's checksum of the sto
 
 The codec is part of a stored object's identity: :func:`codec_key` derives the key of a chunk stored with a codec
 from its plain key (``raw`` keeps the plain key, so nothing stored before codecs existed changes name).
+
+Encryption at rest is not a stage of a spec but a setting of the tier (``PoolConfig.encryption``,
+``RemoteConfig.encryption``; see :mod:`~kvpool.pool.tiers.crypto` for why): it seals whatever the tier stores, after
+this codec, and the stored codec name then ends in ``+aes256gcm`` (``codec_key`` accepts such names).
 """
 
 import hashlib
@@ -58,6 +62,7 @@ import numpy as np
 import torch
 
 from kvpool.errors import ConfigError, UndecodableChunk, UnencodableTensor
+from kvpool.pool.tiers import crypto
 from kvpool.pool.tiers.lossless import compress, decompress, delta, from_planes, to_planes, undelta
 from kvpool.pool.tiers.quantizers import DEFAULT_GROUP, Fp8, Int4, Quantizer, Raw
 
@@ -244,6 +249,11 @@ def _parse(spec: str) -> Codec:
     base, *stages = spec.split("+")
     if base == "zstd":
         base, stages = "raw", ["zstd", *stages]
+    if crypto.STAGE.removeprefix("+") in stages:
+        raise ConfigError(
+            f"codec spec {spec!r}: encryption is not a codec stage; set the tier's encryption (PoolConfig.encryption "
+            "for NVMe, RemoteConfig.encryption for S3), which seals every chunk there, bytes or tensors"
+        )
     if stages not in ([], ["zstd"], ["delta", "zstd"]):
         raise ConfigError(f"codec spec {spec!r}: stages must be nothing, +zstd or +delta+zstd ({_GRAMMAR})")
     quantizer: Quantizer
@@ -272,8 +282,10 @@ def read_header(data: Buffer) -> ChunkHeader:
     length it announces is not what follows."""
     view = memoryview(data).cast("B")
     reader = _Reader(view)
-    if reader.take(4) != MAGIC:
-        raise UndecodableChunk("not an encoded KV chunk (bad magic or format version)")
+    magic = reader.take(4)
+    if magic != MAGIC:
+        sealed = " but sealed bytes: open them first (pool/tiers/crypto.py)" if magic == crypto.MAGIC else ""
+        raise UndecodableChunk(f"not an encoded KV chunk (bad magic or format version){sealed}")
     try:
         name = reader.take(reader.byte()).decode("ascii")
     except UnicodeDecodeError:
@@ -304,12 +316,16 @@ def codec_key(chunk_key: bytes, codec: Codec | str) -> bytes:
     """The key of a chunk stored with ``codec``: ``SHA-256(key || "codec" || name)``, or ``key`` itself for raw.
 
     Apply it last: ``codec_key(layer_key(k, l), codec)``; chunks of different codecs never share a key, and raw
-    chunks keep the keys they always had.
+    chunks keep the keys they always had.  A sealed codec name (``...+aes256gcm``) is another codec: its own key.
     """
     if not isinstance(chunk_key, bytes) or len(chunk_key) != _KEY_BYTES:
         got = f"{len(chunk_key)} bytes" if isinstance(chunk_key, bytes) else type(chunk_key).__name__
         raise ConfigError(f"chunk_key: a chunk key is a {_KEY_BYTES}-byte SHA-256 digest (pool/keys.py), got {got}")
-    name = codec.name if isinstance(codec, Codec) else parse_codec(codec).name
+    if isinstance(codec, Codec):
+        name = codec.name
+    else:
+        inner, sealed = crypto.split(codec) if isinstance(codec, str) else (codec, False)
+        name = parse_codec(inner).name + (crypto.STAGE if sealed else "")
     if name == "raw":
         return chunk_key
     return hashlib.sha256(chunk_key + b"codec" + name.encode("ascii")).digest()

@@ -4,7 +4,9 @@ Object layout.  One object per stored chunk, named ``<prefix>/<cluster>/<hex of 
 ``bucket``: ``cluster`` keeps several pools apart in one bucket, and the codec is part of the identity
 (:func:`~kvpool.pool.tiers.codecs.codec_key`), so a chunk stored raw and the same chunk stored int4 are two objects
 that never overwrite each other.  The object's bytes are exactly what the node would hold in DRAM (the codec's
-output, checksummed by the pool like any other replica); nothing else is stored with it.
+output, checksummed by the pool like any other replica); nothing else is stored with it.  With ``encryption`` set,
+those bytes are sealed (:mod:`~kvpool.pool.tiers.crypto`, codec name ``...+aes256gcm``) before they are uploaded: the
+object store sees ciphertext only, and a sealed chunk is another object than the same chunk unsealed.
 
 Endpoint and credentials.  Empty fields fall back to boto3's own resolution, so a deployment can configure the
 tier the way it configures any AWS tool: ``endpoint_url`` empty means ``AWS_ENDPOINT_URL_S3`` /

@@ -1,4 +1,5 @@
-"""The S3 (remote) tier's settings, checked when they are made: importing this needs neither boto3 nor torch."""
+"""The S3 (remote) tier's settings, checked when they are made: importing this needs neither boto3 nor torch (nor
+more of ``cryptography`` than its AES-GCM, for the tier's encryption at rest)."""
 
 import math
 import re
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 
 from kvpool.errors import ConfigError
 from kvpool.metadata.config import validate_name
+from kvpool.pool.tiers.crypto import EncryptionConfig
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _IPV4 = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
@@ -47,6 +49,9 @@ class RemoteConfig:
     promote_on_hit: bool = True  #: a hit on a remote chunk copies it back into the node's DRAM
     timeout_s: float = 5.0  #: connect and read timeout of one request (each is retried once)
     name: str = "s3"  #: the holder name placements in this tier record (a node_id, so the same rules)
+    #: encryption at rest: every object sealed with AES-256-GCM after ``codec`` (pool/tiers/crypto.py); off until a
+    #: key file or variable is set; every node and client that uses the tier needs the keys
+    encryption: EncryptionConfig = field(default_factory=EncryptionConfig)
 
     def __post_init__(self) -> None:
         for name in ("bucket", "endpoint_url", "prefix", "region", "access_key_id", "secret_access_key", "codec"):
@@ -83,6 +88,8 @@ class RemoteConfig:
         if not _seconds(self.timeout_s):
             raise ConfigError(f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
         validate_name("name", self.name)
+        if not isinstance(self.encryption, EncryptionConfig):
+            raise ConfigError(f"encryption must be an EncryptionConfig, got {type(self.encryption).__name__}")
 
     @property
     def enabled(self) -> bool:

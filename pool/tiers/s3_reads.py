@@ -1,6 +1,8 @@
 """A client's reads from the S3 (remote) tier: a chunk whose only copies are there is fetched by the client
-itself (several GETs at once), verified, decoded and, with ``remote.promote_on_hit``, put back into the pool.
-Also the removal of S3 copies and the reconciliation of the bucket with etcd (``kvpool gc``)."""
+itself (several GETs at once), verified, opened (an encrypted tier's objects, with ``remote.encryption``'s keys),
+decoded and, with ``remote.promote_on_hit``, put back into the pool.  An object this client cannot open (no key, another
+key, altered) is a miss; its placement and object are kept, since other processes may hold the right key.  Also
+the removal of S3 copies and the reconciliation of the bucket with etcd (``kvpool gc``)."""
 
 import contextlib
 import logging
@@ -11,9 +13,10 @@ from typing import Any
 from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError, MetadataUnavailable, RemoteUnavailable
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.placement import PlacementStore
-from kvpool.pool.chunks import short
+from kvpool.pool.chunks import checksum, short
 from kvpool.pool.reads import Outcome, fill
-from kvpool.pool.tiers.codecs import TensorFormat
+from kvpool.pool.tiers.codecs import Buffer, TensorFormat
+from kvpool.pool.tiers.crypto import Keyring, UndecryptableChunk, split, unseal
 from kvpool.pool.tiers.s3 import RemoteStore, collect_garbage
 from kvpool.pool.tiers.s3_config import RemoteConfig
 from kvpool.pool.types import Placement
@@ -33,6 +36,7 @@ class S3Reads:
         self.config, self.cluster = config, cluster
         self.cache, self.placements, self.put_back, self.wait_s = cache, placements, put_back, wait_s
         self._store: RemoteStore | None = None  #: made on first use
+        self._keys: Keyring | None = None  #: loaded on first use of a sealed object
 
     def store(self) -> RemoteStore | None:
         if self._store is None and self.config.enabled:
@@ -66,9 +70,10 @@ class S3Reads:
                 log.warning("chunk %s: S3 tier unavailable, a miss: %s", short(p.key), exc)
                 out.append(None)
                 continue
-            out.append(fill(dest, data, p.codec, p.checksum))
+            intact, body, codec = self._fill(p, dest, data)  # body, codec: below the seal, if any
+            out.append(intact)
             if out[-1] and self.config.promote_on_hit:
-                fmt = TensorFormat.of_encoded(data) if p.codec != "raw" else None
+                fmt = TensorFormat.of_encoded(body) if codec != "raw" else None
                 promote.append((p.key, fmt.view(dest) if fmt is not None else dest))
         if gone:
             log.warning("%d S3 placements named objects that are gone: dropping them", len(gone))
@@ -80,6 +85,22 @@ class S3Reads:
             except KvPoolError as exc:  # the read succeeded; only the promotion did not
                 log.info("could not promote %d chunks from the S3 tier: %s", len(promote), exc)
         return out
+
+    def _fill(self, p: Placement, dest: memoryview, data: bytes) -> tuple[Outcome, Buffer, str]:
+        """``fill`` for an object, opened first if sealed: whether it came out intact (None: this client cannot open
+        it), and its bytes and codec below the seal."""
+        if not split(p.codec)[1]:
+            return fill(dest, data, p.codec, p.checksum), data, p.codec
+        if checksum(data) != p.checksum:
+            return False, data, p.codec
+        try:
+            if self._keys is None:
+                self._keys = self.config.encryption.keyring()
+            plain, codec = unseal(data, p.codec, p.key, self._keys)
+        except (UndecryptableChunk, ConfigError) as exc:  # ConfigError: this process cannot load the keys
+            log.warning("chunk %s in the S3 tier cannot be opened here, a miss: %s", short(p.key), exc)
+            return None, data, p.codec
+        return fill(dest, plain, codec, checksum(plain)), plain, codec
 
     def drop(self, replicas: Sequence[Placement], *, delete_objects: bool = True) -> None:
         """Delete S3 copies: their objects, then their placements (a placement left behind by a failure names a

@@ -1,12 +1,8 @@
 """Faults on a real pool (Ray + etcd + NIXL): a cache may miss, it never serves wrong bytes, and it keeps
 working when a node dies, bytes rot or every chunk is pinned.  Each test prints its figures."""
 
-import contextlib
 import os
 import random
-import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -17,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import ray
+from ray_nodes import extra_ray_node
 
 from kvpool.errors import ChunkNotFound, CorruptChunk, KvPoolError, PoolFull
 from kvpool.metadata.config import MetadataConfig
@@ -26,8 +23,6 @@ from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node import start_pool, stop_pool
 from kvpool.pool.node_handle import actor_name
 from kvpool.pool.types import Tier
-from kvpool.servers.etcd import free_port
-from kvpool.servers.ray_cluster import RAY_ENV
 
 CHUNK = 64 * 1024
 
@@ -70,7 +65,7 @@ def test_bytes_flipped_in_dram_and_nvme_are_always_caught(
         client.put_batch([(k, blob(i)) for i, k in enumerate(keys)])
         client.move(keys[16:], Tier.NVME)
         assert {p.tier for k in keys[16:] for p in client.cache.replicas(k)} == {Tier.NVME}
-        [nvme_file] = [p for p in tmp_path.iterdir() if p.is_file()]
+        [nvme_file] = tmp_path.glob("*.nvme")  # beside it: the segment's journal and lock (warm restart)
         rng = random.Random(7)
         assert client._segment is not None
         for key in keys:
@@ -146,50 +141,9 @@ def test_a_whole_ray_node_killed_during_traffic_loses_no_acknowledged_chunk(
 ) -> None:
     """The same with a whole Ray node gone at once (raylet, object store, workers, the PoolNode: a power
     cut): every process started by that node's ``ray start`` is SIGKILLed."""
-    with _extra_ray_node("127.0.0.9") as (node_id, kill):
+    with extra_ray_node("127.0.0.9") as (node_id, kill):
         pool = make_pool([*ray_cluster[:2], node_id], dram_bytes=16 * MiB, nvme_bytes=16 * MiB)
         _traffic_through_a_death(pool, node_id, "whole Ray node killed", kill)
-
-
-@contextlib.contextmanager
-def _extra_ray_node(ip: str) -> Iterator[tuple[str, Callable[[], None]]]:
-    """A Ray node on ``ip`` joined to the session's cluster, and a function that kills it whole: every
-    process carrying its environment marker (``ray start``, raylet, object store, workers)."""
-    marker = uuid.uuid4().hex
-    gcs = ray.get_runtime_context().gcs_address
-    args = [
-        str(Path(sys.executable).with_name("ray")), "start", f"--address={gcs}", f"--node-ip-address={ip}",
-        "--num-cpus=1", f"--object-store-memory={96 * MiB}", f"--dashboard-agent-listen-port={free_port(ip)}",
-        "--disable-usage-stats", "--block",
-    ]  # fmt: skip
-    env = {**os.environ, **RAY_ENV, "KVPOOL_FAULT_NODE": marker}
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-
-    def kill() -> None:
-        for pid in _pids_with(f"KVPOOL_FAULT_NODE={marker}"):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-    try:
-        deadline = time.monotonic() + 120
-        while not (node := next((n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == ip), None)):
-            assert proc.poll() is None and time.monotonic() < deadline, f"Ray node {ip} did not join"
-            time.sleep(0.2)
-        yield node["NodeID"], kill
-    finally:
-        kill()
-        proc.wait(timeout=30)
-
-
-def _pids_with(entry: str) -> list[int]:
-    """Processes whose environment holds ``entry`` (``NAME=value``)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            with contextlib.suppress(OSError):
-                if entry.encode() in (proc / "environ").read_bytes().split(b"\0"):
-                    pids.append(int(proc.name))
-    return pids
 
 
 def _traffic_through_a_death(pool: PoolConfig, victim: str, what: str, kill: Callable[[], None]) -> None:

@@ -30,6 +30,9 @@ COMMANDS = (
     "gc",
     "s3",
     "etcd",
+    "certs",
+    "keys",
+    "tenants",
 )
 group: Any = typer.main.get_command(app)  # a click-style group: .commands by name, each with .params
 
@@ -74,6 +77,8 @@ def test_field_default_refuses_what_is_not_there() -> None:
         (["up", "--demo", "gpt-9"], "--demo must be one of smollm2-135m, tiny-llama or none, got 'gpt-9'"),
         (["bench", "--ttft", "12,x"], "--ttft takes prompt lengths like 1024,4096"),
         (["etcd", "--data-dir", "/tmp/x", "--host", "0.0.0.0"], "--advertise: with --host 0.0.0.0"),
+        (["up", "--tenants", "/nonexistent/tenants.toml"], "tenants file '/nonexistent/tenants.toml' cannot be read"),
+        (["tenants", "check", "/nonexistent/t.toml"], "cannot be read"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_1(args: list[str], message: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -129,3 +129,46 @@ def test_short_size(n: int, shown: str) -> None:
 @pytest.mark.parametrize(("s", "shown"), [(0.4, "0s"), (119, "119s"), (4000, "66m"), (7200, "2h"), (3 * 86400, "3d")])
 def test_short_duration(s: float, shown: str) -> None:
     assert short_duration(s) == shown
+
+
+def test_a_tenants_use_against_its_quota_from_the_nodes_metrics() -> None:
+    """``kvpool status --tenant``: what the node's metrics say the tenant holds per tier, against its quota."""
+    from kvpool.cli.scrape import summed
+
+    exposition = (
+        "# TYPE kvpool_tenant_used_bytes gauge\n"
+        'kvpool_tenant_used_bytes{node="n",tenant="acme",tier="dram"} 3145728.0\n'
+        'kvpool_tenant_used_bytes{node="n",tenant="acme",tier="nvme"} 1048576.0\n'
+        'kvpool_tenant_used_bytes{node="n",tenant="",tier="dram"} 5.0\n'
+        "# TYPE kvpool_tenant_quota_bytes gauge\n"
+        'kvpool_tenant_quota_bytes{node="n",tenant="acme",tier="dram"} 4194304.0\n'
+        'kvpool_tenant_quota_bytes{node="n",tenant="acme",tier="nvme"} 0.0\n'
+    )
+    m = summed(exposition)
+    assert m["kvpool_tenant_used_bytes{acme,dram}"] == 3 * MiB
+    parsed = status._node(_FakeCache(), _FakeRecord(), m, 0.0).tenants  # type: ignore[arg-type]
+    assert parsed["acme"] == {"dram": (3 * MiB, 4 * MiB), "nvme": (MiB, 0)} and parsed[""] == {"dram": (5, 0)}
+    shown = text(status.tenant_table(snapshot((node(0, tenants=parsed), node(1))), "acme"), 120)
+    assert "3.0 MiB / 4.0 MiB" in shown and "1.0 MiB / no quota" in shown and "0.0 MiB / no quota" in shown
+
+
+class _FakeCache:
+    def bytes_held(self, node_id: str, tier: object) -> int:
+        return 0
+
+    def replica_count(self, node_id: str | None = None) -> int:
+        return 0
+
+
+class _FakeRecord:
+    node_id, host, pid, started, metrics = "n" * 16, "h", 1, 0.0, ""
+
+    def capacity(self, tier: object) -> int:
+        return 0
+
+
+@pytest.mark.usefixtures("fake_pool")
+def test_the_command_shows_one_tenant() -> None:
+    result = runner.invoke(app, ["status", "--etcd", "127.0.0.1:2379", "--tenant", "acme"])
+    assert result.exit_code == 0, result.output
+    assert "tenant 'acme'" in result.stdout and "holds nothing on the live nodes" in result.stdout

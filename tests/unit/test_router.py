@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from kvpool.errors import ConfigError
+from kvpool.pool.tenants import Scope
 from kvpool.pool.types import Placement, Tier
 from kvpool.prefill_decode.cost import Action, CostModel, Decision, Hardware, model_spec
 from kvpool.prefill_decode.router import PEER, LaneRouter, Policy, Quote, Route, choose, decide, read_path
@@ -104,9 +105,11 @@ def _placements(where: dict[bytes, list[tuple[str, Tier]]]) -> Callable[[bytes],
     return lambda key: table.get(key, [])
 
 
-def _keys(tokens: Sequence[int]) -> list[list[bytes]]:
-    """Chunk c of a prompt is one object named by the prompt's first token and c (a stand-in for the hash chain)."""
-    return [[b"%d-%d" % (tokens[0], c)] for c in range(len(tokens) // CHUNK)]
+def _keys(tokens: Sequence[int], scope: Scope | None = None) -> list[list[bytes]]:
+    """Chunk c of a prompt is one object named by the prompt's first token and c (a stand-in for the hash chain);
+    a tenant's scope (its name stands for its secret) gives other names."""
+    tag = b"" if scope is None else scope.tenant.encode()
+    return [[b"%s%d-%d" % (tag, tokens[0], c)] for c in range(len(tokens) // CHUNK)]
 
 
 def _router(where: dict[bytes, list[tuple[str, Tier]]], policy: Policy) -> LaneRouter:
@@ -117,6 +120,18 @@ def _router(where: dict[bytes, list[tuple[str, Tier]]], policy: Policy) -> LaneR
 
 def _quote(lane: int, queued: int, queued_s: float, prefill_s: float) -> Quote:
     return Quote(lane, Decision(Action.RECOMPUTE, 1024, 0, "-", prefill_s, prefill_s), queued, queued_s)
+
+
+def test_a_tenants_prompt_is_quoted_in_its_own_chain() -> None:
+    """What is cached for one chain is no prediction for another: a tenant's quote of a prompt cached for nobody in
+    particular (or for another tenant) counts nothing cached, and the booked chunks are the tenant's own."""
+    prompt = [7] * (2 * CHUNK)
+    where = {b"7-%d" % c: [("node-b", Tier.DRAM)] for c in range(2)}
+    router = _router(where, Policy.CACHE_AWARE)
+    acme = Scope("tenant:acme", "acme", b"s" * 16)
+    assert all(q.decision.cached_tokens == 0 for q in router.quotes(prompt, acme))
+    assert router.pick(prompt, acme).keys == (b"acme7-0", b"acme7-1")
+    assert router.quotes(prompt)[1].decision.cached_tokens == 2 * CHUNK
 
 
 def test_read_path_is_the_tier_on_the_readers_node_and_peer_for_another_nodes_dram() -> None:

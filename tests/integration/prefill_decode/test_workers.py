@@ -2,6 +2,7 @@
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -139,3 +140,57 @@ def test_two_lanes_route_to_the_prefix(
         for handle in (prefill2, decode2):
             ray.get(handle.close.remote())
             ray.kill(handle)
+
+
+def test_a_tenant_never_hits_another_tenants_prefix(
+    workers: tuple[Any, Any], model: LoadedModel, tmp_path: Path
+) -> None:
+    """Through the HTTP front with a tenants file: the key a request carries decides whose chain its chunks are keyed
+    in.  Another tenant's prompt, sent word for word, hits nothing (the probe learns nothing); a shared namespace is
+    shared by the tenants that list it; a request without a tenant's key is refused; every answer is the model's."""
+    from aiohttp import ClientSession, web
+
+    from kvpool.pool.tenants import Tenants, new_secret
+    from kvpool.prefill_decode.service import Lane, Service, make_app
+
+    path = tmp_path / "tenants.toml"
+    path.write_text(
+        f"[tenants.acme]\nsecret = '{new_secret()}'\napi_keys = ['sk-acme']\nshared = ['public']\n"
+        f"[tenants.globex]\nsecret = '{new_secret()}'\napi_keys = ['sk-globex']\nshared = ['public']\n"
+        f"[shared.public]\nsecret = '{new_secret()}'\n"
+    )
+    service = Service(Lane(*workers), model=model.name, tenants=Tenants.load(str(path)))
+    tokens = torch.randint(0, 512, (3 * 32 + 4,), generator=torch.Generator().manual_seed(14)).tolist()
+    body = {"prompt": tokens, "max_tokens": 4}
+    asks = [
+        ("sk-acme", body), ("sk-acme", body),  # cold, then its own prefix
+        ("sk-globex", body), ("sk-globex", body),  # the same prompt: acme's chunks are not its; then its own
+        ("sk-acme", {**body, "cache_namespace": "public"}), ("sk-globex", {**body, "cache_namespace": "public"}),
+        ("", body), ("sk-nobody", body), ("sk-acme", {**body, "cache_namespace": "secret-club"}),
+    ]  # fmt: skip
+
+    async def scenario() -> list[tuple[int, dict[str, Any]]]:
+        runner = web.AppRunner(make_app(service))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        out = []
+        try:
+            async with ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as http:
+                for key, ask in asks:
+                    headers = {"Authorization": f"Bearer {key}"} if key else {}
+                    async with http.post("/v1/completions", json=ask, headers=headers) as r:
+                        out.append((r.status, await r.json()))
+        finally:
+            await runner.cleanup()
+        return out
+
+    got = asyncio.run(scenario())
+    reused = [answer["kvpool"]["prefill"]["reused_tokens"] for status, answer in got[:6]]
+    assert [status for status, _ in got] == [200] * 6 + [401, 401, 403]
+    assert reused == [0, 3 * 32, 0, 3 * 32, 0, 3 * 32]
+    with torch.no_grad():
+        reference = model.model.generate(torch.tensor([tokens]), max_new_tokens=4, do_sample=False)
+    assert all(answer["choices"][0]["tokens"] == reference[0, len(tokens) :].tolist() for _, answer in got[:6])
+    assert "Authorization: Bearer" in got[6][1]["error"]["message"]
+    assert "may not use shared namespace 'secret-club'" in got[8][1]["error"]["message"]

@@ -55,13 +55,14 @@ def in_tier(client: PoolClient, key: bytes, tier: Tier) -> Placement | None:
 
 @pytest.fixture
 def make_pool(ray_cluster: list[str], metadata_config: MetadataConfig, tmp_path: Path) -> Iterator[MakePool]:
-    """Pools on the head node sharing the test's etcd cluster (so placements outlive a pool); stopped after."""
+    """Pools on the head node sharing the test's etcd cluster (so placements outlive a pool); stopped after.  Each
+    starts with an empty NVMe tier (no warm restart): what a later pool finds must come from S3."""
     started: list[PoolConfig] = []
 
     def make(remote: RemoteConfig, **kw: Any) -> PoolConfig:
         config = PoolConfig(
             metadata=metadata_config, namespace=f"remote-{uuid.uuid4().hex[:8]}", dram_bytes=4 * MiB,
-            nvme_bytes=8 * MiB, nvme_dir=str(tmp_path), remote=remote, **kw,
+            nvme_bytes=8 * MiB, nvme_dir=str(tmp_path), warm_restart=False, remote=remote, **kw,
         )  # fmt: skip
         start_pool(config, ray_cluster[:1])
         started.append(config)
