@@ -5,7 +5,8 @@ store fills ``--nvme-mib`` of NVMe with chunks of ``--chunk-kib`` (put in DRAM, 
 journal as the node's publisher tells it); the node "dies" (files closed); a new one opens the segment, replays the
 journal, reads and checks every chunk (``IO_THREADS`` reads at once, as the node does) and adopts them.  Printed beside
 it: O_DIRECT read of the same directory (the limit: a restart reads every byte once) and crc32c over memory (the
-checksum's own rate).  Publishing the placements to etcd afterwards is one batched publish, measured by
+checksum's own rate).  Columns: replay = open the journal and replay it; read+verify = read every chunk and check
+its checksum; adopt = book the chunks in the store and rewrite the journal; B/chunk = journal bytes per chunk.  Publishing the placements to etcd afterwards is one batched publish, measured by
 ``bench/metadata.py``.
 
     python bench/restart.py [--nvme-mib 512] [--chunk-kib 2048] [--dir DIR] [--json bench/results/restart.json]
@@ -106,8 +107,8 @@ def main() -> None:
     row |= {"verify_gbps": gbps(int(row["bytes"]), row["verify_s"]), "disk_read_gbps": disk_read,
             "crc32c_gbps": crc_gbps(64 * MiB), "filled": n}  # fmt: skip
     table = Table(title=f"warm restart: {n} chunks of {args.chunk_kib} KiB on {args.nvme_mib} MiB of NVMe")
-    for col in ("taken back", "replay journal", "read + verify", "adopt + rewrite", "total", "verify GB/s",
-                "limit: O_DIRECT read GB/s", "crc32c GB/s", "journal B/chunk"):  # fmt: skip
+    for col in ("taken back", "replay", "read+verify", "adopt", "total", "GB/s", "limit: disk GB/s", "crc GB/s",
+                "B/chunk"):  # fmt: skip
         table.add_column(col, justify="right")
     table.add_row(
         f"{row['chunks']}/{n}", f"{row['replay_s'] * 1e3:.1f} ms", f"{row['verify_s']:.2f} s",

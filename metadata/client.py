@@ -45,6 +45,10 @@ _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # One watch answer carries every key a revision deleted: a node leaving takes all its placements in one revision
+    # (~120 B each), past gRPC's default 4 MiB at ~37 k of them, and a watch that cannot take its answer breaks (every
+    # cache re-snapshots at once).  The etcd here cannot fragment watch answers (its API predates `fragment`).
+    ("grpc.max_receive_message_length", 64 << 20),
 ]
 FAILED_MEMBER_S = 1.0  #: with several endpoints, a member that failed a call is skipped this long
 #: how to reach etcd over TLS from the command line, for error messages
@@ -249,9 +253,9 @@ class EtcdClient:
 
         def page() -> Any:
             try:
-                return self._client.get_range_response(
-                    start, end, sort_order="ascend", limit=limit, revision=revision or None
-                )
+                # no sort asked: etcd returns a range in key order anyway, and a sorted range makes etcd 3.5 read
+                # the whole rest of the range for every page (a snapshot grew with the square of the keys)
+                return self._client.get_range_response(start, end, limit=limit, revision=revision or None)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and limit > 1:
                     return None  # too many bytes for one answer: halve the page

@@ -28,7 +28,7 @@ class Tier(enum.Enum):
 _TIER_RANK = {t: i for i, t in enumerate(Tier)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Placement:
     """Where one replica of one chunk lives, and how to check it."""
 

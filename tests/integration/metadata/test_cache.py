@@ -54,6 +54,19 @@ def test_snapshot_is_paged(etcd: EtcdClient, namespace: Namespace) -> None:
         assert cache.revision >= revision
 
 
+def test_a_revision_deleting_50k_placements_reaches_the_watch_whole(etcd: EtcdClient, namespace: Namespace) -> None:
+    """What a node leaving does to every watch: one revision deletes all its placements, one answer of ~6 MB (past
+    gRPC's default 4 MiB) that the watch must take without breaking (no re-snapshot)."""
+    keys = chunk_keys(CacheIdentity(model="m", kv_dtype="bf16", layout="all", chunk_size=1), range(50_000))
+    PlacementStore(etcd, namespace).publish(placements(keys), 0)
+    with MetadataCache(etcd, namespace) as cache:
+        cache.sync()
+        assert cache.chunk_count() == 50_000
+        etcd.delete_prefix(namespace.chunks)  # one revision
+        cache.sync()
+        assert cache.chunk_count() == 0 and cache.resyncs == 1
+
+
 def test_malformed_values_are_skipped_not_fatal(etcd: EtcdClient, namespace: Namespace, cache: MetadataCache) -> None:
     good, bad = chunk_keys(IDENT, range(16))
     etcd.put(namespace.replica(bad, "n1"), b"garbage")
