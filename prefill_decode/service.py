@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -71,6 +72,8 @@ class Service:
         self.model = model
         self.tokenizer = tokenizer
         self.eos = eos
+        #: per tenant ("" for requests of none): requests, prompt tokens, and prompt tokens reloaded from the pool
+        self.tenant_counts: dict[str, Counter[str]] = defaultdict(Counter)
 
     def tokenize(self, prompt: str | list[int], *, chat: bool = False) -> list[int]:
         if isinstance(prompt, list):
@@ -128,6 +131,8 @@ class Service:
         except ray.exceptions.RayActorError as exc:
             raise WorkerUnavailable(f"a prefill or decode worker died: {exc}; restart the service") from exc
         index = quote.lane if quote is not None else 0
+        counts = self.tenant_counts[scope.tenant if scope is not None else ""]
+        counts.update(requests=1, prompt_tokens=len(tokens), reused_tokens=first.summary.reused_tokens)
         return Completion(tokens, done.tokens, ttft, time.perf_counter() - t0, first, done, index, quote)
 
     def complete_sync(self, tokens: list[int], max_tokens: int, scope: Scope | None = None) -> Completion:
@@ -230,7 +235,8 @@ def make_app(service: Service) -> web.Application:
         got = await asyncio.gather(*calls)
         lanes = [{"prefill": got[2 * i], "decode": got[2 * i + 1]} for i in range(len(service.lanes))]
         router = service.router.stats() if service.router is not None else None
-        return web.json_response({"lanes": lanes, "router": router})
+        tenants = {t: dict(c) for t, c in service.tenant_counts.items()}
+        return web.json_response({"lanes": lanes, "router": router, "tenants": tenants})
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)

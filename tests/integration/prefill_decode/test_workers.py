@@ -181,11 +181,13 @@ def test_a_tenant_never_hits_another_tenants_prefix(
                     headers = {"Authorization": f"Bearer {key}"} if key else {}
                     async with http.post("/v1/completions", json=ask, headers=headers) as r:
                         out.append((r.status, await r.json()))
+                async with http.get("/stats") as r:
+                    out.append((r.status, await r.json()))
         finally:
             await runner.cleanup()
         return out
 
-    got = asyncio.run(scenario())
+    *got, (_, stats) = asyncio.run(scenario())
     reused = [answer["kvpool"]["prefill"]["reused_tokens"] for status, answer in got[:6]]
     assert [status for status, _ in got] == [200] * 6 + [401, 401, 403]
     assert reused == [0, 3 * 32, 0, 3 * 32, 0, 3 * 32]
@@ -194,3 +196,5 @@ def test_a_tenant_never_hits_another_tenants_prefix(
     assert all(answer["choices"][0]["tokens"] == reference[0, len(tokens) :].tolist() for _, answer in got[:6])
     assert "Authorization: Bearer" in got[6][1]["error"]["message"]
     assert "may not use shared namespace 'secret-club'" in got[8][1]["error"]["message"]
+    per_tenant = {t: (c["requests"], c["reused_tokens"]) for t, c in stats["tenants"].items()}
+    assert per_tenant == {"acme": (3, 3 * 32), "globex": (3, 2 * 3 * 32)}  # refused requests count for nobody
