@@ -24,6 +24,33 @@ def workers(ray_cluster: list[str], worker_config: WorkerConfig) -> Iterator[tup
         ray.kill(handle)
 
 
+def serve(service: Any, asks: list[tuple[str, dict[str, Any]]]) -> list[tuple[int, dict[str, Any]]]:
+    """``service``'s HTTP front on a free loopback port: each ``(API key or "", body)`` posted to /v1/completions in
+    turn, then ``GET /stats``; every ``(status, JSON answer)``."""
+    from aiohttp import ClientSession, web
+
+    from kvpool.prefill_decode.service import make_app
+
+    async def scenario() -> list[tuple[int, dict[str, Any]]]:
+        runner = web.AppRunner(make_app(service))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        out = []
+        try:
+            async with ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as http:
+                for key, body in asks:
+                    headers = {"Authorization": f"Bearer {key}"} if key else {}
+                    async with http.post("/v1/completions", json=body, headers=headers) as r:
+                        out.append((r.status, await r.json()))
+                async with http.get("/stats") as r:
+                    out.append((r.status, await r.json()))
+        finally:
+            await runner.cleanup()
+        return out
+
+    return asyncio.run(scenario())
+
+
 def test_decode_on_another_node_continues_from_the_pool(
     workers: tuple[Any, Any], model: LoadedModel, ray_cluster: list[str]
 ) -> None:
@@ -52,38 +79,19 @@ def test_decode_on_another_node_continues_from_the_pool(
 
 
 def test_http_completions_go_prefill_pool_decode(workers: tuple[Any, Any], model: LoadedModel) -> None:
-    from aiohttp import ClientSession, web
-
-    from kvpool.prefill_decode.service import Lane, Service, make_app
+    from kvpool.prefill_decode.service import Lane, Service
 
     tokens = torch.randint(0, 512, (3 * 32 + 4,), generator=torch.Generator().manual_seed(12)).tolist()
     service = Service(Lane(*workers), model=model.name)
 
-    async def scenario() -> list[tuple[int, dict[str, Any]]]:
-        runner = web.AppRunner(make_app(service))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-        out = []
-        try:
-            async with ClientSession(f"http://127.0.0.1:{port}") as http:
-                for body in (
-                    {"model": model.name, "prompt": tokens, "max_tokens": 6},
-                    {"model": model.name, "prompt": tokens, "max_tokens": 6},
-                    {"prompt": "text needs a tokenizer", "max_tokens": 6},
-                    {"prompt": tokens, "max_tokens": 0},
-                    {"prompt": [*tokens, 9999], "max_tokens": 2},
-                ):
-                    async with http.post("/v1/completions", json=body) as r:
-                        out.append((r.status, await r.json()))
-                async with http.get("/stats") as r:
-                    out.append((r.status, await r.json()))
-        finally:
-            await runner.cleanup()
-        return out
-
-    (s1, cold), (s2, warm), (s3, no_tok), (s4, bad), (s6, oov), (s5, stats) = asyncio.run(scenario())
+    bodies = [
+        {"model": model.name, "prompt": tokens, "max_tokens": 6},
+        {"model": model.name, "prompt": tokens, "max_tokens": 6},
+        {"prompt": "text needs a tokenizer", "max_tokens": 6},
+        {"prompt": tokens, "max_tokens": 0},
+        {"prompt": [*tokens, 9999], "max_tokens": 2},
+    ]
+    (s1, cold), (s2, warm), (s3, no_tok), (s4, bad), (s6, oov), (s5, stats) = serve(service, [("", b) for b in bodies])
     with torch.no_grad():
         reference = model.model.generate(torch.tensor([tokens]), max_new_tokens=6, do_sample=False)
     assert s1 == s2 == 200 and cold["choices"][0]["tokens"] == reference[0, len(tokens) :].tolist()
@@ -148,10 +156,8 @@ def test_a_tenant_never_hits_another_tenants_prefix(
     """Through the HTTP front with a tenants file: the key a request carries decides whose chain its chunks are keyed
     in.  Another tenant's prompt, sent word for word, hits nothing (the probe learns nothing); a shared namespace is
     shared by the tenants that list it; a request without a tenant's key is refused; every answer is the model's."""
-    from aiohttp import ClientSession, web
-
     from kvpool.pool.tenants import Tenants, new_secret
-    from kvpool.prefill_decode.service import Lane, Service, make_app
+    from kvpool.prefill_decode.service import Lane, Service
 
     path = tmp_path / "tenants.toml"
     path.write_text(
@@ -169,25 +175,7 @@ def test_a_tenant_never_hits_another_tenants_prefix(
         ("", body), ("sk-nobody", body), ("sk-acme", {**body, "cache_namespace": "secret-club"}),
     ]  # fmt: skip
 
-    async def scenario() -> list[tuple[int, dict[str, Any]]]:
-        runner = web.AppRunner(make_app(service))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        out = []
-        try:
-            async with ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as http:
-                for key, ask in asks:
-                    headers = {"Authorization": f"Bearer {key}"} if key else {}
-                    async with http.post("/v1/completions", json=ask, headers=headers) as r:
-                        out.append((r.status, await r.json()))
-                async with http.get("/stats") as r:
-                    out.append((r.status, await r.json()))
-        finally:
-            await runner.cleanup()
-        return out
-
-    *got, (_, stats) = asyncio.run(scenario())
+    *got, (_, stats) = serve(service, asks)
     reused = [answer["kvpool"]["prefill"]["reused_tokens"] for status, answer in got[:6]]
     assert [status for status, _ in got] == [200] * 6 + [401, 401, 403]
     assert reused == [0, 3 * 32, 0, 3 * 32, 0, 3 * 32]
