@@ -69,6 +69,12 @@ class UndecodableChunk(ChunkNotFound):
     stream, sizes that disagree with the header).  A ``ChunkNotFound``: callers treat it as a miss and recompute."""
 
 
+class UndecryptableChunk(ChunkNotFound):
+    """Sealed stored bytes could not be opened here: their key id is not in this process's keyring, the key under
+    that id is not the one that sealed them, or the bytes were altered or belong to another chunk.  A miss: recompute
+    (and check that this process's key file is the pool's)."""
+
+
 class RemoteUnavailable(KvPoolError):
     """The remote (S3) tier could not be used: the endpoint is down or unreachable, the credentials were refused
     (403), or the bucket is missing.  For a read the chunk is a miss in that tier; nothing in the other tiers is

@@ -57,7 +57,7 @@ from functools import lru_cache
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from kvpool.errors import ChunkNotFound, ConfigError
+from kvpool.errors import ConfigError, UndecryptableChunk
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +73,6 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _KEY_ID_RULE = "1-64 characters of letters, digits, '_', '.', ':' or '-', starting with a letter or digit"
 
 Buffer = bytes | bytearray | memoryview
-
-
-class UndecryptableChunk(ChunkNotFound):
-    """Sealed stored bytes could not be opened here: their key id is not in this process's keyring, the key under
-    that id is not the one that sealed them, or the bytes were altered or belong to another chunk.  A miss: recompute
-    (and check that this process's key file is the pool's)."""
 
 
 def sealed_name(codec: str) -> str:
