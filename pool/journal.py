@@ -161,11 +161,24 @@ class NvmeJournal:
                 out.append(_frame(["gone", chunk.key]))
         if not out or self._fd is None:
             return
-        if self._records + len(out) > max(COMPACT_AFTER * len(self._held), COMPACT_MIN):
-            self.rewrite(list(self._held.values()))
-            return
-        os.write(self._fd, b"".join(out))
-        self._records += len(out)
+        try:
+            if self._records + len(out) > max(COMPACT_AFTER * len(self._held), COMPACT_MIN):
+                self.rewrite(list(self._held.values()))
+                return
+            os.write(self._fd, b"".join(out))
+            self._records += len(out)
+        except OSError as exc:  # the pool goes on (the changes still reach etcd); only the next warm restart is lost
+            self._give_up(exc)
+
+    def _give_up(self, exc: OSError) -> None:
+        """Stop journaling and remove the journal: a node started on this segment later takes nothing back."""
+        log.warning("NVMe journal %s failed (%s): journaling stopped, the next restart starts empty", self.path, exc)
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
 
     def rewrite(self, chunks: Sequence[StoredChunk]) -> None:
         """Replace the journal by one naming just ``chunks`` (written aside, synced, renamed over it)."""

@@ -123,7 +123,10 @@ def join(
     with root.errors():
         if nvme_dir:
             nvme_dir = os.path.expanduser(nvme_dir)
-            os.makedirs(nvme_dir, exist_ok=True)
+            try:
+                os.makedirs(nvme_dir, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"--nvme-dir {nvme_dir} cannot be created ({exc.strerror}): give another") from None
         base = PoolConfig(
             metadata=options.pool_etcd(etcd, cluster, "join", etcd_tls), nvme_dir=nvme_dir, namespace=namespace,
             metrics_host=metrics_host, nvme_codec=nvme_codec,

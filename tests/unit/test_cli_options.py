@@ -79,6 +79,10 @@ def test_field_default_refuses_what_is_not_there() -> None:
         (["etcd", "--data-dir", "/tmp/x", "--host", "0.0.0.0"], "--advertise: with --host 0.0.0.0"),
         (["up", "--tenants", "/nonexistent/tenants.toml"], "tenants file '/nonexistent/tenants.toml' cannot be read"),
         (["tenants", "check", "/nonexistent/t.toml"], "cannot be read"),
+        (
+            ["join", "--ray-address", "127.0.0.2:6379", "--etcd", "127.0.0.1:2379", "--nvme-dir", "/proc/kvpool"],
+            "--nvme-dir /proc/kvpool cannot be created",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_1(args: list[str], message: str, monkeypatch: pytest.MonkeyPatch) -> None:

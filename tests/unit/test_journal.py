@@ -166,6 +166,22 @@ def test_the_journal_is_compacted_as_it_grows(
     again.stop()
 
 
+def test_a_journal_that_cannot_be_written_stops_and_the_next_start_is_empty(
+    tmp_path: Path, io: ThreadPoolExecutor
+) -> None:
+    node = Node(tmp_path, io)
+    node.put_on_nvme(range(2))
+    assert node.journal._fd is not None
+    os.close(node.journal._fd)  # the disk under the journal fails
+    node.put_on_nvme(range(2, 4))  # no exception: the changes still go on to etcd
+    assert node.journal._fd is None and not os.path.exists(node.journal.path)
+    node.put_on_nvme(range(4, 5))  # nothing more is written
+    node.stop()
+    again = Node(tmp_path, io)
+    assert again.recovery.adopted == []
+    again.stop()
+
+
 def test_an_unknown_journal_is_not_trusted(tmp_path: Path, io: ThreadPoolExecutor) -> None:
     (tmp_path / f"kvpool-{NAME}.journal").write_bytes(b"not a journal at all")
     NvmeSegment.create(NVME, str(tmp_path), name=NAME).close(remove=False)
