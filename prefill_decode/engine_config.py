@@ -27,11 +27,14 @@ class ConnectorConfig:
     chunk_size: int = DEFAULT_CHUNK_SIZE  #: tokens per chunk: a multiple of vLLM's block size
     replicas: int = 1  #: distinct nodes each saved chunk is written to
     load_failure: str = "recompute"  #: vLLM's kv_load_failure_policy under this connector ("fail" to keep vLLM's)
+    #: a tenants file (pool/tenants.py): a request's ``cache_salt`` must then be a tenant's API key, and its chunks are
+    #: keyed in that tenant's chain; a request without one is served without the pool.  "": no tenants
+    tenants: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.etcd, tuple) or not all(isinstance(e, str) and e for e in self.etcd):
             raise ConfigError(f"kv_connector_extra_config.etcd must be a list of 'host:port', got {self.etcd!r:.80}")
-        for name in ("cluster", "namespace", "ray_address", "node_ip", "model_id"):
+        for name in ("cluster", "namespace", "ray_address", "node_ip", "model_id", "tenants"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"kv_connector_extra_config.{name} must be a string, got {getattr(self, name)!r:.60}")
         for name in ("chunk_size", "replicas"):

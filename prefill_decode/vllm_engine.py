@@ -7,7 +7,8 @@ each JSON line on stdin with a line ``RESULT <json>``:
 - ``{"generate": [[token ids], ...], "max_tokens": 8, "reset": false}`` → per prompt ``{"tokens", "logprobs",
   "cached", "seconds"}``: greedy tokens, their log-probabilities, vLLM's ``num_cached_tokens`` and the wall time of
   the whole call (with ``max_tokens`` 1, the time to first token).  ``reset`` first drops vLLM's own prefix cache,
-  so a repeated prompt is served by the connector, not by the engine;
+  so a repeated prompt is served by the connector, not by the engine; ``"salts": ["key", ...]`` gives each prompt
+  a ``cache_salt`` (with the connector's ``tenants``: a tenant's API key);
 - ``{"connector": true}`` → kvpool's worker-side connector: its running ``totals`` and its cache ``identity``;
 - ``{"quit": true}`` → ends the process (queued saves finish first).
 
@@ -54,8 +55,11 @@ def start_engine(settings: dict[str, Any]) -> Any:
     )  # fmt: skip
 
 
-def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 8, reset: bool = False) -> list[dict[str, Any]]:
-    """Greedy completions of token-id prompts (see the module's docstring)."""
+def generate(
+    llm: Any, prompts: list[list[int]], max_tokens: int = 8, reset: bool = False, salts: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """Greedy completions of token-id prompts (see the module's docstring); ``salts``: each prompt's ``cache_salt``
+    ("" for none)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -63,7 +67,11 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 8, reset: boo
         llm.reset_prefix_cache()
     params = SamplingParams(max_tokens=max_tokens, temperature=0, detokenize=False, logprobs=0)
     started = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    asked = [
+        TokensPrompt(prompt_token_ids=p, cache_salt=s) if s else TokensPrompt(prompt_token_ids=p)
+        for p, s in zip(prompts, salts or [""] * len(prompts), strict=True)
+    ]
+    outs = llm.generate(asked, params, use_tqdm=False)
     seconds = time.perf_counter() - started
     return [
         {
@@ -114,8 +122,10 @@ class EngineProcess:
         self.proc.stdin.flush()
         return json.loads(self._expect("RESULT "))
 
-    def generate(self, prompts: list[list[int]], reset: bool = False, max_tokens: int = 8) -> list[dict[str, Any]]:
-        return self.ask(generate=prompts, reset=reset, max_tokens=max_tokens)
+    def generate(
+        self, prompts: list[list[int]], reset: bool = False, max_tokens: int = 8, salts: list[str] | None = None
+    ) -> list[dict[str, Any]]:
+        return self.ask(generate=prompts, reset=reset, max_tokens=max_tokens, salts=salts)
 
     def close(self) -> None:
         if self.proc.poll() is None and self.proc.stdin is not None:
@@ -144,7 +154,7 @@ def main() -> None:
         if cmd.get("connector"):
             answer: Any = connector_state()
         else:
-            answer = generate(llm, cmd["generate"], cmd.get("max_tokens", 8), cmd.get("reset", False))
+            answer = generate(llm, cmd["generate"], cmd.get("max_tokens", 8), cmd.get("reset", False), cmd.get("salts"))
         print("RESULT " + json.dumps(answer), flush=True)
 
 

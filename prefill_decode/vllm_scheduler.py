@@ -18,6 +18,7 @@ from kvpool.metadata.misses import miss_cause
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.advisor import AccessLog
 from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
+from kvpool.pool.tenants import Tenants
 from kvpool.prefill_decode.engine_config import ConnectorConfig
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class Transfer:
     #: a load whose last chunk reaches into what vLLM computes this step (the prompt's last token): done before the
     #: forward starts, so vLLM's own KV write of that token (before attention, not ordered with layer loads) wins
     whole_before_forward: bool = False
+    tenant: str = ""  #: whose chain the chunks are keyed in (the request's cache_salt named the tenant's API key)
 
 
 @dataclass
@@ -58,6 +60,7 @@ class KvPoolMetadata(KVConnectorMetadata):
 class _Request:
     tokens: list[int]
     block_ids: list[int]
+    tenant: str
     saved: int  #: chunks already in the pool or queued for saving
 
 
@@ -80,6 +83,8 @@ class SchedulerSide:
         self._saving: set[str] = set()  #: requests with saves sent to the workers
         self._asked = self._found = 0
         self._misses: Counter[str] = Counter()  #: why lookups stopped short (kvpool_misses_total)
+        self.tenants = Tenants.load(config.tenants) if config.tenants else None
+        self._tenant_of: dict[str, str | None] = {}  #: req id → its tenant ("": none; None: refused, no pool use)
         self.access_log = AccessLog.from_env()  #: sampled lookups for kvpool advise (KVPOOL_ACCESS_LOG)
         self._connect()
 
@@ -109,15 +114,25 @@ class SchedulerSide:
 
         threading.Thread(target=connect, name="kvpool-connector-etcd", daemon=True).start()
 
-    def held_chunks(self, tokens: list[int], limit: int) -> int:
-        """Leading chunks of ``tokens`` (at most ``limit``) whose every layer, on every TP rank, the pool holds."""
+    def tenant(self, request: Any) -> str | None:
+        """The tenant a request is for ("" without tenants), or None when tenants are on and its ``cache_salt`` is no
+        tenant's API key: then the pool is not used for it (vLLM's own cache separates salts as well)."""
+        if self.tenants is None:
+            return ""
+        salt = getattr(request, "cache_salt", None)
+        return self.tenants.by_api_key(salt) if salt and self.tenants.knows(salt) else None
+
+    def held_chunks(self, tokens: list[int], limit: int, tenant: str = "") -> int:
+        """Leading chunks of ``tokens`` (at most ``limit``) whose every layer, on every TP rank, the pool holds (in
+        ``tenant``'s chain)."""
         cache = self.cache
         if cache is None:
             self._connect()
             return 0
         held = limit
+        scope = self.tenants.scope(tenant) if self.tenants is not None and tenant else None
         for identity in self.identities:
-            keys = chunk_keys(identity, tokens[: limit * self.chunk])
+            keys = chunk_keys(identity, tokens[: limit * self.chunk], scope)
             if self.access_log is not None:  # KVPOOL_ACCESS_LOG: every object the request needs, for kvpool advise
                 wanted = [layer_key(k, layer) for k in keys for layer in range(self.layers)]
                 self.access_log.record(wanted, cache.size_of)
@@ -131,7 +146,10 @@ class SchedulerSide:
 
     def matched(self, request: Any, num_computed: int) -> int:
         tokens = list(request.prompt_token_ids or [])
-        held = self.held_chunks(tokens, len(tokens) // self.chunk)
+        tenant = self._tenant_of[request.request_id] = self.tenant(request)
+        if tenant is None:
+            return 0
+        held = self.held_chunks(tokens, len(tokens) // self.chunk, tenant)
         self._hits[request.request_id] = (num_computed, held * self.chunk)
         if not self.loads_kv:
             return 0
@@ -156,7 +174,10 @@ class SchedulerSide:
         for new in out.scheduled_new_reqs:
             tokens = list(new.prompt_token_ids or [])
             _, in_pool = self._hits.pop(new.req_id, (0, 0))
-            req = self._reqs[new.req_id] = _Request(tokens, list(new.block_ids[0]), in_pool // self.chunk)
+            tenant = self._tenant_of.pop(new.req_id, "")
+            if tenant is None:  # refused: no loads were planned; nothing is saved
+                continue
+            req = self._reqs[new.req_id] = _Request(tokens, list(new.block_ids[0]), tenant, in_pool // self.chunk)
             computed[new.req_id] = new.num_computed_tokens
             if (load := self._loads.pop(new.req_id, None)) is not None:
                 meta.loads.append(self._transfer(new.req_id, req, load, bpc))
@@ -179,9 +200,10 @@ class SchedulerSide:
                 after = min(done + out.num_scheduled_tokens.get(req_id, 0), len(req.tokens))
                 full = min(after // self.chunk, len(req.block_ids) // bpc)
                 if full > req.saved:
-                    meta.saves.append(
-                        Transfer(req_id, req.tokens[: full * self.chunk], req.saved, full, req.block_ids[: full * bpc])
-                    )
+                    meta.saves.append(Transfer(
+                        req_id, req.tokens[: full * self.chunk], req.saved, full, req.block_ids[: full * bpc],
+                        tenant=req.tenant,
+                    ))  # fmt: skip
                     req.saved = full
                     self._saving.add(req_id)
         self._loads.clear()
@@ -193,12 +215,14 @@ class SchedulerSide:
         return Transfer(
             req_id, req.tokens[: end * self.chunk], first, end, req.block_ids[: end * bpc],
             write_from=computed // self.block_size, whole_before_forward=end * self.chunk > end_token,
+            tenant=req.tenant,
         )  # fmt: skip
 
     def finished(self, req_id: str) -> bool:
         """Whether vLLM must keep the request's blocks until the workers report its saves done."""
         self._reqs.pop(req_id, None)
         self._hits.pop(req_id, None)
+        self._tenant_of.pop(req_id, None)
         self._loads.pop(req_id, None)
         if req_id in self._saving:
             self._saving.discard(req_id)

@@ -14,6 +14,7 @@ import torch
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.pool.metrics import MISS_PREFIX
+from kvpool.pool.tenants import Tenants
 from kvpool.prefill_decode.engine_config import ConnectorConfig
 from kvpool.prefill_decode.vllm_scheduler import RETRY_S, KvPoolMetadata, Transfer
 
@@ -64,6 +65,7 @@ class WorkerSide:
     ) -> None:
         self.config, self.identity, self.block_size, self.num_blocks = config, identity, block_size, num_blocks
         self.loads_kv = loads_kv
+        self.tenants = Tenants.load(config.tenants) if config.tenants else None
         self.bpc = config.chunk_size // block_size  #: blocks per chunk
         self.layers: dict[str, _Layer] = {}
         self.client: Any = None
@@ -142,7 +144,7 @@ class WorkerSide:
         loaded_bytes = 0
         try:
             client = self._pool()
-            keys = [chunk_keys(self.identity, t.tokens)[t.first : t.end] if client else [] for t in loads]
+            keys = [self._keys(t) if client else [] for t in loads]
             failed: list[set[int]] = [set() for _ in loads]  #: chunk indices that did not arrive, per request
             for layer in self.layers.values():
                 for t, ks, bad in zip(loads, keys, failed, strict=True):
@@ -234,16 +236,20 @@ class WorkerSide:
                 return
             bpc = self.bpc
             buf = self._buffer(client, "save", sum((t.end - t.first) * bpc * layer.block_bytes for layer, t in batch))
-            items, at = [], 0
+            items: dict[str, list[tuple[bytes, torch.Tensor]]] = {}  #: per tenant: its quota, its chain
+            at = 0
             for layer, t in batch:
                 data = layer.blocks(t.block_ids[t.first * bpc : t.end * bpc], buf[at:])
                 at += data.numel() * data.element_size()
-                keys = chunk_keys(self.identity, t.tokens)[t.first : t.end]
-                items += [(layer_key(k, layer.index), data[i * bpc : (i + 1) * bpc]) for i, k in enumerate(keys)]
+                mine = items.setdefault(t.tenant, [])
+                mine += [
+                    (layer_key(k, layer.index), data[i * bpc : (i + 1) * bpc]) for i, k in enumerate(self._keys(t))
+                ]
             try:
-                client.put_batch(items, replicas=self.config.replicas)
+                for tenant, chunk_layers in items.items():
+                    client.put_batch(chunk_layers, replicas=self.config.replicas, tenant=tenant)
             except KvPoolError as exc:  # a full pool, etcd or a node gone: a future miss, never an engine error
-                log.warning("kvpool: could not save %d chunk layers: %s", len(items), exc)
+                log.warning("kvpool: could not save %d chunk layers: %s", sum(map(len, items.values())), exc)
                 self._count(save_errors=len(batch))
                 return
             self._count(saved_tokens=sum((t.end - t.first) * self.config.chunk_size for _, t in batch), saved_bytes=at,
@@ -252,6 +258,11 @@ class WorkerSide:
             with self._saving:
                 for _, t in batch:
                     self._unsaved[t.req_id] -= 1
+
+    def _keys(self, t: Transfer) -> list[bytes]:
+        """The chunk keys of a transfer's chunks, in its tenant's chain."""
+        scope = self.tenants.scope(t.tenant) if self.tenants is not None and t.tenant else None
+        return chunk_keys(self.identity, t.tokens, scope)[t.first : t.end]
 
     def end_step(self, meta: KvPoolMetadata) -> None:
         """A producer's step ends when its saves are in the pool (a decode engine asked next finds them); the

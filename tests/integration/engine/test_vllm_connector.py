@@ -19,6 +19,7 @@ from kvpool.pool.config import PoolConfig
 from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.pool.node_handle import actor_name
 from kvpool.pool.segment import DramSegment
+from kvpool.pool.tenants import Tenants
 from kvpool.pool.types import Tier
 from kvpool.prefill_decode.engine_config import ConnectorConfig
 from kvpool.prefill_decode.vllm_connector import KvPoolMetadata, Transfer, WorkerSide
@@ -176,6 +177,41 @@ def test_etcd_unreachable_means_no_hits_and_normal_answers(
     with engine(settings, tmp_path / "etcd-down.log") as e:
         [got] = e.generate([P])
     assert got["cached"] == 0 and same_answer(got, baseline["P"])
+
+
+def test_tenants_by_cache_salt_never_hit_each_others_chunks(
+    engine_pool: PoolConfig, model_dir: str, baseline: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """With a tenants file, a request's ``cache_salt`` is its tenant's API key: its chunks are keyed in the tenant's
+    chain and charged to it.  The same prompt from another tenant finds nothing in the pool; a request whose salt is no
+    tenant's key is served without the pool; every answer is the model's."""
+    from kvpool.pool.tenants import new_secret
+
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(
+        f"[tenants.acme]\nsecret = '{new_secret()}'\napi_keys = ['sk-acme']\n"
+        f"[tenants.globex]\nsecret = '{new_secret()}'\napi_keys = ['sk-globex']\n"
+    )
+    settings = {"model": model_dir, "connector": extra_config(engine_pool, tenants=str(tenants))}
+    with engine(settings, tmp_path / "a.log") as a:
+        [first] = a.generate([P], salts=["sk-acme"])
+        identity = CacheIdentity(**a.ask(connector=True)["identity"])
+    with PoolClient(engine_pool) as client:
+        acme = chunk_keys(identity, P[: 2 * CHUNK], Tenants.load(str(tenants)).scope("acme"))
+        wait_for(client, [layer_key(k, layer) for k in acme for layer in range(4)])
+        with engine(settings, tmp_path / "b.log") as b:  # a fresh engine: what it gets, it gets from the pool
+            [other] = b.generate([P], salts=["sk-globex"])
+            [again] = b.generate([P], salts=["sk-acme"])
+            [nobody] = b.generate([P], salts=["sk-unknown"])
+            [plain] = b.generate([P])
+            b.ask(connector=True)  # saves of the last steps are done by the time it answers
+        unsalted = [layer_key(k, 0) for k in chunk_keys(identity, P[: 2 * CHUNK])]
+        assert client.lookup_prefix(unsalted) == 0  # nothing of P was put under the identity's own chain
+        used = {t: sum(scrape(n.metrics).get(f"kvpool_tenant_used_bytes{{{t},dram}}", 0)
+                       for n in client.cache.nodes()) for t in ("acme", "globex")}  # fmt: skip
+    assert [g["cached"] for g in (first, other, again, nobody, plain)] == [0, 0, 2 * CHUNK, 0, 0]
+    assert all(same_answer(g, baseline["P"]) for g in (first, other, again, nobody, plain))
+    assert used["acme"] > 0 and used["globex"] > 0  # each tenant's saves charged to it
 
 
 def test_a_malformed_extra_config_stops_the_engine_at_start_with_a_clear_error(
