@@ -162,6 +162,8 @@ def chunk_keys(identity: CacheIdentity, tokens: Any, scope: "Scope | None" = Non
     (or a shared namespace's) chain, rooted in its secret (:mod:`kvpool.pool.tenants`); None: the identity's own."""
     if not isinstance(identity, CacheIdentity):
         raise ConfigError(f"identity must be a CacheIdentity, got {type(identity).__name__}")
+    if scope is not None and not callable(getattr(scope, "root", None)):
+        raise ConfigError(f"scope must be a Scope (Tenants.scope(tenant)) or None, got {type(scope).__name__}")
     arr = token_array(tokens)
     c = identity.chunk_size
     keys: list[bytes] = []

@@ -52,6 +52,11 @@ def test_two_tenants_keys_never_meet_and_a_shared_namespace_is_shared(tenants: T
     assert tenants.scope("globex", "public").tenant == "globex"  # charged to whoever puts
 
 
+def test_a_scope_that_is_not_one_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="scope must be a Scope"):
+        chunk_keys(IDENTITY, TOKENS, "acme")  # type: ignore[arg-type]
+
+
 def test_what_a_request_may_not_name_is_refused(tenants: Tenants) -> None:
     with pytest.raises(TenantRefused, match=r"may not use shared namespace 'public'.*tenants.initech"):
         tenants.scope("initech", "public")
