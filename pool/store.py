@@ -20,7 +20,6 @@ one-sided, straight into their buffers.
 """
 
 import logging
-import secrets
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -41,6 +40,7 @@ from kvpool.pool.chunks import (
 )
 from kvpool.pool.config import Watermarks
 from kvpool.pool.eviction import EvictionPolicy
+from kvpool.pool.holds import Holds
 from kvpool.pool.keys import check_key
 from kvpool.pool.moves import Move, demotions, read_stored, run_moves, whole_blocks
 from kvpool.pool.segment import DramSegment, NvmeSegment
@@ -85,8 +85,7 @@ class ChunkStore:
         self.clock = clock
         self.policy = EvictionPolicy(clock)
         self._chunks: dict[bytes, StoredChunk] = {}
-        self._reserved: dict[bytes, Reservation] = {}
-        self._rooms: dict[int, Room] = {}
+        self.holds = Holds(self.allocators[Tier.DRAM], clock)  #: DRAM given to writers, not yet chunks
         self._moving: dict[bytes, Move] = {}  #: moves begun and not finished; each owns its target room
         self._changes: list[Change] = []  #: since the last take_changes()
         self.counters = {
@@ -105,43 +104,25 @@ class ChunkStore:
         check_length(length)
         if key in self._chunks:
             return Reservation(key, self._chunks[key].offset, length, already_stored=True)
-        if key in self._reserved:
+        if key in self.holds:
             raise ConfigError(f"chunk {short(key)} is being written already")
-        offset = self._allocate(Tier.DRAM, length)
-        r = Reservation(key, offset, length, at=self.clock.monotonic())
-        self._reserved[key] = r
-        return r
+        return self.holds.reserve(key, self._allocate(Tier.DRAM, length), length)
 
     def reap(self, max_age_s: float) -> int:
-        """Give back the space of reservations and rooms older than ``max_age_s`` that were never committed
-        (their writer died between reserve and commit: Mooncake's PutStart without PutEnd), and rooms past their
-        own TTL; returns how many."""
-        now = self.clock.monotonic()
-        expired = [k for k, r in self._reserved.items() if now - r.at > max_age_s]
-        for key in expired:
-            log.warning("chunk %s reserved %.0f s ago was never committed: space reclaimed", short(key), max_age_s)
-            self.abort(key)
-        idle = [i for i, room in self._rooms.items() if now - room.at > room.ttl_s]
-        for room_id in idle:
-            self.close_room(room_id)
-        self.counters["reaped"] += len(expired) + len(idle)
-        return len(expired) + len(idle)
+        """Give back the space of reservations older than ``max_age_s`` that were never committed (their writer
+        died between reserve and commit), and of rooms past their own TTL; returns how many."""
+        reaped = self.holds.reap(max_age_s)
+        self.counters["reaped"] += reaped
+        return reaped
 
     def open_room(self, length: int, ttl_s: float) -> Room:
         """DRAM room of ``length`` bytes for a writer's next batch, making room by migration or drops if needed;
         reclaimed by :meth:`reap` ``ttl_s`` after this unless filled."""
-        offset = self._allocate(Tier.DRAM, check_length(length, "room length"))
-        room_id = secrets.randbits(63)  # random: a room of a node's earlier life is never taken for one of this
-        room = Room(room_id, offset, self.allocators[Tier.DRAM].size_of(offset),
-                    self.allocators[Tier.DRAM].alignment, ttl_s, at=self.clock.monotonic())  # fmt: skip
-        self._rooms[room.id] = room
-        return room
+        return self.holds.open_room(self._allocate(Tier.DRAM, check_length(length, "room length")), ttl_s)
 
     def close_room(self, room_id: int) -> None:
         """Give a room's space back; an unknown room is left alone (cleanup goes on past it)."""
-        room = self._rooms.pop(room_id, None) if isinstance(room_id, int) else None
-        if room is not None:
-            self.allocators[Tier.DRAM].free(room.offset)
+        self.holds.close_room(room_id)
 
     def fill_room(
         self, room_id: int, items: Sequence[RoomChunk], *, replicated: bool = False, tenant: str = ""
@@ -150,7 +131,7 @@ class ChunkStore:
         freed.  A key held already keeps its first copy.  Everything is checked before anything changes: on bad
         input the room is closed and nothing is stored (``ConfigError``); a room reclaimed meanwhile is a
         ``ChunkNotFound`` (write the batch again)."""
-        room = self._rooms.get(room_id) if isinstance(room_id, int) else None
+        room = self.holds.room(room_id)
         if room is None:
             raise ChunkNotFound(
                 f"room {room_id!r:.20} is not open here (idle past the reservation TTL, or the node restarted): "
@@ -162,11 +143,10 @@ class ChunkStore:
             self.close_room(room_id)
         first: dict[bytes, RoomChunk] = {}  # a key twice: its first copy
         for c in checked:
-            if c[0] not in self._chunks and c[0] not in self._reserved:
+            if c[0] not in self._chunks and c[0] not in self.holds:
                 first.setdefault(c[0], c)
         for key, offset, length, _, _ in first.values():  # all claimed before a commit may demote anything
-            self.allocators[Tier.DRAM].claim(offset, length)
-            self._reserved[key] = Reservation(key, offset, length)
+            self.holds.claim(key, offset, length)
         for key, _, _, checksum, fmt in first.values():
             self.commit(key, checksum, replicated=replicated, fmt=fmt, tenant=tenant)
 
@@ -178,13 +158,13 @@ class ChunkStore:
         check_checksum(checksum)
         if fmt is not None and not isinstance(fmt, TensorFormat):
             raise ConfigError(f"fmt must be a TensorFormat or None, got {type(fmt).__name__}")
-        r = self._reserved.get(check_key(key))
+        r = self.holds.get(check_key(key))
         if r is None:
             raise ConfigError(f"chunk {short(key)} was not reserved")
         if fmt is not None and fmt.nbytes != r.length:
             self.abort(key)
             raise ConfigError(f"chunk {short(key)}: {r.length} bytes reserved, its format {fmt} has {fmt.nbytes}")
-        del self._reserved[key]
+        self.holds.take(key)
         chunk = StoredChunk(key, Tier.DRAM, r.offset, r.length, r.length, checksum, fmt=fmt, tenant=tenant)
         self._chunks[key] = chunk
         self.policy.add(
@@ -209,9 +189,7 @@ class ChunkStore:
     def abort(self, key: bytes) -> None:
         """Give a reservation's space back; a key that is not reserved (or not a key) is left alone: cleanup
         of a batch goes on past it."""
-        r = self._reserved.pop(key, None) if isinstance(key, bytes) else None
-        if r is not None:
-            self.allocators[Tier.DRAM].free(r.offset)
+        self.holds.abort(key)
 
     def put(
         self, key: bytes, data: memoryview, checksum: int, *, replicated: bool = False, fmt: TensorFormat | None = None,
@@ -505,7 +483,7 @@ class ChunkStore:
                 problems.append(f"{tier.value} allocator: {exc}")
             owners = [c.offset for c in self._chunks.values() if c.tier is tier]
             if tier is Tier.DRAM:
-                owners += [r.offset for r in self._reserved.values()] + [r.offset for r in self._rooms.values()]
+                owners += self.holds.offsets()
             owners += [m.offset for m in self._moving.values() if m.tier is tier and m.offset is not None]
             if len(set(owners)) != len(owners):
                 problems.append(f"{tier.value}: two chunks or reservations share an offset")

@@ -422,7 +422,7 @@ def segments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DramSeg
 
 
 def store_state(store: ChunkStore) -> tuple[Any, ...]:
-    return dict(store._chunks), dict(store._reserved), [snapshot(a) for a in store.allocators.values()]
+    return dict(store._chunks), dict(store.holds._reserved), [snapshot(a) for a in store.allocators.values()]
 
 
 @cases(200)
@@ -466,11 +466,11 @@ def test_store_refuses_bad_calls_and_its_published_changes_match_its_chunks(
         for tier, alloc in store.allocators.items():
             alloc.check_invariants()
             held = [c for c in store.chunks() if c.tier is tier] + (
-                [r for r in store._reserved.values()] if tier is Tier.DRAM else []
+                [r for r in store.holds._reserved.values()] if tier is Tier.DRAM else []
             )
             assert alloc.allocations == len(held)
             assert alloc.used == sum(alloc.size_of(c.offset) for c in held)
-    for key in list(store._reserved):
+    for key in list(store.holds._reserved):
         store.abort(key)
     for c in store.chunks():
         store.remove(c.key)
