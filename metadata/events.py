@@ -5,7 +5,9 @@ Every replica is one etcd key bound to its holder's lease (``/kvpool/<cluster>/c
 change to the pool's contents is an etcd event, in revision order: a put publishes a key (``stored``), a demotion
 or promotion rewrites it with another tier (``moved``), a remove, an eviction or the holder's lease running out
 (the node died) deletes it (``removed``).  The watch asks for each event's previous value, so a removal says which
-tier it left and a rewrite can be told from a first store without any state kept here.
+tier it left and a rewrite can be told from a first store without any state kept here.  Every event names the
+fingerprint of the cache identity the chunk was put under, as its placement records it (so a router keeps to the
+caches it serves; "" when the writer gave none, or a removal etcd had no previous value for).
 
 :class:`EventStream` yields them in batches: first, unless it resumes after a revision, the pool's contents as
 ``stored`` events at the snapshot's revision; then every change.  A consumer that keeps the last revision it has
@@ -43,11 +45,12 @@ class ChunkEvent:
     tier: Tier | None  #: where the replica is now (``removed``: where it was; None if etcd no longer knew)
     size: int = 0  #: bytes of the chunk (0 when not known: a removal etcd gave no previous value for)
     was: Tier | None = None  #: ``moved``: the tier it left
+    identity: str = ""  #: fingerprint of the cache identity it was put under ("": not known)
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "kind": self.kind.value, "revision": self.revision, "key": self.key.hex(), "node": self.node,
-            "tier": self.tier.value if self.tier else None, "size": self.size,
+            "tier": self.tier.value if self.tier else None, "size": self.size, "identity": self.identity,
         }  # fmt: skip
         if self.was is not None:
             out["was"] = self.was.value
@@ -65,6 +68,11 @@ def _placement(ns: Namespace, kv: Any) -> Placement | None:
         return None
 
 
+def _of(kind: EventKind, revision: int, p: Placement, was: Tier | None = None) -> ChunkEvent:
+    """Event ``kind`` at ``revision`` of the replica placement ``p`` describes."""
+    return ChunkEvent(kind, revision, p.key, p.node, p.tier, p.size, was, p.identity)
+
+
 def classify(ns: Namespace, event: Any) -> ChunkEvent | None:
     """The chunk event an etcd watch event (with its previous value) stands for; None for a key that is not a
     placement, or a rewrite that left the replica in the same tier."""
@@ -75,15 +83,16 @@ def classify(ns: Namespace, event: Any) -> ChunkEvent | None:
     revision = int(event.kv.mod_revision)
     before = _placement(ns, event.prev_kv)
     if event.type == _DELETE:
-        tier, size = (before.tier, before.size) if before else (None, 0)
-        return ChunkEvent(EventKind.REMOVED, revision, key, node, tier, size)
+        if before is None:  # no previous value (compacted away): only which replica went is known
+            return ChunkEvent(EventKind.REMOVED, revision, key, node, None)
+        return _of(EventKind.REMOVED, revision, before)
     now = _placement(ns, event.kv)
     if now is None:
         return None
     if before is None:
-        return ChunkEvent(EventKind.STORED, revision, key, node, now.tier, now.size)
+        return _of(EventKind.STORED, revision, now)
     if before.tier is not now.tier:
-        return ChunkEvent(EventKind.MOVED, revision, key, node, now.tier, now.size, was=before.tier)
+        return _of(EventKind.MOVED, revision, now, was=before.tier)
     return None
 
 
@@ -109,12 +118,8 @@ class EventStream:
         ns, revision = self.namespace, self.after
         if revision is None:
             revision, kvs = self.etcd.snapshot(ns.chunks)
-            contents = []
-            for kv in kvs:
-                p = _placement(ns, kv)
-                if p is not None:
-                    contents.append(ChunkEvent(EventKind.STORED, revision, p.key, p.node, p.tier, p.size))
-            yield revision, contents
+            held = [p for p in (_placement(ns, kv) for kv in kvs) if p is not None]
+            yield revision, [_of(EventKind.STORED, revision, p) for p in held]
         if self.until is not None and revision >= self.until:
             return
         self._watch = self.etcd.watch(ns.root, revision + 1, prev_kv=True)  # root: the sync marker moves it on

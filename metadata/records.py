@@ -15,6 +15,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from kvpool.errors import ConfigError, MalformedRecord
+from kvpool.metadata.namespace import FINGERPRINT_HEX
 from kvpool.pool.keys import CacheIdentity
 from kvpool.pool.types import (
     Departure,
@@ -32,13 +33,16 @@ __all__ = [
     "encode_departure", "encode_identity", "encode_node", "encode_placement", "encode_tombstone",
 ]  # fmt: skip
 
-SCHEMA_VERSION: Final = 2  #: 2: placements carry ``stored`` and ``size`` (no 0-sentinel); write-only fields gone
-_Version = Literal[2]  # msgspec needs the literal itself; kept equal to SCHEMA_VERSION (checked below)
+#: 2: placements carry ``stored`` and ``size`` (no 0-sentinel); write-only fields gone.  3: placements carry the
+#: fingerprint of the cache identity their chunk was put under (chunk events report it)
+SCHEMA_VERSION: Final = 3
+_Version = Literal[3]  # msgspec needs the literal itself; kept equal to SCHEMA_VERSION (checked below)
 
 _NonNegative = Annotated[int, Meta(ge=0)]
 _Positive = Annotated[int, Meta(ge=1)]
 _Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]  # NaN fails both bounds
 _Pid = Annotated[int, Meta(gt=0, lt=2**31)]
+_Fingerprint = Annotated[str, Meta(pattern=rf"^([0-9a-f]{{{FINGERPRINT_HEX}}})?\Z")]  #: "": put without an identity
 
 
 class _PlacementWire(Struct, forbid_unknown_fields=True):
@@ -51,6 +55,7 @@ class _PlacementWire(Struct, forbid_unknown_fields=True):
     size: _Positive
     checksum: _NonNegative
     codec: str
+    identity: _Fingerprint
 
 
 class _SegmentWire(Struct, array_like=True, forbid_unknown_fields=True):
@@ -139,17 +144,19 @@ def _malformed(kind: str, raw: object, exc: Exception) -> MalformedRecord:
 
 
 def encode_placement(p: Placement) -> bytes:
-    wire = _PlacementWire(SCHEMA_VERSION, p.tier, p.offset, p.stored, p.size, p.checksum, p.codec)
+    wire = _PlacementWire(SCHEMA_VERSION, p.tier, p.offset, p.stored, p.size, p.checksum, p.codec, p.identity)
     return _ENCODER.encode(wire)
 
 
 def decode_placement(key: bytes, node: str, raw: bytes) -> Placement:
-    """The placement of ``key`` held by ``node`` that ``raw`` encodes; ``MalformedRecord`` if it is not one."""
+    """The placement of ``key`` held by ``node`` that ``raw`` encodes; ``MalformedRecord`` if it is not one.  Its codec
+    and identity are interned: a watch cache holds thousands of placements that name a handful of each."""
     try:
         w = _PLACEMENT_DECODER.decode(raw)
     except (msgspec.DecodeError, TypeError) as exc:
         raise _malformed("placement", raw, exc) from None
-    return Placement(key, node, w.tier, w.offset, w.stored, w.size, w.checksum, w.codec)
+    return Placement(key, node, w.tier, w.offset, w.stored, w.size, w.checksum, sys.intern(w.codec),
+                     sys.intern(w.identity))  # fmt: skip
 
 
 def encode_node(r: NodeRecord) -> bytes:

@@ -10,7 +10,12 @@ vLLM's own classes.
 
 How a chunk event maps onto them: the chunk key (32 bytes) is the block hash; ``medium`` is the tier
 (``CPU`` for DRAM, ``DISK`` for NVMe, ``STORAGE`` for the remote tier); ``ownership`` is the holder's node id;
-a move is a ``BlockRemoved`` from the old medium and a ``BlockStored`` in the new.  A placement does not record
+a move is a ``BlockRemoved`` from the old medium and a ``BlockStored`` in the new.  A ``BlockStored`` of a chunk put
+under a known cache identity carries its fingerprint in ``extra_keys``, one ``(fingerprint,)`` per block hash: vLLM
+defines that field as the extra inputs of a block's hash (it puts a request's cache salt there), and the identity is
+exactly that, the root of the chunk's hash chain.  The other free fields mean something else to routers
+(``lora_name`` picks an adapter, ``kv_cache_spec_kind`` an attention kind, ``session_id`` a request), and a
+``BlockRemoved`` needs none: its hash already names one identity's chunk.  A placement does not record
 the chunk's tokens, so ``token_ids`` is empty, ``block_size`` 0 and ``parent_block_hash`` None: match blocks by
 hash, computed with :func:`kvpool.pool.keys.chunk_keys` over the same cache identity.  A stream that starts from
 the pool's contents opens with ``AllBlocksCleared``.  One batch per etcd revision that changed chunks.
@@ -77,7 +82,8 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 def _stored(e: ChunkEvent) -> BlockStored:
     medium = MEDIUM[e.tier] if e.tier else None
-    return BlockStored([e.key], None, [], 0, None, medium, None, ownership=e.node)
+    extra: list[tuple[Any, ...] | None] | None = [(e.identity,)] if e.identity else None
+    return BlockStored([e.key], None, [], 0, None, medium, None, extra, ownership=e.node)
 
 
 def _removed(e: ChunkEvent, tier: Tier | None) -> BlockRemoved:

@@ -1,23 +1,61 @@
 """What a node knows of each chunk it holds, and the records its store hands out: where a chunk is stored and
-under which codec, a reservation of DRAM room for a key or a room for a batch, a change to publish."""
+under which codec, whose it is, a reservation of DRAM room for a key or a room for a batch, a change to publish."""
 
 import enum
+import re
+import sys
 from dataclasses import dataclass
 from itertools import pairwise
 
 import crc32c
 
 from kvpool.errors import ConfigError
+from kvpool.metadata.namespace import FINGERPRINT_HEX
 from kvpool.pool.keys import check_key
+from kvpool.pool.tenants import check_tenant
 from kvpool.pool.tiers.codecs import Buffer, TensorFormat
 from kvpool.pool.types import DropCause, Tier
 
 SEGMENT_NAMES = {Tier.DRAM: "dram0", Tier.NVME: "nvme0"}
+_FINGERPRINT = re.compile(f"[0-9a-f]{{{FINGERPRINT_HEX}}}", re.ASCII)
 
 
 def checksum(data: Buffer) -> int:
     """The checksum of stored bytes, as placements record it (crc32c)."""
     return int(crc32c.crc32c(data))
+
+
+def check_fingerprint(identity: object) -> str:
+    """``identity`` if it is a cache identity's fingerprint (or "" for none); ``ConfigError`` saying what to pass."""
+    if identity != "" and not (isinstance(identity, str) and _FINGERPRINT.fullmatch(identity)):
+        raise ConfigError(
+            f"identity must be a cache identity's fingerprint ({FINGERPRINT_HEX} lower-case hex digits: what "
+            "PoolClient.register_identity returns, kvpool.metadata.identities.fingerprint computes) or '' for none, "
+            f"got {identity!r:.40}"
+        )
+    return str(identity)
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Whose chunks a put writes, carried with them from the writer to their placements: the tenant charged for them
+    (quotas, metrics: pool/tenants.py) and the fingerprint of the cache identity their keys were made under (chunk
+    events report it, so a router keeps to the caches it serves).  "" for either: the writer gave none."""
+
+    tenant: str = ""
+    identity: str = ""
+
+    def __post_init__(self) -> None:
+        check_tenant(self.tenant)
+        check_fingerprint(self.identity)
+
+
+def check_origin(origin: object) -> Origin:
+    """``origin`` checked again (a Ray call's argument arrives unpickled, ``__post_init__`` not run), its strings
+    shared by every chunk that names them; ``ConfigError`` if it is not an :class:`Origin`."""
+    if not isinstance(origin, Origin):
+        raise ConfigError(f"origin must be an Origin(tenant, identity), got {type(origin).__name__} {origin!r:.40}")
+    return Origin(sys.intern(check_tenant(origin.tenant)), sys.intern(check_fingerprint(origin.identity)))
 
 
 @dataclass(frozen=True)
@@ -31,7 +69,11 @@ class StoredChunk:
     codec: str = "raw"  #: how the stored bytes encode the chunk ("raw": they are the chunk)
     fmt: TensorFormat | None = None  #: the chunk's tensor format, if it was put as a tensor
     in_s3: bool = False  #: a copy is in the S3 (remote) tier (flushed), so dropping this one loses nothing
-    tenant: str = ""  #: who put it (quotas, metrics: pool/tenants.py); "" for no tenant
+    origin: Origin = Origin()  #: who put it: its tenant (quotas, metrics) and cache identity (chunk events)
+
+    @property
+    def tenant(self) -> str:
+        return self.origin.tenant
 
     @property
     def segment(self) -> str:

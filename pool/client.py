@@ -45,7 +45,6 @@ from kvpool.errors import (
     CorruptChunk,
     MetadataUnavailable,
     NodeUnreachable,
-    PoolFull,
     RemoteUnavailable,
 )
 from kvpool.metadata import identities
@@ -56,7 +55,7 @@ from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.advisor import AccessLog
 from kvpool.pool.buffers import byte_view
-from kvpool.pool.chunks import checksum, short
+from kvpool.pool.chunks import Origin, checksum, short
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.device_reads import DeviceReads, device_bytes
 from kvpool.pool.keys import CacheIdentity, check_items, check_key, check_keys, check_list
@@ -65,12 +64,11 @@ from kvpool.pool.node_handle import NodeHandles, NodeInfo, call
 from kvpool.pool.peers import Peers, node_record
 from kvpool.pool.reads import NodeReads, Outcome
 from kvpool.pool.segment import DramSegment
-from kvpool.pool.tenants import check_tenant
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.s3_config import GC_GRACE_S
 from kvpool.pool.tiers.s3_reads import S3Reads
 from kvpool.pool.types import Placement, Tier, nearest_first
-from kvpool.pool.writes import Item, Rooms, Summary, put_local, put_peer
+from kvpool.pool.writes import Item, Rooms, Summary, put_local, put_peer, targets
 
 log = logging.getLogger(__name__)
 
@@ -141,14 +139,17 @@ class PoolClient:
         self.put_batch([(key, data)], replicas=replicas)
 
     def put_batch(
-        self, items: Sequence[tuple[bytes, Any]], replicas: int = 1, nodes: Sequence[str] = (), tenant: str = ""
-    ) -> None:
+        self, items: Sequence[tuple[bytes, Any]], replicas: int = 1, nodes: Sequence[str] = (), tenant: str = "",
+        identity: str = "",
+    ) -> None:  # fmt: skip
         """Store each ``(key, data)`` on ``replicas`` distinct nodes: this node first when it has a pool
         node, then those with the most free space; or exactly on ``nodes`` when given.  Keys name
         content: a key already held by a target is not written again.  A chunk given as a float tensor
         carries its format, so tiers with a codec can encode it; bytes are stored raw everywhere.  ``tenant``: whose
-        chunks they are (its quota, its metrics; ``Scope.tenant`` of the keys' chain)."""
-        check_tenant(tenant)
+        chunks they are (its quota, its metrics; ``Scope.tenant`` of the keys' chain); ``identity``: the fingerprint of
+        the cache identity the keys were made under (:meth:`register_identity` returns it), which the placements and
+        the chunk events carry ("": none)."""
+        origin = Origin(tenant, identity)
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
             raise ConfigError(f"replicas must be an int >= 1, got {replicas!r:.40}")
         if not all(isinstance(n, str) for n in check_list(nodes, "nodes")):
@@ -158,38 +159,31 @@ class PoolClient:
         live = {n.node_id for n in self.cache.nodes()}
         if unknown := [n for n in nodes if n not in live]:
             raise NodeUnreachable(f"no live pool node {', '.join(u[:12] for u in unknown)}: pick from kvpool status")
-        targets = list(dict.fromkeys(nodes)) or self._targets(replicas)
+        here = self.node_id if self._segment is not None else None
+        chosen = list(dict.fromkeys(nodes)) or targets(self.cache.nodes(), here, replicas)
         sums = [(checksum(v), TensorFormat.of(d)) for (_, v), (_, d) in zip(views, items, strict=True)]
-        replicated = len(targets) > 1
-        segment = self._segment if self.node_id in targets else None
+        replicated = len(chosen) > 1
+        segment = self._segment if self.node_id in chosen else None
         with ThreadPoolExecutor(1, thread_name_prefix="kvpool-put") as pool:  # this node's copy beside the peers'
             mine = None
             if segment is not None:
                 mine = pool.submit(
-                    put_local, self._local, self.node_id, self.rooms, segment, views, sums, replicated, tenant
+                    put_local, self._local, self.node_id, self.rooms, segment, views, sums, replicated, origin
                 )
             revision = 0
-            for node_id in targets:
+            for node_id in chosen:
                 if node_id != self.node_id or segment is None:  # peers one at a time: they share the staging buffer
-                    revision = max(revision, self._put_peer(node_id, views, sums, replicated, tenant))
+                    revision = max(revision, self._put_peer(node_id, views, sums, replicated, origin))
             if mine is not None:
                 revision = max(revision, mine.result())
         self._caught_up(revision)
 
-    def _put_peer(self, node_id: str, views: list[Item], sums: list[Summary], replicated: bool, tenant: str) -> int:
+    def _put_peer(self, node_id: str, views: list[Item], sums: list[Summary], replicated: bool, origin: Origin) -> int:
         record = node_record(self.cache, node_id)
         if record is None:  # it left the pool since the put chose it
             raise NodeUnreachable(f"pool node {node_id[:12]} left the pool during the put; put again")
         dram = record.capacity(Tier.DRAM)
-        return put_peer(self.nodes[node_id], node_id, self.rooms, self.peers, dram, views, sums, replicated, tenant)
-
-    def _targets(self, replicas: int) -> list[str]:
-        nodes = self.cache.nodes()
-        if len(nodes) < replicas:
-            raise PoolFull(f"replicas={replicas} needs {replicas} pool nodes; {len(nodes)} are alive")
-        free = {n.node_id: sum(s.capacity - s.used for s in n.segments) for n in nodes}
-        ordered = sorted(free, key=lambda nid: (nid != self.node_id or self._segment is None, -free[nid]))
-        return ordered[:replicas]
+        return put_peer(self.nodes[node_id], node_id, self.rooms, self.peers, dram, views, sums, replicated, origin)
 
     def register_buffer(self, buffer: Any) -> None:
         """Register a buffer the caller will ``get_into`` again and again (a KV cache, a pinned pool):

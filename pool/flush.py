@@ -86,7 +86,7 @@ class Flusher:
             placements.append(
                 Placement(
                     key=chunk.key, node=self.config.name, tier=Tier.REMOTE, offset=0, stored=len(recoded.data),
-                    size=chunk.size, checksum=recoded.checksum, codec=recoded.codec,
+                    size=chunk.size, checksum=recoded.checksum, codec=recoded.codec, identity=chunk.origin.identity,
                 )
             )  # fmt: skip
         self.pause_s = 0.0 if error is None else min(max(2 * self.pause_s, MIN_PAUSE_S), MAX_PAUSE_S)

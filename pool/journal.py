@@ -3,12 +3,13 @@
 A node whose NVMe directory is configured (``PoolConfig.nvme_dir``: what ``kvpool join`` and cluster.yaml give every
 node) with ``warm_restart`` on names its segment after the cluster and its own address, not its process —
 ``kvpool-<cluster>@<ip>.nvme`` — and keeps beside it ``kvpool-<cluster>@<ip>.journal``: one record per chunk that
-came to NVMe (``put``: key, offset, sizes, checksum, codec, tensor format, tenant) or left it (``gone``: key), appended when
-the node publishes the change, before etcd shows it.  The node that starts next on that host and address (its actor,
-or its whole Ray node, died; or the pool was stopped) replays the journal, reads every chunk it names and checks the
-checksum the record holds, and takes back those that verify: they are its chunks again and are published as its
-placements.  Those that fail (bytes overwritten by a later chunk whose record never made it, bits rotted on disk)
-are dropped with a ``corrupt`` tombstone, never served.  Then the journal is rewritten with only what was taken back.
+came to NVMe (``put``: key, offset, sizes, checksum, codec, tensor format, tenant, cache identity fingerprint) or left
+it (``gone``: key), appended when the node publishes the change, before etcd shows it.  The node that starts next on
+that host and address (its actor, or its whole Ray node, died; or the pool was stopped) replays the journal, reads
+every chunk it names and checks the checksum the record holds, and takes back those that verify: they are its chunks
+again and are published as its placements.  Those that fail (bytes overwritten by a later chunk whose record never
+made it, bits rotted on disk) are dropped with a ``corrupt`` tombstone, never served.  Then the journal is rewritten
+with only what was taken back.
 
 Why no fsync per record is needed: a record is only ever trusted together with the checksum of the bytes it names,
 so a record that outlived its bytes (or bytes their record) costs one chunk, never serves a wrong one.  A record torn
@@ -33,18 +34,20 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.pool.allocator import OffsetAllocator
-from kvpool.pool.chunks import Change, ChangeKind, StoredChunk, checksum, short
+from kvpool.pool.chunks import Change, ChangeKind, Origin, StoredChunk, check_origin, checksum, short
 from kvpool.pool.moves import read_stored
 from kvpool.pool.segment import ALIGN, NvmeSegment
-from kvpool.pool.tenants import check_tenant
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.types import Tier
+
+if TYPE_CHECKING:
+    from kvpool.pool.store import ChunkStore
 
 log = logging.getLogger(__name__)
 FORMAT = "kvpool-nvme-journal/1"
@@ -229,6 +232,19 @@ def recover(segment: NvmeSegment, named: Sequence[StoredChunk], io: Executor) ->
     return Recovery(adopted, dropped, time.monotonic() - began, sum(c.stored for c in placed))
 
 
+def take_back(store: "ChunkStore", journal: NvmeJournal, segment: NvmeSegment, named: Sequence[StoredChunk],
+              io: Executor) -> Recovery:  # fmt: skip
+    """Have ``store`` adopt the chunks ``named`` by the journal of an earlier node on ``segment`` that verify
+    (:func:`recover`); the journal starts afresh with them."""
+    recovery = recover(segment, named, io)
+    store.adopt(recovery.adopted, recovery.dropped)
+    journal.rewrite(recovery.adopted)
+    store.counters.update(recovered=len(recovery.adopted), recovery_dropped=len(recovery.dropped))
+    if named:
+        log.info("pool node on %s: %s", segment.path, recovery.summary())
+    return recovery
+
+
 def _lock(path: str) -> int:
     """``path`` opened and ``flock``-ed (waiting ``LOCK_WAIT_S`` for a holder to exit), holding our pid."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -252,17 +268,19 @@ def _lock(path: str) -> int:
 
 
 def _put(chunk: StoredChunk) -> list[Any]:
-    fmt = chunk.fmt
+    fmt, origin = chunk.fmt, chunk.origin
     return ["put", chunk.key, chunk.offset, chunk.stored, chunk.size, chunk.checksum, chunk.codec,
-            None if fmt is None else [fmt.dtype, list(fmt.shape)], chunk.tenant]  # fmt: skip
+            None if fmt is None else [fmt.dtype, list(fmt.shape)], origin.tenant, origin.identity]  # fmt: skip
 
 
 def _chunk(record: list[Any]) -> StoredChunk:
-    _, key, offset, stored, size, crc, codec, fmt, tenant = record
-    if not (isinstance(key, bytes) and all(isinstance(v, int) for v in (offset, stored, size, crc))):
+    """The chunk a ``put`` record names (one written before records carried the cache identity: with none)."""
+    _, key, offset, stored, size, crc, codec, fmt, tenant, *identity = record
+    if not (isinstance(key, bytes) and all(isinstance(v, int) for v in (offset, stored, size, crc))) or identity[1:]:
         raise TypeError(f"not a put record: {record!r:.80}")
     tensor = None if fmt is None else TensorFormat(fmt[0], tuple(fmt[1]))
-    return StoredChunk(key, Tier.NVME, offset, stored, size, crc, str(codec), tensor, tenant=check_tenant(tenant))
+    origin = check_origin(Origin(tenant, *identity))  # its strings shared with the other chunks of its origin
+    return StoredChunk(key, Tier.NVME, offset, stored, size, crc, str(codec), tensor, origin=origin)
 
 
 def _frame(record: list[Any]) -> bytes:

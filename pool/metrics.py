@@ -187,10 +187,13 @@ class StatsReporter:
 
 
 class StoreCollector(Collector):
+    """A node's metrics: its store's, what its publisher counts (``published()``: ``etcd_errors``, requests that failed
+    after retries; ``tombstones_unrecorded``, drops past the tombstone budget) and what its clients reported."""
+
     def __init__(
-        self, node_id: str, store: ChunkStore, etcd_errors: Callable[[], int], clients: ClientStats | None = None
-    ) -> None:
-        self.node_id, self.store, self.etcd_errors = node_id, store, etcd_errors
+        self, node_id: str, store: ChunkStore, published: Callable[[], dict[str, int]], clients: ClientStats | None = None,
+    ) -> None:  # fmt: skip
+        self.node_id, self.store, self.published = node_id, store, published
         self.clients = clients if clients is not None else ClientStats()
 
     def collect(self) -> Iterator[Metric]:
@@ -216,11 +219,17 @@ class StoreCollector(Collector):
         for key, (name, doc, labels) in _COUNTERS.items():
             fam = families.setdefault(name, CounterMetricFamily(name, doc, labels=["node", *labels]))
             fam.add_metric([self.node_id, *labels.values()], self.store.counters.get(key, 0))
+        published = self.published()
         errors = CounterMetricFamily("kvpool_etcd_errors", "etcd requests that failed after retries", labels=["node"])
-        errors.add_metric([self.node_id], self.etcd_errors())
+        errors.add_metric([self.node_id], published.get("etcd_errors", 0))
+        stones = CounterMetricFamily(
+            "kvpool_tombstones_unrecorded", "Chunks dropped past this node's tombstone budget: why they went is not kept",
+            labels=["node"],
+        )  # fmt: skip
+        stones.add_metric([self.node_id], published.get("tombstones_unrecorded", 0))
         io = GaugeMetricFamily("kvpool_nvme_io_path", "How NVMe reaches GPU memory (1 on the path in use)", labels=["node", "path"])  # fmt: skip
         io.add_metric([self.node_id, nvme_io_path().name], 1)
-        yield from (*families.values(), errors, io)
+        yield from (*families.values(), errors, stones, io)
         yield from self.clients.collect(self.node_id)
 
     def _tenants(self) -> Iterator[Metric]:

@@ -30,17 +30,16 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, MetadataUnavailable, PoolFull, RemoteUnavailable
-from kvpool.pool.chunks import SEGMENT_NAMES, Room, StoredChunk, check_length
+from kvpool.pool.chunks import SEGMENT_NAMES, Origin, Room, StoredChunk, check_length, check_origin
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.flush import FLUSH_BYTES, Flusher
-from kvpool.pool.journal import NvmeJournal, Recovery, recover, segment_name
+from kvpool.pool.journal import NvmeJournal, segment_name, take_back
 from kvpool.pool.metrics import ClientStats, StoreCollector, serve_metrics
 from kvpool.pool.moves import demotions, moves_to, promotions, read_stored, run_moves
 from kvpool.pool.node_handle import NodeInfo, Settled, actor_name
 from kvpool.pool.publish import Publisher
 from kvpool.pool.segment import DramSegment, NvmeSegment, reap_stale_segments
 from kvpool.pool.store import ChunkStore
-from kvpool.pool.tenants import check_tenant
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.gds import nvme_io_path
 from kvpool.pool.tiers.s3 import RemoteStore
@@ -88,7 +87,9 @@ class PoolNode:
         self._publish_later = threading.Event()  #: changes a call left for the background thread to publish
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvpool-io")
         self.store.counters.update(flushed=0, flushed_bytes=0, remote_errors=0)
-        self.recovery = self._take_back(named)
+        self.recovery = None
+        if self.journal is not None and self.nvme is not None:
+            self.recovery = take_back(self.store, self.journal, self.nvme, named, self._io)
         self.s3 = RemoteStore(config.remote, config.metadata.cluster) if config.remote.enabled else None
         self.flusher = None if self.s3 is None else Flusher(self.s3, config.remote, self.store)
         if self.s3 is not None:
@@ -100,7 +101,7 @@ class PoolNode:
         self.client_stats = ClientStats()  #: reported by the clients on this node (see PoolClient)
         self._metrics_server, self.metrics_address = None, ""
         if config.metrics_port >= 0:
-            collector = StoreCollector(node_id, self.store, self._etcd_errors, self.client_stats)
+            collector = StoreCollector(node_id, self.store, self._published, self.client_stats)
             self._metrics_server, self.metrics_address = serve_metrics(
                 collector, config.metrics_host, config.metrics_port
             )
@@ -111,24 +112,14 @@ class PoolNode:
         threading.Thread(target=self._background, name="kvpool-node-background", daemon=True).start()
         log.info("pool node %s up: DRAM %d B at %s, NVMe %d B", node_id, self.dram.capacity, self.dram.path, nvme_bytes)
 
-    def _take_back(self, named: list[StoredChunk]) -> Recovery | None:
-        """Adopt the chunks an earlier node left on this segment that verify; the journal starts afresh with them."""
-        if self.journal is None or self.nvme is None:
-            return None
-        recovery = recover(self.nvme, named, self._io)
-        self.store.adopt(recovery.adopted, recovery.dropped)
-        self.journal.rewrite(recovery.adopted)
-        self.store.counters.update(recovered=len(recovery.adopted), recovery_dropped=len(recovery.dropped))
-        if named:
-            log.info("pool node %s %s (%s)", self.node_id, recovery.summary(), self.nvme.path)
-        return recovery
-
     # -- the node's own threads ------------------------------------------------------------------------
 
-    def _etcd_errors(self) -> int:
-        """For the metrics, which are served (and collected once) before the publisher exists."""
+    def _published(self) -> dict[str, int]:
+        """What the publisher counts, for the metrics (which are served, and collected once, before it exists)."""
         publisher: Publisher | None = getattr(self, "publisher", None)
-        return 0 if publisher is None else publisher.errors
+        if publisher is None:
+            return {}
+        return {"etcd_errors": publisher.errors, "tombstones_unrecorded": publisher.tombstones.unrecorded}
 
     def _record(self) -> NodeRecord:
         with self._lock:
@@ -210,18 +201,17 @@ class PoolNode:
 
     def fill_room(
         self, room_id: int, items: Sequence[tuple[bytes, int, int, int, TensorFormat | None]], replicated: bool,
-        next_length: int, tenant: str = "",
+        next_length: int, origin: Origin = Origin(),
     ) -> tuple[int, Room | None]:  # fmt: skip
-        """Make the chunks written into room ``room_id`` visible (see ``ChunkStore.fill_room``) and open the writer's
-        next room of ``next_length`` bytes (none if 0, above an eighth of DRAM, or if DRAM has no room for it):
-        one call per batch.
-        Returns the etcd revision that shows the chunks, and the next room."""
+        """Make the chunks written into room ``room_id`` visible as ``origin``'s (see ``ChunkStore.fill_room``) and open
+        the writer's next room of ``next_length`` bytes (none if 0, above an eighth of DRAM, or if DRAM has no room for
+        it): one call per batch.  Returns the etcd revision that shows the chunks, and the next room."""
         if not isinstance(next_length, int) or isinstance(next_length, bool) or next_length < 0:
             raise ConfigError(f"next_length must be an int >= 0 (bytes; 0: no next room), got {next_length!r:.40}")
         room = None
         try:
             with self._lock:
-                self.store.fill_room(room_id, items, replicated=bool(replicated), tenant=check_tenant(tenant))
+                self.store.fill_room(room_id, items, replicated=bool(replicated), origin=check_origin(origin))
                 # a writer's idle room holds an eighth of DRAM at most, and is opened only where there is space
                 # now: making space (disk writes) is left to the writer's next open_room, outside the lock
                 if 0 < next_length <= self.dram.capacity // 8 and self.store.allocators[Tier.DRAM].can_allocate(

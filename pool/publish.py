@@ -59,7 +59,7 @@ class Publisher:
     def placement(self, chunk: StoredChunk) -> Placement:
         return Placement(
             key=chunk.key, node=self.node_id, tier=chunk.tier, offset=chunk.offset, stored=chunk.stored,
-            size=chunk.size, checksum=chunk.checksum, codec=chunk.codec,
+            size=chunk.size, checksum=chunk.checksum, codec=chunk.codec, identity=chunk.origin.identity,
         )  # fmt: skip
 
     def publish(self) -> int:
@@ -106,7 +106,9 @@ class Publisher:
         ]
         for key in held.keys() & published.keys():
             c, p = held[key], published[key]
-            if (c.tier, c.offset, c.stored, c.checksum, c.codec) != (p.tier, p.offset, p.stored, p.checksum, p.codec):
+            if (c.tier, c.offset, c.stored, c.checksum, c.codec, c.origin.identity) != (
+                p.tier, p.offset, p.stored, p.checksum, p.codec, p.identity
+            ):  # fmt: skip
                 problems.append(f"chunk {short(key)}: held as {c}, published as {p}")
         return problems
 

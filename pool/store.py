@@ -30,6 +30,7 @@ from kvpool.pool.allocator import OffsetAllocator
 from kvpool.pool.chunks import (
     Change,
     ChangeKind,
+    Origin,
     Reservation,
     Room,
     RoomChunk,
@@ -125,11 +126,11 @@ class ChunkStore:
         self.holds.close_room(room_id)
 
     def fill_room(
-        self, room_id: int, items: Sequence[RoomChunk], *, replicated: bool = False, tenant: str = ""
+        self, room_id: int, items: Sequence[RoomChunk], *, replicated: bool = False, origin: Origin = Origin()
     ) -> None:
-        """Make the chunks a writer put into room ``room_id`` visible (see ``Room.checked``); the rest of the room is
-        freed.  A key held already keeps its first copy.  Everything is checked before anything changes: on bad
-        input the room is closed and nothing is stored (``ConfigError``); a room reclaimed meanwhile is a
+        """Make the chunks a writer put into room ``room_id`` visible as ``origin``'s (see ``Room.checked``); the rest
+        of the room is freed.  A key held already keeps its first copy.  Everything is checked before anything changes:
+        on bad input the room is closed and nothing is stored (``ConfigError``); a room reclaimed meanwhile is a
         ``ChunkNotFound`` (write the batch again)."""
         room = self.holds.room(room_id)
         if room is None:
@@ -148,13 +149,14 @@ class ChunkStore:
         for key, offset, length, _, _ in first.values():  # all claimed before a commit may demote anything
             self.holds.claim(key, offset, length)
         for key, _, _, checksum, fmt in first.values():
-            self.commit(key, checksum, replicated=replicated, fmt=fmt, tenant=tenant)
+            self.commit(key, checksum, replicated=replicated, fmt=fmt, origin=origin)
 
     def commit(
-        self, key: bytes, checksum: int, *, replicated: bool = False, fmt: TensorFormat | None = None, tenant: str = ""
-    ) -> StoredChunk:
-        """Make a reserved chunk visible (then migrate by watermark and by ``tenant``'s quota); ``fmt``: its tensor
-        format, if any."""
+        self, key: bytes, checksum: int, *, replicated: bool = False, fmt: TensorFormat | None = None,
+        origin: Origin = Origin(),
+    ) -> StoredChunk:  # fmt: skip
+        """Make a reserved chunk visible as ``origin``'s (then migrate by watermark and by its tenant's quota); ``fmt``:
+        its tensor format, if any."""
         check_checksum(checksum)
         if fmt is not None and not isinstance(fmt, TensorFormat):
             raise ConfigError(f"fmt must be a TensorFormat or None, got {type(fmt).__name__}")
@@ -165,11 +167,10 @@ class ChunkStore:
             self.abort(key)
             raise ConfigError(f"chunk {short(key)}: {r.length} bytes reserved, its format {fmt} has {fmt.nbytes}")
         self.holds.take(key)
-        chunk = StoredChunk(key, Tier.DRAM, r.offset, r.length, r.length, checksum, fmt=fmt, tenant=tenant)
+        chunk = StoredChunk(key, Tier.DRAM, r.offset, r.length, r.length, checksum, fmt=fmt, origin=origin)
         self._chunks[key] = chunk
-        self.policy.add(
-            key, Tier.DRAM, self.allocators[Tier.DRAM].size_of(r.offset), replicated=replicated, tenant=tenant
-        )
+        size = self.allocators[Tier.DRAM].size_of(r.offset)
+        self.policy.add(key, Tier.DRAM, size, replicated=replicated, tenant=origin.tenant)
         self.counters["puts"] += 1
         self._changes.append(Change(ChangeKind.ADDED, chunk))
         if self.demote_inline:
@@ -193,18 +194,18 @@ class ChunkStore:
 
     def put(
         self, key: bytes, data: memoryview, checksum: int, *, replicated: bool = False, fmt: TensorFormat | None = None,
-        tenant: str = "",
+        origin: Origin = Origin(),
     ) -> StoredChunk:  # fmt: skip
         check_checksum(checksum)
         r = self.reserve(key, data.nbytes)
         if r.already_stored:
             return self._chunks[key]
         try:
-            self.dram.write(r.offset, data)
+            self.segments[Tier.DRAM].write(r.offset, data)
         except BaseException:
             self.abort(key)
             raise
-        return self.commit(key, checksum, replicated=replicated, fmt=fmt, tenant=tenant)
+        return self.commit(key, checksum, replicated=replicated, fmt=fmt, origin=origin)
 
     def take_changes(self) -> list[Change]:
         """Every change since the last call, in order."""
@@ -267,12 +268,6 @@ class ChunkStore:
         self._changes.append(Change(ChangeKind.DROPPED, chunk, cause))
 
     # -- room: allocation with eviction, migration by watermark ---------------------------------------
-
-    @property
-    def dram(self) -> DramSegment:
-        seg = self.segments[Tier.DRAM]
-        assert isinstance(seg, DramSegment)
-        return seg
 
     def _allocate(self, tier: Tier, length: int) -> int:
         alloc = self.allocators[tier]

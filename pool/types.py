@@ -40,6 +40,7 @@ class Placement:
     size: int  #: bytes of the chunk itself, what a reader gets (equals ``stored`` under the raw codec)
     checksum: int  #: of the stored bytes
     codec: str = "raw"
+    identity: str = ""  #: fingerprint of the cache identity the writer keyed the chunk under ("": it gave none)
 
 
 def nearest_first(node: str) -> Callable[["Placement"], tuple[bool, int]]:

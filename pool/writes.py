@@ -17,18 +17,27 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvpool.errors import ChunkNotFound
-from kvpool.pool.chunks import SEGMENT_NAMES, Room
+from kvpool.errors import ChunkNotFound, PoolFull
+from kvpool.pool.chunks import SEGMENT_NAMES, Origin, Room
 from kvpool.pool.node_handle import call
 from kvpool.pool.peers import STAGING_BYTES, Peers, rounds
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.tiers.codecs import TensorFormat
-from kvpool.pool.types import Tier
+from kvpool.pool.types import NodeRecord, Tier
 from kvpool.transport.base import Op
 
 Item = tuple[bytes, memoryview]  #: a chunk to write: its key and its bytes
 Summary = tuple[int, TensorFormat | None]  #: what a commit says of a chunk: its checksum and its tensor format
 PAGE = 4096  #: the alignment a room is expected to have before the first one is seen
+
+
+def targets(nodes: Sequence[NodeRecord], here: str | None, replicas: int) -> list[str]:
+    """The ``replicas`` nodes a put writes to when the caller names none: ``here`` (the writer's own node, when it has
+    a pool node) first, then those with the most free space."""
+    if len(nodes) < replicas:
+        raise PoolFull(f"replicas={replicas} needs {replicas} pool nodes; {len(nodes)} are alive")
+    free = {n.node_id: sum(s.capacity - s.used for s in n.segments) for n in nodes}
+    return sorted(free, key=lambda nid: (nid != here, -free[nid]))[:replicas]
 
 
 def room_bytes(sizes: Sequence[int], alignment: int) -> int:
@@ -64,11 +73,11 @@ class Rooms:
 
     def fill(
         self, node_id: str, node: Any, room: Room, chunks: list[tuple[bytes, int, int, int, TensorFormat | None]],
-        replicated: bool, tenant: str = "",
+        replicated: bool, origin: Origin,
     ) -> int:  # fmt: skip
-        """Hand the chunks written into ``room`` over as ``tenant``'s (one call, which opens the next room of the same
+        """Hand the chunks written into ``room`` over as ``origin``'s (one call, which opens the next room of the same
         size); the etcd revision that shows them."""
-        revision, nxt = call(node.fill_room.remote(room.id, chunks, replicated, room.length, tenant))
+        revision, nxt = call(node.fill_room.remote(room.id, chunks, replicated, room.length, origin))
         if nxt is not None:
             with self._lock:
                 old = self._held.pop(node_id, None)
@@ -88,7 +97,7 @@ class Rooms:
 
 def _put_round(
     rooms: Rooms, node_id: str, node: Any, items: Sequence[Item], sums: Sequence[Summary], replicated: bool,
-    write: Callable[[list[int]], None], tenant: str,
+    write: Callable[[list[int]], None], origin: Origin,
 ) -> int:  # fmt: skip
     """One round: a room for ``items``, ``write(offsets)`` of their bytes into it, the fill; the etcd revision that
     shows them.  A room the node no longer has (reclaimed after its TTL, or the node restarted) is written again
@@ -102,7 +111,7 @@ def _put_round(
             raise
         chunks = [(k, o, v.nbytes, *s) for o, (k, v), s in zip(offsets, items, sums, strict=True)]
         try:
-            return rooms.fill(node_id, node, room, chunks, replicated, tenant)
+            return rooms.fill(node_id, node, room, chunks, replicated, origin)
         except ChunkNotFound:
             if attempt:
                 raise
@@ -111,7 +120,7 @@ def _put_round(
 
 def put_local(
     node: Any, node_id: str, rooms: Rooms, segment: DramSegment, items: Sequence[Item], sums: Sequence[Summary],
-    replicated: bool, tenant: str = "",
+    replicated: bool, origin: Origin,
 ) -> int:  # fmt: skip
     """Write ``items`` into this node (``node``: its actor, ``segment``: its mapped DRAM); the etcd revision that
     shows them."""
@@ -122,13 +131,13 @@ def put_local(
             for offset, (_, view) in zip(offsets, batch, strict=True):
                 segment.write(offset, view)
 
-        revision = max(revision, _put_round(rooms, node_id, node, items[r], sums[r], replicated, write, tenant))
+        revision = max(revision, _put_round(rooms, node_id, node, items[r], sums[r], replicated, write, origin))
     return revision
 
 
 def put_peer(
     node: Any, node_id: str, rooms: Rooms, peers: Peers, dram_bytes: int, items: Sequence[Item],
-    sums: Sequence[Summary], replicated: bool, tenant: str = "",
+    sums: Sequence[Summary], replicated: bool, origin: Origin,
 ) -> int:  # fmt: skip
     """Write ``items`` into the peer ``node_id`` (``node``: its actor, ``dram_bytes``: its DRAM capacity) from
     the staging buffer, one batched one-sided WRITE a round; the etcd revision that shows them."""
@@ -144,5 +153,5 @@ def put_peer(
                 at += view.nbytes
             peers.write(node_id, ops)
 
-        revision = max(revision, _put_round(rooms, node_id, node, items[r], sums[r], replicated, write, tenant))
+        revision = max(revision, _put_round(rooms, node_id, node, items[r], sums[r], replicated, write, origin))
     return revision

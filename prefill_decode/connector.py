@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError
+from kvpool.metadata.identities import fingerprint
 from kvpool.metadata.misses import miss_cause
 from kvpool.pool.client import PoolClient
 from kvpool.pool.keys import CacheIdentity
@@ -143,6 +144,7 @@ class PoolConnector:
         self.client = client
         self.layout = layout
         self.identity = identity
+        self.fingerprint = fingerprint(identity)  #: every put carries it to the placements (and chunk events)
         try:
             client.register_identity(identity)  # for kvpool status: what keys this connector's chunks
         except KvPoolError as exc:
@@ -185,9 +187,10 @@ class PoolConnector:
         return self.put_buffer(buffer, keys[first_chunk:], replicas, tenant)
 
     def put_buffer(self, buffer: KVBuffer, keys: Sequence[Sequence[bytes]], replicas: int = 1, tenant: str = "") -> int:
-        """Put a filled buffer's chunks, named by ``keys`` (one entry per chunk of the buffer); bytes put."""
+        """Put a filled buffer's chunks, named by ``keys`` (one entry per chunk of the buffer), under this connector's
+        cache identity; bytes put."""
         items = [(keys[c][g], view) for c, g, view in buffer.object_views()]
-        self.client.put_batch(items, replicas=replicas, tenant=tenant)
+        self.client.put_batch(items, replicas=replicas, tenant=tenant, identity=self.fingerprint)
         return buffer.chunks * self.layout.chunk_size * self.layout.token_bytes
 
     def load(

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from kvpool.errors import ConfigError, KvPoolError
+from kvpool.metadata.identities import fingerprint
 from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.pool.metrics import MISS_PREFIX
 from kvpool.pool.tenants import Tenants
@@ -64,6 +65,7 @@ class WorkerSide:
         self, config: ConnectorConfig, identity: CacheIdentity, block_size: int, num_blocks: int, loads_kv: bool = True
     ) -> None:
         self.config, self.identity, self.block_size, self.num_blocks = config, identity, block_size, num_blocks
+        self.fingerprint = fingerprint(identity)  #: every put carries it to the placements (and chunk events)
         self.loads_kv = loads_kv
         self.tenants = Tenants.load(config.tenants) if config.tenants else None
         self.bpc = config.chunk_size // block_size  #: blocks per chunk
@@ -247,7 +249,9 @@ class WorkerSide:
                 ]
             try:
                 for tenant, chunk_layers in items.items():
-                    client.put_batch(chunk_layers, replicas=self.config.replicas, tenant=tenant)
+                    client.put_batch(
+                        chunk_layers, replicas=self.config.replicas, tenant=tenant, identity=self.fingerprint
+                    )
             except KvPoolError as exc:  # a full pool, etcd or a node gone: a future miss, never an engine error
                 log.warning("kvpool: could not save %d chunk layers: %s", sum(map(len, items.values())), exc)
                 self._count(save_errors=len(batch))

@@ -17,14 +17,17 @@ Chunk = tuple[bytes, Sequence[Placement]]  #: a key and its replicas
 
 
 def chunks_table(chunks: Sequence[Chunk], title: str, limit: int) -> Table:
-    """The first ``limit`` of ``chunks`` by key: key prefix, stored bytes, each replica's node, tier and offset, codec, crc32c."""
+    """The first ``limit`` of ``chunks`` by key: key prefix, stored bytes, each replica's node, tier and offset, codec,
+    crc32c, and the fingerprint of the cache identity it was put under ("-": none given)."""
     table = Table(title=title)
-    for col in ("key", "stored bytes", "replicas (node: tier @ offset)", "codec", "crc32c"):
+    for col in ("key", "stored bytes", "replicas (node: tier @ offset)", "codec", "crc32c", "identity"):
         table.add_column(col, justify="right" if col == "stored bytes" else "left")
     for key, replicas in sorted(chunks, key=lambda c: c[0])[:limit]:
         where = ", ".join(f"{p.node[:12]}: {p.tier.value} @ {p.offset}" for p in replicas)
         first = replicas[0]
-        table.add_row(key.hex()[:16], str(first.stored), where, first.codec, f"{first.checksum:08x}")
+        table.add_row(
+            key.hex()[:16], str(first.stored), where, first.codec, f"{first.checksum:08x}", first.identity or "-"
+        )
     return table
 
 
@@ -42,7 +45,8 @@ def list_chunks(
     ),
     limit: int = typer.Option(50, "--limit", min=1, help="Show at most this many chunks."),
 ) -> None:
-    """List chunks of a running pool: key, size, and where each replica lives (node, tier, offset)."""
+    """List chunks of a running pool: key, size, where each replica lives (node, tier, offset), codec, checksum and
+    cache identity."""
     with root.errors():
         with connect.running_cache(etcd, cluster, "ls") as cache:
             rows = [(k, r) for k, r in cache.chunks() if not node or any(p.node.startswith(node) for p in r)]

@@ -15,8 +15,10 @@ from kvpool.metadata.namespace import Namespace
 
 
 def _line(e: ChunkEvent) -> str:
+    """Revision, kind, key, node, cache identity's fingerprint ("-": none), tier (and the one it left), bytes."""
     where = f"{e.tier.value if e.tier else '?'}" + (f" (from {e.was.value})" if e.was else "")
-    return f"{e.revision:>8}  {e.kind.value:<7}  {e.key.hex()[:16]}  {e.node[:12]:<12}  {where}  {e.size} B"
+    head = f"{e.revision:>8}  {e.kind.value:<7}  {e.key.hex()[:16]}  {e.node[:12]:<12}  {e.identity or '-':<16}"
+    return f"{head}  {where}  {e.size} B"
 
 
 @root.app.command("events")
@@ -35,7 +37,7 @@ def events(
         True, "--follow/--no-follow", help="Keep printing changes as they happen; --no-follow stops at the present."
     ),
     as_json: bool = typer.Option(
-        False, "--json", help="One JSON object per event (kind, revision, key, node, tier, size, was)."
+        False, "--json", help="One JSON object per event (kind, revision, key, node, tier, size, identity, was)."
     ),
     zmq_endpoint: str = typer.Option(
         "",

@@ -481,7 +481,8 @@ def test_store_refuses_bad_calls_and_its_published_changes_match_its_chunks(
 
 NS = Namespace("bad-input")
 KEY = bytes(range(32))
-PLACEMENT = Placement(KEY, "node-1", Tier.NVME, offset=8192, stored=1024, size=4096, checksum=12345, codec="fp8")
+PLACEMENT = Placement(KEY, "node-1", Tier.NVME, offset=8192, stored=1024, size=4096, checksum=12345, codec="fp8",
+                      identity="0123456789abcdef")  # fmt: skip
 NODE = NodeRecord("node-1", "host-a", 4242, b"agent", (SegmentInfo("dram0", Tier.DRAM, 1 << 20, 4096),), 1.0, "h:9100")
 PLACEMENT_BYTES, NODE_BYTES = encode_placement(PLACEMENT), encode_node(NODE)
 
@@ -495,6 +496,10 @@ PLACEMENT_FIELDS: dict[str, tuple[st.SearchStrategy[Any], Callable[[Any], bool]]
     "size": (st.one_of(uint64, packable), lambda v: type(v) is int and v >= 1),
     "checksum": (st.one_of(uint64, packable), lambda v: type(v) is int and v >= 0),
     "codec": (packable, lambda v: isinstance(v, str)),
+    "identity": (  # a cache identity's fingerprint, or "" for none
+        st.one_of(st.sampled_from(["", "fedcba9876543210", "0123456789ABCDEF", "0123456789abcdef\n"]), packable),
+        lambda v: isinstance(v, str) and re.fullmatch("([0-9a-f]{16})?", v) is not None,
+    ),
 }
 NODE_FIELDS: dict[str, tuple[st.SearchStrategy[Any], Callable[[Any], bool]]] = {
     "host": (packable, lambda v: isinstance(v, str)),

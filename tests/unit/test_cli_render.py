@@ -25,17 +25,25 @@ def cells(out: str, first: str) -> list[str]:
 
 
 def test_ls_sorts_by_key_and_shows_every_replica() -> None:
-    def at(key: bytes, node: str, tier: Tier, offset: int) -> Placement:
-        return Placement(key, node, tier, offset=offset, stored=8192, size=8192, checksum=0xBEEF)
+    def at(key: bytes, node: str, tier: Tier, offset: int, identity: str = "") -> Placement:
+        return Placement(key, node, tier, offset=offset, stored=8192, size=8192, checksum=0xBEEF, identity=identity)
 
     a, b = bytes([1] * 32), bytes([2] * 32)
     chunks = [
-        (b, [at(b, "node-b" * 3, Tier.NVME, 4096)]),
+        (b, [at(b, "node-b" * 3, Tier.NVME, 4096, identity="0123456789abcdef")]),
         (a, [at(a, "node-a", Tier.DRAM, 0), at(a, "s3", Tier.REMOTE, 0)]),
     ]
     out = text(chunks_table(chunks, "2 chunks", limit=50))
-    assert cells(out, "0101") == ["0101010101010101", "8192", "node-a: dram @ 0, s3: remote @ 0", "raw", "0000beef"]
+    assert cells(out, "0101") == [
+        "0101010101010101",
+        "8192",
+        "node-a: dram @ 0, s3: remote @ 0",
+        "raw",
+        "0000beef",
+        "-",
+    ]
     assert cells(out, "0202")[2] == "node-bnode-b: nvme @ 4096"  # node ids cut to 12 characters
+    assert cells(out, "0202")[5] == "0123456789abcdef"  # the cache identity it was put under
     assert "0202" not in text(chunks_table(chunks, "2 chunks", limit=1))
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvpool.errors import ChunkNotFound, ConfigError, UndecodableChunk
-from kvpool.pool.chunks import StoredChunk, checksum
+from kvpool.pool.chunks import Origin, StoredChunk, checksum
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.moves import recode
 from kvpool.pool.tiers.codecs import TensorFormat, codec_key, decode, parse_codec
@@ -137,8 +137,8 @@ def test_a_tenants_chunks_are_sealed_with_the_tenants_own_key() -> None:
     k1, acme = os.urandom(KEY_BYTES), os.urandom(KEY_BYTES)
     ring = Keyring({"acme": acme, "k1": k1}, "k1")
     plain = os.urandom(1000)
-    own = recode(replace(chunk_in_dram(plain, None), tenant="acme"), plain, "raw+aes256gcm", ring)
-    other = recode(replace(chunk_in_dram(plain, None), tenant="globex"), plain, "raw+aes256gcm", ring)
+    own = recode(replace(chunk_in_dram(plain, None), origin=Origin("acme")), plain, "raw+aes256gcm", ring)
+    other = recode(replace(chunk_in_dram(plain, None), origin=Origin("globex")), plain, "raw+aes256gcm", ring)
     assert own is not None and other is not None
     assert bytes(own.data).find(b"acme") > 0 and bytes(other.data).find(b"acme") < 0  # the header names the key id
     shredded = Keyring({"k1": k1}, "k1")

@@ -12,7 +12,7 @@ import pytest
 from kvpool.errors import ConfigError
 from kvpool.pool import journal as journal_module
 from kvpool.pool.chunks import ChangeKind, checksum
-from kvpool.pool.journal import NvmeJournal, recover, segment_name
+from kvpool.pool.journal import NvmeJournal, segment_name, take_back
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import ChunkStore
 from kvpool.pool.types import DropCause, Tier
@@ -43,9 +43,7 @@ class Node:
         self.dram = DramSegment.create(8 * BLOCK, "/dev/shm")
         self.nvme, self.journal, named = NvmeJournal.open(str(directory), NAME, capacity)
         self.store = ChunkStore(self.dram, self.nvme)
-        self.recovery = recover(self.nvme, named, io)
-        self.store.adopt(self.recovery.adopted, self.recovery.dropped)
-        self.journal.rewrite(self.recovery.adopted)
+        self.recovery = take_back(self.store, self.journal, self.nvme, named, io)
         self.changes = self.store.take_changes()
 
     def put_on_nvme(self, ids: range) -> None:

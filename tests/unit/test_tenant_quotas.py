@@ -9,7 +9,7 @@ import pytest
 
 from kvpool.clock import ManualClock
 from kvpool.errors import ConfigError
-from kvpool.pool.chunks import ChangeKind
+from kvpool.pool.chunks import ChangeKind, Origin
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import ChunkStore
@@ -37,7 +37,7 @@ def segments(tmp_path: Path) -> Iterator[tuple[DramSegment, NvmeSegment]]:
 
 def put(store: ChunkStore, clock: ManualClock, tenant: str, ids: range) -> None:
     for i in ids:
-        store.put(key(tenant, i), data(i), checksum=i, tenant=tenant)
+        store.put(key(tenant, i), data(i), checksum=i, origin=Origin(tenant))
         clock.advance(1)
 
 

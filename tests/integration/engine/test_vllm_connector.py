@@ -14,6 +14,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvpool.cli import scrape
 from kvpool.errors import ConfigError, WorkerUnavailable
+from kvpool.metadata.identities import fingerprint
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
@@ -87,6 +88,8 @@ def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: 
 
     client = saver.client
     assert client is not None
+    saved = [layer_key(k, layer) for k in chunk_keys(identity, tokens) for layer in range(len(src))]
+    assert {p.identity for k in saved for p in client.cache.replicas(k)} == {fingerprint(identity)}  # for events
     client.remove(layer_key(chunk_keys(identity, tokens)[2], 1))  # chunk 2 of layer 1 is gone
     loader.start_step(load)
     for name in dst:

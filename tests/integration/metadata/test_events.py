@@ -17,6 +17,7 @@ import zmq
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.events import ChunkEvent, EventKind, EventStream, replay
+from kvpool.metadata.identities import fingerprint
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.metadata.zmq_events import ZmqPublisher, vllm_batch
@@ -24,12 +25,13 @@ from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.types import Placement, Tier
 from kvpool.servers.etcd import free_port
 
-KEYS = chunk_keys(CacheIdentity(model="events", kv_dtype="u8", layout="b", chunk_size=1), range(6))
+IDENTITY = CacheIdentity(model="events", kv_dtype="u8", layout="b", chunk_size=1)
+KEYS, FP = chunk_keys(IDENTITY, range(6)), fingerprint(IDENTITY)
 KVPOOL = str(Path(sys.executable).with_name("kvpool"))
 
 
 def placement(key: bytes, node: str, tier: Tier = Tier.DRAM) -> Placement:
-    return Placement(key=key, node=node, tier=tier, offset=0, stored=4096, size=4096, checksum=1)
+    return Placement(key=key, node=node, tier=tier, offset=0, stored=4096, size=4096, checksum=1, identity=FP)
 
 
 def collect(stream: EventStream) -> list[ChunkEvent]:
@@ -75,6 +77,7 @@ def test_events_follow_every_change_and_resume_after_a_revision(etcd: EtcdClient
     ]
     assert sorted(seen[-2:]) == [(EventKind.REMOVED, k, "n2", Tier.DRAM, None) for k in sorted(KEYS[4:])]  # lease end
     assert all(e.revision > start and e.size == 4096 for e in later)
+    assert {e.identity for e in [*first, *later]} == {FP}  # removals too, also those of the lease that ran out
     assert [e.revision for e in later] == sorted(e.revision for e in later)
 
     # a consumer that stopped at `middle` and resumed after it rebuilds the same contents as one that never stopped
@@ -160,6 +163,8 @@ def test_zmq_stream_decodes_with_vllms_own_kv_event_classes(etcd: EtcdClient, na
             ([KEYS[1]], "CPU", "n1"),
             ([KEYS[1]], "CPU", "n1"),
         ]
+        stored = [e for e in events if isinstance(e, kv_events.BlockStored)]
+        assert [e.extra_keys for e in stored] == [[(FP,)]] * 3  # the cache identity, one entry per block hash
     finally:
         sub.close(linger=0)
         req.close(linger=0)
@@ -178,7 +183,7 @@ def test_kvpool_events_prints_the_contents_then_stops_at_the_present(
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     assert sorted(e["key"] for e in lines) == sorted(k.hex() for k in KEYS[:3])
-    assert {(e["kind"], e["node"], e["tier"]) for e in lines} == {("stored", "n1", "dram")}
+    assert {(e["kind"], e["node"], e["tier"], e["identity"]) for e in lines} == {("stored", "n1", "dram", FP)}
     revision = lines[0]["revision"]
     store.delete([placement(KEYS[0], "n1")])
     done = subprocess.run(
@@ -186,5 +191,6 @@ def test_kvpool_events_prints_the_contents_then_stops_at_the_present(
     )
     assert done.returncode == 0, done.stderr
     assert "removed" in done.stdout and KEYS[0].hex()[:16] in done.stdout and KEYS[1].hex()[:16] not in done.stdout
+    assert FP in done.stdout
     bad = subprocess.run([KVPOOL, *args, "--zmq-replay", "tcp://127.0.0.1:1"], capture_output=True, text=True, env=env)
     assert bad.returncode == 1 and "--zmq-replay needs --zmq" in bad.stdout + bad.stderr

@@ -1,14 +1,18 @@
 """Chunk events from a real pool: puts, a demotion and a remove show up as they happen, and when a PoolNode is
 killed every chunk it held is delivered as removed; a consumer that rebuilt the contents from events alone, with a
-disconnect in the middle, matches the placements the pool's watch cache holds."""
+disconnect in the middle, matches the placements the pool's watch cache holds.  Every event names the cache identity
+the chunks were put under."""
 
 import threading
 import time
 
 import numpy as np
+import pytest
 import ray
 
+from kvpool.errors import ConfigError
 from kvpool.metadata.events import ChunkEvent, EventKind, EventStream, replay
+from kvpool.metadata.identities import fingerprint
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
@@ -16,24 +20,32 @@ from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node_handle import actor_name
 from kvpool.pool.types import Tier
 
-KEYS = chunk_keys(CacheIdentity(model="events-pool", kv_dtype="u8", layout="b", chunk_size=1), range(8))
+IDENTITY = CacheIdentity(model="events-pool", kv_dtype="u8", layout="b", chunk_size=1)
+KEYS = chunk_keys(IDENTITY, range(8))
 
 
 def test_events_of_a_pool_with_a_node_killed(pool: PoolConfig, client: PoolClient, ray_cluster: list[str]) -> None:
     ns = Namespace(pool.metadata.cluster)
     here, victim = ray_cluster[0], ray_cluster[2]
     data = np.arange(64 * 1024, dtype=np.uint8)
-    client.put_batch([(k, data) for k in KEYS[:4]], nodes=[here])
+    fp = client.register_identity(IDENTITY)
+    assert fp == fingerprint(IDENTITY)
+    with pytest.raises(ConfigError, match="fingerprint"):  # checked before anything is written
+        client.put_batch([(k, data) for k in KEYS[:4]], nodes=[here], identity=IDENTITY)  # type: ignore[arg-type]
+    client.put_batch([(k, data) for k in KEYS[:4]], nodes=[here], identity=fp)
     start = client.cache.sync()
+    assert {p.identity for k in KEYS[:4] for p in client.cache.replicas(k)} == {fp}
 
     held: dict[tuple[bytes, str], Tier | None] = {}
-    replay([e for _, b in EventStream(client.etcd, ns, until=start) for e in b], held)
+    contents = [e for _, b in EventStream(client.etcd, ns, until=start) for e in b]
+    assert {e.identity for e in contents if e.key in KEYS} == {fp}
+    replay(contents, held)
     seen: list[ChunkEvent] = []
     stream = EventStream(client.etcd, ns, after=start)
     follower = threading.Thread(target=lambda: [seen.extend(b) for _, b in stream])
     follower.start()
     try:
-        client.put_batch([(k, data) for k in KEYS[4:]], nodes=[victim])
+        client.put_batch([(k, data) for k in KEYS[4:]], nodes=[victim], identity=fp)
         client.move(KEYS[:1], Tier.NVME)
         client.remove_batch(KEYS[1:2])
         middle = client.cache.sync()
@@ -52,6 +64,7 @@ def test_events_of_a_pool_with_a_node_killed(pool: PoolConfig, client: PoolClien
     assert removed_with_node == set(KEYS[4:])  # every chunk of the killed node, delivered
     assert [(e.kind, e.tier, e.was) for e in later if e.key == KEYS[0]] == [(EventKind.MOVED, Tier.NVME, Tier.DRAM)]
     assert [e.kind for e in later if e.key == KEYS[1]] == [EventKind.REMOVED]
+    assert {e.identity for e in later} == {fp}  # stored, moved, removed, and removed with the node
 
     # disconnected at `middle`: resumes after it from etcd and ends with what the pool holds
     replay([e for e in later if e.revision <= middle], held)

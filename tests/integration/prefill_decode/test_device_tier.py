@@ -46,6 +46,7 @@ def test_offload_at_85_percent_and_drop_scratch_at_95(on_device: LoadedModel, pd
     assert tier.get("r0") is None and tier.get("r1") is not None and tier.counts["offloaded"] == 1
     keys = connector.keys(runs[0][0])
     assert len(keys) == 2 and all(pd_client.exists_batch(k) for k in keys)  # its full chunks, in the pool
+    assert {p.identity for ks in keys for k in ks for p in pd_client.cache.replicas(k)} == {connector.fingerprint}
     assert tier.used <= 0.85 * tier.budget
 
     tier.admit("s", runs[3][0], runs[3][1], Priority.SCRATCH)  # 94 % again: r1 was just read, so r2 leaves

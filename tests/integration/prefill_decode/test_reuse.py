@@ -49,6 +49,8 @@ def test_kv_round_trips_bit_for_bit(stack: tuple, model: LoadedModel) -> None:
     assert route.cached_chunks == 0 and route.decision.action is Action.RECOMPUTE
     pre = runner.prefill(tokens)
     assert runner.save(pre, route.keys) == 3 * CHUNK * runner.connector.layout.token_bytes
+    saved = [p for ks in route.keys[:3] for k in ks for p in runner.connector.client.cache.replicas(k)]
+    assert {p.identity for p in saved} == {runner.connector.fingerprint}  # what the chunk events will report
 
     again = router.route(tokens)
     assert again.cached_chunks == 3 and again.decision.action is Action.RELOAD
