@@ -23,12 +23,17 @@ request alone, cold and warm.  Then two checks:
   (what ``kvpool ls`` lists).
 
     python bench/routing.py [--requests 160] [--nodes 3] [--dram-mib 32 --nvme-mib 32] [--advise 0.5,0.25] [--seed 0]
+                            [--advisor-only] [--keep-logs DIR]
+
+``--advisor-only`` replays only what the advisor check needs (cache-aware at each capacity, no round-robin or
+least-loaded lanes, no event consumer); ``--keep-logs DIR`` copies every replay's access logs there.
 """
 
 import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import threading
@@ -45,12 +50,12 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
+from kvpool.bench.advisor_check import ADVISED, MODELS, held_at_lookup, predicted_hit_ratios
 from kvpool.bench.traces import Request, TraceSettings, make_trace, reuse_ceiling
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.events import EventStream, replay
 from kvpool.metadata.namespace import Namespace
-from kvpool.pool.advisor import curve_of_log, read_access_logs, tier_hits
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
 from kvpool.pool.types import Tier
@@ -243,27 +248,6 @@ def probe(bench: Bench, prompt: list[int]) -> tuple[Hardware, float, float]:
 # -- the run -------------------------------------------------------------------------------------------------
 
 
-def predicted_hit_ratio(log_paths: list[str], dram_bytes: float, nvme_bytes: float) -> float:
-    """The capacity advisor's hit ratio for a pool of these capacities, from the access logs of one replay."""
-    rate, accesses, total = read_access_logs(log_paths)
-    hits = tier_hits(curve_of_log(rate, accesses, total), dram_bytes, nvme_bytes)
-    return hits.dram + hits.nvme
-
-
-def held_at_lookup(log_paths: list[str]) -> float:
-    """The share of logged object lookups that found the object held (the per-object hit ratio the advisor
-    predicts; the prefix lookup's ratio also counts the held objects after a missing one as misses)."""
-    held = total = 0
-    for path in log_paths:
-        with open(path) as f:
-            for line in f:
-                row = json.loads(line)
-                if "key" in row:
-                    total += 1
-                    held += row["size"] > 0
-    return held / total if total else 0.0
-
-
 def render(out: dict[str, Any]) -> None:
     lim = out["limits"]
     table = Table(title=f"routing: {out['requests']} requests, {out['nodes']} lanes (one per node), "
@@ -279,7 +263,7 @@ def render(out: dict[str, Any]) -> None:
         "requests per lane",
     ):
         table.add_column(col, justify="left" if col in ("policy", "requests per lane") else "right")
-    robin = next(r for r in out["policies"] if r["policy"] == "round-robin")
+    robin = next((r for r in out["policies"] if r["policy"] == "round-robin"), out["policies"][0])
     for r in out["policies"]:
         table.add_row(
             r["policy"], f"{r['hit_rate']:.1%}", f"{r['hit_rate'] / out['ceiling']:.0%}", f"{r['ttft_p50_s'] * 1e3:.0f}",
@@ -291,18 +275,19 @@ def render(out: dict[str, Any]) -> None:
         f"{lim['cold_ttft_s'] * 1e3:.0f} cold", "", "", "one request alone",
     )  # fmt: skip
     console.print(table)
-    adv = Table(title="capacity advisor: predicted from the cache-aware replay's access log vs replayed")
-    for col in ("DRAM + NVMe per node", "pool", "predicted hit ratio", "measured: prefix lookups", "difference",
-                "objects held at lookup", "difference"):  # fmt: skip
+    adv = Table(title="capacity advisor: predicted from the first replay's access log vs replayed (prefix lookups)")
+    for col in ("DRAM + NVMe per node", "pool", "measured", "objects held at lookup", *MODELS):
         adv.add_column(col, justify="right")
     for a in out["advisor"]:
         adv.add_row(
-            f"{a['dram_mib']} + {a['nvme_mib']} MiB", f"{a['pool_mib']} MiB", f"{a['predicted']:.1%}",
-            f"{a['measured']:.1%}", f"{(a['predicted'] - a['measured']) * 100:+.1f} points",
-            f"{a['held']:.1%}", f"{(a['predicted'] - a['held']) * 100:+.1f} points",
+            f"{a['dram_mib']} + {a['nvme_mib']} MiB", f"{a['pool_mib']} MiB", f"{a['measured']:.1%}", f"{a['held']:.1%}",
+            *(f"{p:.1%} ({(p - a['measured']) * 100:+.1f})" for p in a["models"].values()),
         )  # fmt: skip
     console.print(adv)
+    console.print(f"kvpool advise uses the last model ({ADVISED}); each column adds one cause to the one before")
     ev = out["events"]
+    if not ev:
+        return
     console.print(
         f"events: {ev.get('events', 0):,} chunk events, disconnected at revision {ev.get('disconnected_at')}, resumed to "
         f"{ev.get('resumed_to')}: rebuilt contents {'MATCH' if ev.get('match') else 'DIFFER FROM'} the {ev.get('replicas', 0):,} "
@@ -357,6 +342,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench/results/routing.json")
     ap.add_argument("--png", default="bench/results/routing.png")
+    ap.add_argument(
+        "--advisor-only",
+        action="store_true",
+        help="only the advisor check: cache-aware replays at each capacity, no other policy, no events",
+    )
+    ap.add_argument("--keep-logs", default="", help="copy each replay's access logs to DIR/<dram>+<nvme>/")
     args = ap.parse_args()
     if args.nodes < 2 or args.requests < 4:
         ap.error("need --nodes >= 2 and --requests >= 4")
@@ -380,28 +371,40 @@ def main() -> None:
             hardware, cold, warm = probe(bench, make_trace(replace(TraceSettings(), seed=args.seed + 1))[0].tokens)
         bench.worker = replace(worker, hardware=hardware)  # every replay's workers price alike, and start faster
         rows, replays = [], {}
-        for policy in (Policy.ROUND_ROBIN, Policy.LEAST_LOADED, Policy.CACHE_AWARE):
+        policies = (
+            [Policy.CACHE_AWARE] if args.advisor_only else [Policy.ROUND_ROBIN, Policy.LEAST_LOADED, Policy.CACHE_AWARE]
+        )
+        for policy in policies:
             with console.status(f"replaying {len(trace)} requests, {policy.value}"):
-                r = run_replay(bench, trace, policy.value, args.dram_mib, args.nvme_mib, policy is Policy.CACHE_AWARE)
+                r = run_replay(bench, trace, policy.value, args.dram_mib, args.nvme_mib,
+                               policy is Policy.CACHE_AWARE and not args.advisor_only)  # fmt: skip
             replays[policy] = r
             rows.append(r.row())
             console.print(f"{policy.value}: hit rate {r.hit_rate:.1%}, TTFT p50 {rows[-1]['ttft_p50_s'] * 1e3:.0f} ms")
-        logged = replays[Policy.CACHE_AWARE]
-        n = args.nodes
-        advisor = [{"dram_mib": args.dram_mib, "nvme_mib": args.nvme_mib, "pool_mib": n * (args.dram_mib + args.nvme_mib),
-                    "predicted": predicted_hit_ratio(logged.log_paths, n * args.dram_mib * MiB, n * args.nvme_mib * MiB),
-                    "measured": logged.lookup_hit_ratio, "held": held_at_lookup(logged.log_paths)}]  # fmt: skip
+        logged, n = replays[Policy.CACHE_AWARE], args.nodes
+        measured = [(args.dram_mib, args.nvme_mib, logged)]
         for f in factors:
             dram, nvme = max(1, round(args.dram_mib * f)), max(1, round(args.nvme_mib * f))
             with console.status(f"replaying at {dram} + {nvme} MiB per node for the advisor"):
-                r = run_replay(bench, trace, Policy.CACHE_AWARE.value, dram, nvme)
-            predicted = predicted_hit_ratio(logged.log_paths, n * dram * MiB, n * nvme * MiB)
-            advisor.append({"dram_mib": dram, "nvme_mib": nvme, "pool_mib": n * (dram + nvme), "predicted": predicted,
-                            "measured": r.lookup_hit_ratio, "held": held_at_lookup(r.log_paths)})  # fmt: skip
+                measured.append((dram, nvme, run_replay(bench, trace, Policy.CACHE_AWARE.value, dram, nvme)))
+        if args.keep_logs:
+            for dram, nvme, r in measured:
+                kept = Path(args.keep_logs) / f"{dram}+{nvme}"
+                kept.mkdir(parents=True, exist_ok=True)
+                for path in r.log_paths:
+                    shutil.copy(path, kept)
+        at = (n * args.dram_mib * MiB, n * args.nvme_mib * MiB)
+        models = predicted_hit_ratios(logged.log_paths, [(n * d * MiB, n * v * MiB) for d, v, _ in measured], at)
+        advisor = [{"dram_mib": d, "nvme_mib": v, "pool_mib": n * (d + v), "measured": r.lookup_hit_ratio,
+                    "held": held_at_lookup(r.log_paths), "predicted": models[ADVISED][i],
+                    "models": {name: ratios[i] for name, ratios in models.items()}}
+                   for i, (d, v, r) in enumerate(measured)]  # fmt: skip
         top = max(a["pool_mib"] for a in advisor) * 1.5
-        curve = [{"pool_mib": m, "hit": predicted_hit_ratio(logged.log_paths, m * MiB * args.dram_mib / (args.dram_mib + args.nvme_mib),
-                                                            m * MiB * args.nvme_mib / (args.dram_mib + args.nvme_mib))}
-                 for m in np.linspace(1, top, 40)]  # fmt: skip
+        share = args.dram_mib / (args.dram_mib + args.nvme_mib)
+        sizes = list(np.linspace(1, top, 40))
+        pools = [(m * MiB * share, m * MiB * (1 - share)) for m in sizes]
+        along = predicted_hit_ratios(logged.log_paths, pools, at)[ADVISED]
+        curve = [{"pool_mib": m, "hit": h} for m, h in zip(sizes, along, strict=True)]
     out = {
         "requests": len(trace), "nodes": args.nodes, "concurrency": bench.concurrency, "dram_mib": args.dram_mib,
         "nvme_mib": args.nvme_mib, "chunk": args.chunk, "seed": args.seed, "ceiling": ceiling,

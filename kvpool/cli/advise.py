@@ -1,5 +1,6 @@
 """``kvpool advise``: what more or less DRAM and NVMe, or a codec on NVMe, would do to the hit rate, predicted from
-the chunk lookups clients sampled (``KVPOOL_ACCESS_LOG``) with a miss-ratio curve (see kvpool.pool.advisor)."""
+the chunk lookups clients sampled (``KVPOOL_ACCESS_LOG``) with a miss-ratio curve of prefix lookups over one LRU
+stack per node (see kvpool.pool.reuse)."""
 
 from pathlib import Path
 from typing import Any
@@ -68,14 +69,14 @@ def plot(curve: MissRatioCurve, dram: float, nvme: float, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    top = max([*curve.distances, int(dram + nvme) * 4, GiB])
+    top = max([*(d * curve.nodes for d in curve.distances), int(dram + nvme) * 4, GiB])
     sizes = [top * (i / 200) for i in range(1, 201)]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([s / GiB for s in sizes], [100 * curve.hit_ratio(s) for s in sizes], label="predicted hit rate (LRU)")
     ax.axvline(dram / GiB, color="tab:green", linestyle="--", label="DRAM now")
     ax.axvline((dram + nvme) / GiB, color="tab:orange", linestyle="--", label="DRAM + NVMe now")
     ax.axhline(100 * curve.ceiling(), color="grey", linestyle=":", label="ceiling (every chunk kept)")
-    ax.set_xlabel("pool capacity (GiB of chunk bytes)")
+    ax.set_xlabel("pool capacity (GiB of chunk bytes, all nodes)")
     ax.set_ylabel("hit rate (%)")
     ax.set_ylim(0, 100)
     ax.set_title("kvpool advise: miss-ratio curve of the sampled lookups")
@@ -118,6 +119,11 @@ def advise(
         help=f"Also predict the prefill time the hits save, for this model ({', '.join(KNOWN_MODELS)}): computing "
         "the KV a hit holds against reading it from its tier.",
     ),
+    one_stack: bool = typer.Option(
+        False,
+        "--one-stack",
+        help="Model the pool as one LRU stack (the whole pool's bytes), not one per node as the logs name them.",
+    ),
     tflops: float | None = typer.Option(None, "--tflops", help=options.TFLOPS_HELP),
     dram_gbps: float | None = options.gbps_option("dram", "DRAM"),
     nvme_gbps: float | None = options.gbps_option("nvme", "NVMe"),
@@ -125,17 +131,26 @@ def advise(
     """Predict the hit rate of DRAM and NVMe for more or less of each and for NVMe codecs, from sampled lookups.
 
     Run the engines with KVPOOL_ACCESS_LOG=DIR (and KVPOOL_ACCESS_RATE, default 0.01) for a while first: every
-    client then logs a spatial sample of the chunks it looks up.  The curve is exact LRU on that sample (SHARDS);
-    kvpool's tiers act as one LRU stack, DRAM on top."""
+    client then logs a spatial sample of the chunks it looks up, lookup by lookup, with its node.  The curve is
+    exact LRU on that sample (SHARDS), with kvpool's rules: a lookup reuses only the leading chunks the pool holds
+    (the prefix rule), and each node is its own LRU stack over the chunks its clients put (when the logs come from
+    several nodes; the capacity given or read is split evenly among the nodes the logs name).  A node's tiers
+    act as one stack, DRAM on top.  The logs are taken to be written at the capacities given or read: a chunk a
+    lookup found missing although it would fit them was being written by a concurrent lookup, and counts as a
+    miss at every capacity."""
     with root.errors():
         codecs = _codecs(codec)
         hardware = options.overridden(REFERENCE_HARDWARE, tflops, {"dram": dram_gbps, "nvme": nvme_gbps})
         cost = CostModel(model_spec(model), hardware) if model else None
-        rate, accesses, total = read_access_logs(str(p) for p in logs)
-        curve = curve_of_log(rate, accesses, total)
+        log = read_access_logs(str(p) for p in logs)
+        accesses, total = log.accesses, log.total
         dram, nvme = capacities(dram_gib, nvme_gib, etcd, cluster)
+        curve = curve_of_log(log, per_node=not one_stack, logged_at=dram + nvme)
         step_dram, step_nvme = (step_gib * GiB,) * 2 if step_gib else (dram / 4 or GiB, nvme / 4 or GiB)
-        table = Table(title=f"predicted from {len(accesses):,} sampled lookups of {total:,} (rate {rate:g})")
+        stacks = f"{curve.nodes} nodes, one LRU stack each" if curve.nodes > 1 else "one LRU stack"
+        table = Table(
+            title=f"predicted from {len(accesses):,} sampled key lookups of {total:,} (rate {log.rate:g}; {stacks})"
+        )
         columns = ["configuration", "DRAM", "NVMe", "DRAM hits", "NVMe hits", "recomputed"]
         for col in columns + (["prefill saved"] if cost else []):
             table.add_column(col, justify="left" if col == "configuration" else "right")

@@ -1,5 +1,6 @@
-"""A client started with ``KVPOOL_ACCESS_LOG`` logs its lookups (held chunks with their size, missing ones with 0)
-and the advisor reads them back; a bad setting is a ``ConfigError`` naming the variable."""
+"""A client started with ``KVPOOL_ACCESS_LOG`` logs its lookups whole, in chain order, with its node (held chunks
+with their size, missing ones with 0) and the advisor reads them back; a bad setting is a ``ConfigError`` naming
+the variable."""
 
 from pathlib import Path
 
@@ -25,11 +26,13 @@ def test_a_client_logs_its_lookups_for_the_advisor(
     with PoolClient(pool) as client:
         client.put_batch([(k, np.zeros(8192, dtype=np.uint8)) for k in KEYS[:4]])
         assert client.lookup_prefix(KEYS) == 4
-        nodes = len(client.cache.nodes())
+        nodes, here = len(client.cache.nodes()), client.node_id
     [log] = tmp_path.glob("access-*.jsonl")
-    rate, accesses, total = read_access_logs([str(log)])
-    assert (rate, total) == (1.0, 6) and [k for k, _ in accesses] == KEYS
-    assert [s for _, s in accesses] == [8192] * 6  # the two not held take the size seen
+    sample = read_access_logs([str(log)])
+    assert (sample.rate, sample.total, sample.nodes) == (1.0, 6, (here,))  # the node its puts land on
+    [(node, items)] = sample.lookups  # one lookup, its keys in chain order
+    assert node == here and [k for k, _ in items] == KEYS
+    assert [s for _, s in items] == [8192] * 6  # the two not held take the size seen
 
     out = CliRunner().invoke(
         app, ["advise", str(log), "--etcd", pool.metadata.endpoints[0], "--cluster", pool.metadata.cluster,
