@@ -23,6 +23,7 @@ from kvpool.pool.config import PoolConfig
 
 if TYPE_CHECKING:
     from kvpool.pool.tenants import Tenants
+    from kvpool.prefill_decode.engine_front import EngineFront
     from kvpool.prefill_decode.service import Service
 
 log = logging.getLogger(__name__)
@@ -203,10 +204,90 @@ def demo_service(
 
 def serve(service: "Service", port: int, report: Report | None = None) -> None:
     """Serve OpenAI-style ``/v1/completions`` over ``service`` on 127.0.0.1:``port`` (0: any) until Ctrl-C."""
-    from aiohttp import web
-
     from kvpool.prefill_decode.service import make_app
 
+    _run_app(make_app(service), port, report, "")
+
+
+def _run_app(app: Any, port: int, report: Report | None, over: str) -> None:
+    from aiohttp import web
+
     report = report or LogReport()
-    report.done(f"serving   http://127.0.0.1:{port or '<any>'}/v1/completions (Ctrl-C stops)")
-    web.run_app(make_app(service), host="127.0.0.1", port=port, print=lambda m: report.done(f"          {m}"))
+    report.done(f"serving   http://127.0.0.1:{port or '<any>'}/v1/completions{over} (Ctrl-C stops)")
+    web.run_app(app, host="127.0.0.1", port=port, print=lambda m: report.done(f"          {m}"))
+
+
+@dataclass(frozen=True)
+class EngineService:
+    """vLLM engines behind a router (:func:`engine_service`): what :func:`serve_engines` serves."""
+
+    front: "EngineFront"
+    model: str
+    tokenizer: Any
+    vocab: int
+
+
+@contextmanager
+def engine_service(
+    pool: PoolConfig, model: str, report: Report | None = None, engines: int = 1, policy: str = "cache-aware",
+    chunk_size: int = 256,
+) -> "Iterator[EngineService]":  # fmt: skip
+    """One vLLM engine (CPU) with kvpool's connector per Ray node, ``engines`` of them, on this machine, their KV
+    events to a socket on the first node's address, their cost models measured, and the router over them."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from kvpool.metadata.cache import MetadataCache
+    from kvpool.metadata.client import EtcdClient
+    from kvpool.metadata.namespace import Namespace
+    from kvpool.prefill_decode.engine_front import EngineFront, calibrate, model_spec, start_engine_lanes
+    from kvpool.prefill_decode.engine_router import EngineEvents
+    from kvpool.prefill_decode.model import converted_smollm2, load_tokenizer
+    from kvpool.prefill_decode.router import Policy
+
+    report = report or LogReport()
+    policy = Policy.of(policy).value
+    if model != "smollm2-135m":
+        raise ConfigError(f"vLLM engines run smollm2-135m here (its weights ship with kvpool), not {model!r}")
+    ips = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
+    if not isinstance(engines, int) or isinstance(engines, bool) or not 1 <= engines <= len(ips):
+        raise ConfigError(
+            f"engines must be an int from 1 to the {len(ips)} Ray nodes (one engine each), got {engines!r}"
+        )
+    directory = converted_smollm2()
+    vocab = int(json.loads((directory / "config.json").read_text())["vocab_size"])
+    connector = {
+        "etcd": list(pool.metadata.endpoints), "cluster": pool.metadata.cluster, "namespace": pool.namespace,
+        "ray_address": ray.get_runtime_context().gcs_address, "model_id": model, "chunk_size": chunk_size,
+    }  # fmt: skip
+    with ExitStack() as stack:
+        events = EngineEvents(f"tcp://{ips[0]}:*", [f"engine{i}" for i in range(engines)])
+        stack.callback(events.close)
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvpool-engines-")))
+        with report.busy(f"starting {engines} vLLM engine(s) of {model} on {', '.join(ips[:engines])}"):
+            lanes = start_engine_lanes({"model": str(directory)}, connector, ips[:engines], events.endpoint, logs)
+            for lane in lanes:
+                stack.callback(lane.engine.close)
+        report.done(f"engines   vLLM {model}: {engines} engine(s), KV events to {events.endpoint}")
+        with report.busy("measuring each engine: cold, from its own cache, from its node's pool and another's"):
+            costs = calibrate(lanes, model_spec(directory), chunk_size)
+        hw = costs[0].hardware
+        paths = ", ".join(f"{t} {bw / 1e9:.2f} GB/s" for t, bw in hw.bandwidth.items())
+        report.done(
+            f"cost      {hw.source}: {hw.flops / 1e9:.1f} GFLOP/s effective, step {hw.step_s * 1e3:.0f} ms; {paths}"
+        )
+        etcd = EtcdClient(pool.metadata)
+        stack.callback(etcd.close)
+        cache = stack.enter_context(MetadataCache(etcd, Namespace(pool.metadata.cluster)))
+        front = EngineFront.over(lanes, events, costs, cache.replicas, chunk_size, policy)
+        report.done(f"routing   {policy} over {engines} engine(s)")
+        yield EngineService(front, model, load_tokenizer(model), vocab)
+
+
+def serve_engines(service: EngineService, port: int, report: Report | None = None) -> None:
+    """Serve OpenAI-style ``/v1/completions`` over vLLM engines on 127.0.0.1:``port`` (0: any) until Ctrl-C."""
+    from kvpool.prefill_decode.engine_front import make_engine_app
+
+    app = make_engine_app(service.front, service.model, service.tokenizer, service.vocab)
+    _run_app(app, port, report, " over vLLM engines")

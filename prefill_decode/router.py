@@ -72,18 +72,24 @@ class Route:
         return self.cached_chunks if self.decision.action is Action.RELOAD else 0
 
 
-def decide(cost: CostModel, prompt_tokens: int, cached_tokens: int, by_tier: Mapping[str, int]) -> Decision:
+def decide(
+    cost: CostModel, prompt_tokens: int, cached_tokens: int, by_tier: Mapping[str, int], local_tokens: int = 0
+) -> Decision:
     """Reload the cached prefix, or recompute the prompt: the pure decision behind :meth:`Router.route`.
 
-    ``by_tier`` holds the bytes of the cached prefix by the path a read would take them along (:func:`read_path`);
-    the prefix's tokens are shared out by those bytes and priced at each path's bandwidth.  The last prompt token is always computed.
+    ``by_tier`` holds the bytes to read by the path a read would take them along (:func:`read_path`); the tokens
+    read are shared out by those bytes and priced at each path's bandwidth.  ``local_tokens``: a prefix the worker
+    holds itself (a vLLM engine's own prefix cache): never read, never computed; the pool's bytes are then those of
+    the chunks past it.  The last prompt token is always computed.
     """
-    recompute = cost.prefill_s(prompt_tokens)
+    local = min(local_tokens, prompt_tokens - 1)
+    recompute = cost.prefill_s(prompt_tokens, local)
     total = sum(by_tier.values())
-    if cached_tokens == 0 or total == 0:
-        return Decision(Action.RECOMPUTE, prompt_tokens, 0, "-", recompute, recompute)
+    if cached_tokens <= local or total == 0:
+        return Decision(Action.RECOMPUTE, prompt_tokens, local, "local" if local else "-", recompute, recompute)
+    fetched = cached_tokens - local
     reload = cost.hardware.latency_s
-    reload += sum(_transfer_s(cost, round(cached_tokens * b / total), t) for t, b in by_tier.items())
+    reload += sum(_transfer_s(cost, round(fetched * b / total), t) for t, b in by_tier.items())
     reload += cost.prefill_s(prompt_tokens, min(cached_tokens, prompt_tokens - 1))
     action = Action.RELOAD if reload < recompute else Action.RECOMPUTE
     return Decision(action, prompt_tokens, cached_tokens, "+".join(sorted(by_tier)), reload, recompute)
@@ -218,24 +224,35 @@ class LaneRouter:
 
     def quotes(self, tokens: Sequence[int], scope: Scope | None = None) -> list[Quote]:
         """Every lane's prediction for ``tokens`` (keyed in ``scope``: a tenant's chain), as things stand."""
-        n = len(token_array(tokens))
+        tokens = [int(t) for t in token_array(tokens)]
         keys = self.keys(tokens, scope)
         cached = 0
         while cached < len(keys) and all(self.replicas(k) for k in keys[cached]):
             cached += 1
         flat = tuple(k for chunk in keys for k in chunk)
-        out = []
-        for lane, (node, cost) in enumerate(zip(self.nodes, self.costs, strict=True)):
-            paths = by_path(prefix_sources(self.replicas, keys, cached, node), node)
-            pending, ahead = self._pending[lane], cached
-            while ahead < len(keys) and all(self.replicas(k) or pending[k] for k in keys[ahead]):
-                ahead += 1  # put by a request queued before this one, on this node: local DRAM by then
-            if ahead > cached:
-                paths[Tier.DRAM.value] += cost.kv_bytes((ahead - cached) * self.chunk_size)
-            cached_tokens = min(ahead * self.chunk_size, n) if paths else 0
-            decision = decide(cost, n, cached_tokens, paths)
-            out.append(Quote(lane, decision, self._queued[lane], self._queued_s[lane], flat))
-        return out
+        return [self.quote(lane, tokens, scope, keys, cached, flat) for lane in range(len(self.nodes))]
+
+    def quote(
+        self, lane: int, tokens: Sequence[int], scope: Scope | None, keys: list[list[bytes]], cached: int,
+        flat: tuple[bytes, ...],
+    ) -> Quote:  # fmt: skip
+        """Lane ``lane``'s prediction for ``tokens``, whose chunk objects are ``keys`` (``flat``: all of them), the
+        first ``cached`` of which the pool holds."""
+        node, cost = self.nodes[lane], self.costs[lane]
+        n = len(tokens)
+        paths = by_path(prefix_sources(self.replicas, keys, cached, node), node)
+        ahead = self.ahead(lane, keys, cached)  # put by a request queued before this one, on this node
+        if ahead > cached:
+            paths[Tier.DRAM.value] += cost.kv_bytes((ahead - cached) * self.chunk_size)
+        cached_tokens = min(ahead * self.chunk_size, n) if paths else 0
+        return Quote(lane, decide(cost, n, cached_tokens, paths), self._queued[lane], self._queued_s[lane], flat)
+
+    def ahead(self, lane: int, keys: list[list[bytes]], start: int) -> int:
+        """Leading chunks, from ``start`` on, whose objects are held or will be put by a request queued on ``lane``."""
+        pending = self._pending[lane]
+        while start < len(keys) and all(self.replicas(k) or pending[k] for k in keys[start]):
+            start += 1
+        return start
 
     def pick(self, tokens: Sequence[int], scope: Scope | None = None) -> Quote:
         """The lane for ``tokens``, booked: call :meth:`release` with the quote once its prefill is done."""

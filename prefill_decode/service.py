@@ -30,6 +30,23 @@ from kvpool.prefill_decode.workers import DecodeResult, PrefillResult
 log = logging.getLogger(__name__)
 
 
+def tokenize(tokenizer: Any, model: str, prompt: str | list[int], *, chat: bool = False) -> list[int]:
+    """A prompt's token ids: a list of ids as it is (checked), text through ``tokenizer`` (``chat``: as a user's
+    message in the model's chat template); a model without a tokenizer takes token ids only."""
+    if isinstance(prompt, list):
+        try:
+            return [int(t) for t in token_array(prompt, "prompt")]
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if tokenizer is None:
+        raise ConfigError(f"model {model} has no tokenizer: send the prompt as a list of token ids")
+    if chat:
+        messages = [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(prompt))
+
+
 @dataclass(frozen=True)
 class Completion:
     prompt_tokens: list[int]
@@ -76,18 +93,7 @@ class Service:
         self.tenant_counts: dict[str, Counter[str]] = defaultdict(Counter)
 
     def tokenize(self, prompt: str | list[int], *, chat: bool = False) -> list[int]:
-        if isinstance(prompt, list):
-            try:
-                return [int(t) for t in token_array(prompt, "prompt")]
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-        if self.tokenizer is None:
-            raise ConfigError(f"model {self.model} has no tokenizer: send the prompt as a list of token ids")
-        if chat:
-            messages = [{"role": "user", "content": prompt}]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
-        return list(self.tokenizer.encode(prompt))
+        return tokenize(self.tokenizer, self.model, prompt, chat=chat)
 
     def detokenize(self, tokens: list[int]) -> str:
         if self.tokenizer is None:
@@ -186,26 +192,32 @@ def _completion(service: Service, tokens: list[int], done: Completion) -> dict[s
     }  # fmt: skip
 
 
+async def completion_request(request: web.Request) -> tuple[str | list[int], int, str, bool]:
+    """A ``/v1/completions`` body's ``prompt``, ``max_tokens``, ``cache_namespace`` and ``chat``, or a
+    ``ConfigError`` saying what is wrong (the front answers it with a 400)."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise ConfigError("the body must be JSON") from None
+    if not isinstance(body, dict):
+        raise ConfigError("the body must be a JSON object")
+    prompt, max_tokens = body.get("prompt"), body.get("max_tokens", 16)
+    if not isinstance(prompt, (str, list)):
+        raise ConfigError("prompt must be a string or a list of token ids")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= 4096:
+        raise ConfigError("max_tokens must be an int in [1, 4096]")
+    namespace = body.get("cache_namespace", "")
+    if not isinstance(namespace, str):
+        raise ConfigError("cache_namespace must be a string (a shared namespace of the tenants file)")
+    return prompt, max_tokens, namespace, bool(body.get("chat", False))
+
+
 def make_app(service: Service) -> web.Application:
     async def completions(request: web.Request) -> web.Response:
         try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "the body must be JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object", "invalid_request_error")
-        prompt, max_tokens = body.get("prompt"), body.get("max_tokens", 16)
-        if not isinstance(prompt, (str, list)):
-            return _error(400, "prompt must be a string or a list of token ids", "invalid_request_error")
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= 4096:
-            return _error(400, "max_tokens must be an int in [1, 4096]", "invalid_request_error")
-        namespace = body.get("cache_namespace", "")
-        if not isinstance(namespace, str):
-            return _error(
-                400,
-                "cache_namespace must be a string (a shared namespace of the tenants file)",
-                "invalid_request_error",
-            )
+            prompt, max_tokens, namespace, chat = await completion_request(request)
+        except ConfigError as exc:
+            return _error(400, str(exc), "invalid_request_error")
         key = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         try:
             scope = service.scope(key or None, namespace)
@@ -215,7 +227,7 @@ def make_app(service: Service) -> web.Application:
         except ConfigError as exc:
             return _error(400, str(exc), "invalid_request_error")
         try:
-            tokens = service.tokenize(prompt, chat=bool(body.get("chat", False)))
+            tokens = service.tokenize(prompt, chat=chat)
             done = await service.complete(tokens, max_tokens, scope)
         except ConfigError as exc:
             return _error(400, str(exc), "invalid_request_error")

@@ -9,11 +9,14 @@ each JSON line on stdin with a line ``RESULT <json>``:
   the whole call (with ``max_tokens`` 1, the time to first token).  ``reset`` first drops vLLM's own prefix cache,
   so a repeated prompt is served by the connector, not by the engine; ``"salts": ["key", ...]`` gives each prompt
   a ``cache_salt`` (with the connector's ``tenants``: a tenant's API key);
-- ``{"connector": true}`` → kvpool's worker-side connector: its running ``totals`` and its cache ``identity``;
+- ``{"connector": true}`` → kvpool's worker-side connector: its running ``totals``, its cache ``identity``, its
+  ``layers`` and the pool ``node`` its client is on ("" until it has connected);
 - ``{"quit": true}`` → ends the process (queued saves finish first).
 
 Settings: ``model`` (a directory), ``connector`` (kvpool's ``kv_connector_extra_config``; with ``role``) or
-``kv_transfer`` (any vLLM ``KVTransferConfig``, e.g. vLLM's own connectors), ``max_model_len``, ``block_size``.
+``kv_transfer`` (any vLLM ``KVTransferConfig``, e.g. vLLM's own connectors), ``max_model_len``, ``block_size``,
+``kv_events`` (``{"endpoint", "topic"}``: vLLM publishes its prefix cache's block events there, see
+:mod:`~kvpool.prefill_decode.engine_router`).
 :class:`EngineProcess` runs one from Python.
 """
 
@@ -26,7 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvpool.errors import WorkerUnavailable
+from kvpool.errors import ConfigError, WorkerUnavailable
 
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -49,6 +52,13 @@ def start_engine(settings: dict[str, Any]) -> Any:
         kw["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(config, settings.get("role", "kv_both")))
     elif settings.get("kv_transfer") is not None:
         kw["kv_transfer_config"] = KVTransferConfig(**settings["kv_transfer"])
+    if settings.get("kv_events"):  # vLLM publishes its prefix cache's blocks there (what a router tracks)
+        from vllm.config import KVEventsConfig
+
+        events = settings["kv_events"]
+        kw["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=events["endpoint"], topic=events.get("topic", "")
+        )
     return LLM(
         model=settings["model"], skip_tokenizer_init=True, dtype="float32", block_size=settings.get("block_size", 32),
         max_model_len=settings.get("max_model_len", 4096), enforce_eager=True, seed=0, **kw,
@@ -89,7 +99,11 @@ def connector_state() -> dict[str, Any]:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     side = get_kv_transfer_group().side
-    return {"totals": dict(side.totals), "identity": asdict(side.identity)}
+    client = side.client
+    return {
+        "totals": dict(side.totals), "identity": asdict(side.identity), "layers": len(side.layers),
+        "node": client.node_id if client is not None else "",
+    }  # fmt: skip
 
 
 class EngineProcess:
@@ -120,7 +134,11 @@ class EngineProcess:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
-        return json.loads(self._expect("RESULT "))
+        answer = json.loads(self._expect("RESULT "))
+        if isinstance(answer, dict) and "error" in answer:  # the engine refused the command and goes on
+            kind = ConfigError if answer.get("kind") == "input" else WorkerUnavailable
+            raise kind(f"the engine refused the request: {answer['error']}")
+        return answer
 
     def generate(
         self, prompts: list[list[int]], reset: bool = False, max_tokens: int = 8, salts: list[str] | None = None
@@ -145,16 +163,25 @@ class EngineProcess:
 
 
 def main() -> None:
+    from vllm.exceptions import VLLMClientError  # what vLLM raises for a request it will not serve (too long, ...)
+
+    bad_input = (ValueError, TypeError, VLLMClientError)
     llm = start_engine(json.loads(sys.argv[1]))
     print("READY", flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("quit"):
             break
-        if cmd.get("connector"):
-            answer: Any = connector_state()
-        else:
-            answer = generate(llm, cmd["generate"], cmd.get("max_tokens", 8), cmd.get("reset", False), cmd.get("salts"))
+        try:
+            if cmd.get("connector"):
+                answer: Any = connector_state()
+            else:
+                answer = generate(
+                    llm, cmd["generate"], cmd.get("max_tokens", 8), cmd.get("reset", False), cmd.get("salts")
+                )
+        except Exception as exc:  # a bad prompt (too long, a token outside the vocabulary): say so, go on
+            kind = "input" if isinstance(exc, bad_input) else "engine"
+            answer = {"error": f"{type(exc).__name__}: {exc}"[:2000], "kind": kind}
         print("RESULT " + json.dumps(answer), flush=True)
 
 

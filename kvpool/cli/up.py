@@ -93,7 +93,7 @@ def _tls_etcd(stack: ExitStack, tls_dir: str) -> str:
 
 def _run(
     pool: PoolConfig, stack: ExitStack, demo: str, serve: int, hold: bool, lanes: int, route: str,
-    tenants: Tenants | None = None,
+    tenants: Tenants | None = None, engine: str = "workers",
 ) -> None:  # fmt: skip
     """Everything ``up`` does on the running ``pool``."""
     from kvpool.cli import status  # here, not above: up comes first in --help
@@ -107,6 +107,12 @@ def _run(
         raise KvPoolError("the pool returned bytes that differ from what was put; run with --debug and report it")
     report = root.ConsoleReport()
     service = None
+    if engine == "vllm":  # checked by up: --serve is given, no tenants
+        from kvpool.stack import engine_service, serve_engines
+
+        engines = stack.enter_context(engine_service(pool, MODELS[0], report, lanes, route))
+        serve_engines(engines, serve, report)
+        return
     if demo != "none" or serve >= 0:
         model = demo if demo != "none" else MODELS[0]
         service = stack.enter_context(demo_service(pool, model, report, lanes, route, tenants))
@@ -174,6 +180,13 @@ def up(
     hold: bool = typer.Option(
         False, "--hold", help="Keep the pool up until Ctrl-C (default: check it, run the demo, leave)."
     ),
+    engine: str = typer.Option(
+        "workers",
+        "--engine",
+        help="What --serve serves with: workers (kvpool's prefill -> decode lanes, transformers) or vllm (one vLLM "
+        f"engine of {MODELS[0]} with kvpool's connector per node, --lanes of them, routed by --route over their own "
+        "prefix caches, known from their KV events, and the pool's contents; the demo is skipped).",
+    ),
     tenants: str = typer.Option(
         "",
         "--tenants",
@@ -198,6 +211,12 @@ def up(
             raise ConfigError(f"--demo must be one of {', '.join(MODELS)} or none, got {demo!r}")
         if route not in ROUTES:
             raise ConfigError(f"--route must be one of {', '.join(ROUTES)}, got {route!r:.40}")
+        if engine not in ("workers", "vllm"):
+            raise ConfigError(f"--engine must be workers or vllm, got {engine!r:.40}")
+        if engine == "vllm" and (serve < 0 or tenants):
+            raise ConfigError(
+                "--engine vllm serves over vLLM engines: give --serve PORT (tenants are served by the workers' front only)"
+            )
         tenants_file = Tenants.load(tenants) if tenants else None
         if etcd_tls and not etcd:
             etcd = _tls_etcd(stack, etcd_tls)
@@ -215,4 +234,4 @@ def up(
         )  # fmt: skip
         config = StackConfig(pool=pool, nodes=nodes, ray_address=ray_address or "")
         running = stack.enter_context(running_pool(config, root.ConsoleReport()))
-        _run(running, stack, demo, serve, hold, lanes, route, tenants_file)
+        _run(running, stack, demo, serve, hold, lanes, route, tenants_file, engine)

@@ -1,6 +1,5 @@
 """Disaggregated prefill and decode as Ray actors on two different nodes, KV passing through the pool."""
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -8,6 +7,7 @@ from typing import Any
 import pytest
 import ray
 import torch
+from http_asks import ask_app
 
 from kvpool.prefill_decode.model import LoadedModel
 from kvpool.prefill_decode.workers import WorkerConfig, start_lanes, start_workers
@@ -25,30 +25,10 @@ def workers(ray_cluster: list[str], worker_config: WorkerConfig) -> Iterator[tup
 
 
 def serve(service: Any, asks: list[tuple[str, dict[str, Any]]]) -> list[tuple[int, dict[str, Any]]]:
-    """``service``'s HTTP front on a free loopback port: each ``(API key or "", body)`` posted to /v1/completions in
-    turn, then ``GET /stats``; every ``(status, JSON answer)``."""
-    from aiohttp import ClientSession, web
-
+    """``service``'s HTTP front asked ``asks`` (:func:`http_asks.ask_app`)."""
     from kvpool.prefill_decode.service import make_app
 
-    async def scenario() -> list[tuple[int, dict[str, Any]]]:
-        runner = web.AppRunner(make_app(service))
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        out = []
-        try:
-            async with ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as http:
-                for key, body in asks:
-                    headers = {"Authorization": f"Bearer {key}"} if key else {}
-                    async with http.post("/v1/completions", json=body, headers=headers) as r:
-                        out.append((r.status, await r.json()))
-                async with http.get("/stats") as r:
-                    out.append((r.status, await r.json()))
-        finally:
-            await runner.cleanup()
-        return out
-
-    return asyncio.run(scenario())
+    return ask_app(make_app(service), asks)
 
 
 def test_decode_on_another_node_continues_from_the_pool(

@@ -1,0 +1,265 @@
+"""Serving over vLLM engines with the kvpool connector: each request goes to the engine the
+:class:`~kvpool.prefill_decode.engine_router.EngineRouter` predicts the least time to first token for.
+
+The engines run in processes of their own (:class:`~kvpool.prefill_decode.vllm_engine.EngineProcess`), one per
+pool node, each publishing its prefix cache's block events to the front's :class:`EngineEvents` socket.  Each
+engine's cost model is measured when the front starts (:func:`calibrate`): a cold prefill, the same prompt from the
+engine's own cache, from its node's pool DRAM, and from another node's: the figures the router prices with.
+"""
+
+import asyncio
+import json
+import logging
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvpool.errors import ConfigError, KvPoolError, WorkerUnavailable
+from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
+from kvpool.pool.tenants import Scope
+from kvpool.prefill_decode.cost import CostModel, Hardware, ModelSpec
+from kvpool.prefill_decode.engine_router import EngineEvents, EngineRouter
+from kvpool.prefill_decode.router import Policy, Quote
+from kvpool.prefill_decode.vllm_engine import EngineProcess
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+SAVE_WAIT_S = 120.0  #: how long calibration waits for an engine's saves to reach the pool
+MIN_READ_S = 1e-3  #: a read that took no longer than a step is taken as this long (a floor, not a measurement)
+
+
+@dataclass(frozen=True)
+class EngineLane:
+    """One engine: its process, the pool node its connector reads and writes through, its KV events' topic."""
+
+    engine: EngineProcess
+    node: str
+    topic: str
+
+
+@dataclass(frozen=True)
+class EngineCompletion:
+    tokens: list[int]  #: generated
+    lane: int
+    seconds: float  #: request in → answer out, the wait for the engine included (with max_tokens 1: the TTFT)
+    cached: int  #: prompt tokens vLLM did not compute (its own cache and the pool's)
+    quote: Quote
+
+
+def model_spec(model_dir: str | Path, kv_dtype_bytes: int = 4) -> ModelSpec:
+    """The cost model's view of a Llama-style model directory (``config.json``): ``P`` counts the decoder layers'
+    weights (attention and gated MLP), as :func:`~kvpool.prefill_decode.calibrate.spec_of` does for a loaded one."""
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+        hidden, heads, inter = cfg["hidden_size"], cfg["num_attention_heads"], cfg["intermediate_size"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        head_dim = cfg.get("head_dim") or hidden // heads
+        per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inter
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"{path}: not a Llama-style model config ({exc}); pass a model directory vLLM loads"
+        ) from None
+
+    class _Config:  # from_hf_config reads attributes
+        pass
+
+    config = _Config()
+    config.__dict__.update(cfg)
+    return ModelSpec.from_hf_config(
+        config, name=path.parent.name, params=per_layer * cfg["num_hidden_layers"], kv_dtype_bytes=kv_dtype_bytes
+    )
+
+
+def _ttft(engine: EngineProcess, prompt: list[int], reset: bool = False) -> float:
+    [out] = engine.generate([prompt], reset=reset, max_tokens=1)
+    return float(out["seconds"])
+
+
+def _wait_saved(engine: EngineProcess, tokens: int) -> None:
+    deadline = time.monotonic() + SAVE_WAIT_S
+    while engine.ask(connector=True)["totals"].get("saved_tokens", 0) < tokens:
+        if time.monotonic() > deadline:
+            raise WorkerUnavailable(f"an engine did not save {tokens} tokens to the pool in {SAVE_WAIT_S:.0f} s")
+        time.sleep(0.05)
+
+
+def calibrate(
+    lanes: Sequence[EngineLane], spec: ModelSpec, chunk_size: int, tokens: int = 1024, vocab: int = 4000
+) -> list[CostModel]:
+    """Each engine's cost model, measured: effective FLOP/s from a cold prefill of ``tokens`` tokens, the fixed cost
+    of a step from the same prompt out of the engine's own cache, and the read bandwidth of its node's DRAM (the
+    prompt again after ``reset_prefix_cache``) and of another node's (the next engine, which never saw it).  One
+    timing each, on purpose short: the router needs the orders of magnitude, and the engines' start is slow enough."""
+    count = CostModel(spec, Hardware(1.0, {}, "count"), attention=True)
+    loaded = ((tokens - 1) // chunk_size) * chunk_size  # vLLM computes the last token itself
+    if loaded < chunk_size:
+        raise ConfigError(f"calibration needs a prompt longer than one chunk of {chunk_size} tokens; got {tokens}")
+    kv = count.kv_bytes(loaded)
+    costs = []
+    for i, lane in enumerate(lanes):
+        prompts = [[(seed * 7919 + t * 104729 + 13 * i) % vocab + 1 for t in range(tokens)] for seed in (1, 2, 3)]
+        _ttft(lane.engine, prompts[0])  # warm-up: the first forward passes of an engine are slow
+        saved = lane.engine.ask(connector=True)["totals"].get("saved_tokens", 0)
+        cold = statistics.median(_ttft(lane.engine, p) for p in prompts[1:])
+        _wait_saved(lane.engine, saved + 2 * loaded)
+        step = statistics.median(_ttft(lane.engine, prompts[1]) for _ in range(3))
+        own = _ttft(lane.engine, prompts[1], reset=True) - step
+        bandwidth = {"dram": kv / max(own, MIN_READ_S)}
+        if len(lanes) > 1:  # the first read from a node sets up the connection to it: the second one is timed
+            other = lanes[(i + 1) % len(lanes)].engine
+            _ttft(other, prompts[1], reset=True)
+            bandwidth["peer"] = kv / max(_ttft(other, prompts[2], reset=True) - step, MIN_READ_S)
+        flops = count.prefill_flops(tokens) / max(cold - step, MIN_READ_S)
+        costs.append(CostModel(spec, Hardware(flops, bandwidth, "measured on this engine", 0.0, step), attention=True))
+        log.info("engine %d: cold %.3f s, step %.3f s, own DRAM %.2f GB/s%s", i, cold, step, bandwidth["dram"] / 1e9,
+                 f", peer {bandwidth['peer'] / 1e9:.2f} GB/s" if "peer" in bandwidth else "")  # fmt: skip
+    return costs
+
+
+def engine_keys(identity: CacheIdentity, layers: int, tokens: Sequence[int], scope: Scope | None) -> list[list[bytes]]:
+    """The pool objects of each full chunk of ``tokens``: one per layer, as the vLLM connector's worker names them."""
+    return [[layer_key(k, layer) for layer in range(layers)] for k in chunk_keys(identity, tokens, scope)]
+
+
+class EngineFront:
+    """Sends each request to an engine by the router's policy; one request at a time per engine (the engine's own
+    batching is not used, so the router's queue is the engine's), any number of callers at once."""
+
+    def __init__(self, lanes: Sequence[EngineLane], events: EngineEvents, router: EngineRouter) -> None:
+        if len(router.nodes) != len(lanes):
+            raise ConfigError(f"the router knows {len(router.nodes)} engines, the front has {len(lanes)}")
+        self.lanes, self.events, self.router = list(lanes), events, router
+        self._locks = [threading.Lock() for _ in lanes]
+
+    @classmethod
+    def over(
+        cls, lanes: Sequence[EngineLane], events: EngineEvents, costs: Sequence[CostModel], replicas: Any,
+        chunk_size: int, policy: "Policy | str" = Policy.CACHE_AWARE,
+    ) -> "EngineFront":  # fmt: skip
+        """A front over ``lanes`` whose router reads placements with ``replicas`` (a watch cache's); every engine
+        must cache under one identity, or the router could not predict their hits."""
+        states = [lane.engine.ask(connector=True) for lane in lanes]
+        identity, layers = states[0]["identity"], states[0]["layers"]
+        for i, state in enumerate(states):
+            if (state["identity"], state["layers"]) != (identity, layers):
+                raise ConfigError(f"engine {i} caches under another identity than engine 0: start every engine alike")
+        topics = [lane.topic for lane in lanes]
+
+        def local(lane: int, tokens: Sequence[int], scope: Scope | None) -> int:
+            return 0 if scope is not None else events.cached_tokens(topics[lane], tokens)  # salted: not tracked
+
+        keys = partial(engine_keys, CacheIdentity(**identity), layers)
+        router = EngineRouter([lane.node for lane in lanes], costs, keys, chunk_size, replicas, local, policy)
+        return cls(lanes, events, router)
+
+    def complete(self, tokens: list[int], max_tokens: int = 1) -> EngineCompletion:
+        started = time.perf_counter()
+        quote = self.router.pick(tokens)
+        try:
+            with self._locks[quote.lane]:
+                [out] = self.lanes[quote.lane].engine.generate([tokens], max_tokens=max_tokens)
+        finally:
+            self.router.release(quote)
+        return EngineCompletion(out["tokens"], quote.lane, time.perf_counter() - started, out["cached"], quote)
+
+
+def start_engine_lanes(
+    settings: dict[str, Any], connector: dict[str, Any], node_ips: Sequence[str], events: str, log_dir: Path,
+    env: dict[str, str] | None = None,
+) -> list[EngineLane]:  # fmt: skip
+    """One engine per Ray node in ``node_ips`` (its connector on that node's PoolNode), started at once, each
+    publishing KV events to ``events`` under topic ``engine<i>``.  ``connector``: the ``kv_connector_extra_config``
+    they share (``node_ip`` is set per engine)."""
+
+    def start(i: int, ip: str) -> EngineProcess:
+        extra = {**connector, "node_ip": ip}
+        lane_settings = {**settings, "connector": extra, "kv_events": {"endpoint": events, "topic": f"engine{i}"}}
+        return EngineProcess(lane_settings, log_dir / f"engine{i}.log", env=env)
+
+    with ThreadPoolExecutor(len(node_ips)) as pool:
+        futures = [pool.submit(start, i, ip) for i, ip in enumerate(node_ips)]
+    failed = [exc for f in futures if (exc := f.exception()) is not None]
+    engines = [f.result() for f in futures if f.exception() is None]
+    if failed:
+        for e in engines:
+            e.close()
+        raise failed[0]
+    lanes = []
+    for i, engine in enumerate(engines):
+        _ttft(engine, [1, 2, 3])  # the connector's pool client connects on the engine's first steps
+        deadline = time.monotonic() + 60
+        while not (node := engine.ask(connector=True)["node"]):
+            if time.monotonic() > deadline:
+                raise WorkerUnavailable(f"engine {i}'s connector did not reach the pool on {node_ips[i]}; see its log")
+            time.sleep(0.1)
+        lanes.append(EngineLane(engine, node, f"engine{i}"))
+    return lanes
+
+
+def make_engine_app(front: EngineFront, model: str, tokenizer: Any = None, vocab: int = 0) -> "web.Application":
+    """OpenAI-style ``/v1/completions`` (and ``/v1/models``, ``/health``, ``/stats``) over ``front``'s engines; the
+    same request body as the workers' front, answered by the engine the router picks.  ``vocab``: token ids at or
+    above it are refused before they reach an engine.  Tenants are not served here (see docs/routing.md)."""
+    from aiohttp import web
+
+    from kvpool.prefill_decode.service import completion_request, tokenize
+
+    def error(status: int, message: str, kind: str) -> web.Response:
+        return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+
+    async def completions(request: web.Request) -> web.Response:
+        try:
+            prompt, max_tokens, namespace, chat = await completion_request(request)
+            if namespace or request.headers.get("Authorization"):
+                raise ConfigError("this front over vLLM engines serves no tenants: send no API key or cache_namespace")
+            tokens = tokenize(tokenizer, model, prompt, chat=chat)
+            if not tokens:
+                raise ConfigError("the prompt is empty")
+            if vocab and max(tokens) >= vocab:
+                raise ConfigError(f"token ids must be below the model's vocabulary size {vocab}, got {max(tokens)}")
+            done = await asyncio.to_thread(front.complete, tokens, max_tokens)
+        except ConfigError as exc:
+            return error(400, str(exc), "invalid_request_error")
+        except KvPoolError as exc:
+            log.warning("completion failed: %s", exc)
+            return error(503, f"{type(exc).__name__}: {exc}", "server_error")
+        text = tokenizer.decode(done.tokens, skip_special_tokens=True) if tokenizer is not None else ""
+        return web.json_response({
+            "id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "text": text, "tokens": done.tokens, "finish_reason": "length", "logprobs": None}],
+            "usage": {"prompt_tokens": len(tokens), "completion_tokens": len(done.tokens),
+                      "total_tokens": len(tokens) + len(done.tokens)},
+            "kvpool": {"engine": done.lane, "seconds": done.seconds, "cached_tokens": done.cached,
+                       "predicted_ttft_s": done.quote.ttft_s, "prefix_from": done.quote.decision.tier},
+        })  # fmt: skip
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": model, "object": "model"}]})
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def stats(_: web.Request) -> web.Response:
+        engines = [{"topic": lane.topic, "node": lane.node, "blocks": len(front.events.indexes[lane.topic])}
+                   for lane in front.lanes]  # fmt: skip
+        events = {"applied": front.events.events, "gaps": front.events.gaps}
+        return web.json_response({"engines": engines, "router": front.router.stats(), "events": events})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/stats", stats)
+    return app
