@@ -27,11 +27,12 @@ S3_THREADS = 8  #: concurrent GETs from the S3 tier in one batch
 
 
 class S3Reads:
-    """``put_back`` puts promoted chunks into the pool (the client's ``put_batch``)."""
+    """``put_back`` puts promoted chunks into the pool (the client's ``put_batch``), each batch with the cache
+    identity their S3 placements recorded."""
 
     def __init__(
         self, config: RemoteConfig, cluster: str, cache: MetadataCache, placements: PlacementStore,
-        put_back: Callable[[list[tuple[bytes, Any]]], None], wait_s: float,
+        put_back: Callable[..., None], wait_s: float,
     ) -> None:  # fmt: skip
         self.config, self.cluster = config, cluster
         self.cache, self.placements, self.put_back, self.wait_s = cache, placements, put_back, wait_s
@@ -58,7 +59,7 @@ class S3Reads:
             fetches = [pool.submit(s3.get, p.key, p.codec) for p in replicas]
         out: list[Outcome] = []
         gone: list[Placement] = []
-        promote: list[tuple[bytes, Any]] = []
+        promote: dict[str, list[tuple[bytes, Any]]] = {}  #: by the cache identity the chunks were written under
         for p, dest, fetch in zip(replicas, dests, fetches, strict=True):
             try:
                 data = fetch.result()
@@ -74,16 +75,17 @@ class S3Reads:
             out.append(intact)
             if out[-1] and self.config.promote_on_hit:
                 fmt = TensorFormat.of_encoded(body) if codec != "raw" else None
-                promote.append((p.key, fmt.view(dest) if fmt is not None else dest))
+                promote.setdefault(p.identity, []).append((p.key, fmt.view(dest) if fmt is not None else dest))
         if gone:
             log.warning("%d S3 placements named objects that are gone: dropping them", len(gone))
             with contextlib.suppress(MetadataUnavailable):  # a read does not fail for etcd; the next reader drops them
                 self.drop(gone, delete_objects=False)
         if promote and self.cache.nodes():
             try:
-                self.put_back(promote)
+                for identity, items in promote.items():
+                    self.put_back(items, identity=identity)
             except KvPoolError as exc:  # the read succeeded; only the promotion did not
-                log.info("could not promote %d chunks from the S3 tier: %s", len(promote), exc)
+                log.info("could not promote %d chunks from the S3 tier: %s", sum(map(len, promote.values())), exc)
         return out
 
     def _fill(self, p: Placement, dest: memoryview, data: bytes) -> tuple[Outcome, Buffer, str]:

@@ -28,6 +28,7 @@ from kvpool.pool.tiers.s3_config import RemoteConfig
 from kvpool.pool.types import Placement, Tier
 
 SHAPE = (64, 2, 4, 64)  # [tokens, K/V, heads, head dim]: 128 KiB of float32 per chunk
+IDENTITY = "0123456789abcdef"  #: the cache identity fingerprint the chunks are written under
 MakePool = Callable[..., PoolConfig]
 
 
@@ -82,7 +83,7 @@ def test_idle_chunks_flush_to_s3_outlive_the_node_and_are_served_from_there(
     tensors = [kv(i) for i in range(8)]
     blobs = [np.random.default_rng(i).integers(0, 256, 100_000, dtype=np.uint8).tobytes() for i in (8, 9)]
     with PoolClient(pool) as client:
-        client.put_batch([*zip(keys[:8], tensors, strict=True), *zip(keys[8:], blobs, strict=True)])
+        client.put_batch([*zip(keys[:8], tensors, strict=True), *zip(keys[8:], blobs, strict=True)], identity=IDENTITY)
         client.move(keys, Tier.NVME)
         on_nvme = [in_tier(client, k, Tier.NVME) for k in keys]
         assert all(p is not None for p in on_nvme)
@@ -91,7 +92,7 @@ def test_idle_chunks_flush_to_s3_outlive_the_node_and_are_served_from_there(
         flushed_in = wait_for("every chunk flushed", lambda: all(in_tier(client, k, Tier.REMOTE) for k in keys))
         in_s3 = [in_tier(client, k, Tier.REMOTE) for k in keys]
         assert [p.codec for p in in_s3 if p] == ["int4+zstd"] * 8 + ["raw"] * 2
-        assert {p.node for p in in_s3 if p} == {remote.name}
+        assert {p.node for p in in_s3 if p} == {remote.name} and {p.identity for p in in_s3 if p} == {IDENTITY}
         with RemoteStore(remote, metadata_config.cluster) as store:
             assert len(list(store.list_objects())) == 10
         stats = client.stats()["nodes"]
@@ -109,7 +110,8 @@ def test_idle_chunks_flush_to_s3_outlive_the_node_and_are_served_from_there(
             back = torch.frombuffer(bytearray(raw), dtype=torch.float32).view(SHAPE)
             assert (back - t).abs().max() <= 0.3 * t.abs().max()  # int4 groups of 32: within half a step
         assert got[8:] == blobs  # raw: exact
-        assert all(in_tier(client, k, Tier.DRAM) for k in keys)  # promoted on the hit
+        promoted = [in_tier(client, k, Tier.DRAM) for k in keys]
+        assert all(promoted) and {p.identity for p in promoted if p} == {IDENTITY}  # promoted on the hit, as written
         assert client.remove_batch(keys) == 10
         assert not any(client.exists(k) for k in keys)
         with RemoteStore(remote, metadata_config.cluster) as store:
