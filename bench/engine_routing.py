@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpool.bench.traces import Request, TraceSettings, make_trace, reuse_ceiling
+from kvpool.bench.vllm import model_dir
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import MetadataConfig
@@ -71,21 +72,6 @@ class Replay:
         }  # fmt: skip
 
 
-def model_settings(name: str, work: Path, longest: int) -> dict[str, Any]:
-    if name == "smollm2":
-        from kvpool.prefill_decode.model import converted_smollm2
-
-        path = converted_smollm2()
-    else:
-        from kvpool.prefill_decode.model import tiny_llama
-
-        path = work / "tiny-llama"
-        tiny_llama(layers=8, hidden=512, heads=8, kv_heads=2, vocab=4096, max_positions=8192).model.save_pretrained(
-            path
-        )
-    return {"model": str(path), "max_model_len": longest + 8}
-
-
 def replay(front: EngineFront, trace: list[Request], concurrency: int, policy: str) -> Replay:
     out = Replay(policy, lanes=[0] * len(front.lanes))
     before = [lane.engine.ask(connector=True)["totals"].get("loaded_tokens", 0) for lane in front.lanes]
@@ -122,7 +108,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     trace = make_trace(TraceSettings(requests=args.requests, documents=args.documents,
                                      conversations=args.conversations, seed=args.seed))  # fmt: skip
     longest = max(len(r.tokens) for r in trace)
-    settings = model_settings(args.model, work, max(longest, args.calibrate_tokens))
+    path, _, _ = model_dir(args.model, work)
+    settings = {"model": str(path), "max_model_len": max(longest, args.calibrate_tokens) + 8}
     spec = model_spec(settings["model"])
     ceiling = reuse_ceiling(trace, args.chunk)
     console.print(f"[bold]{args.model}[/]: {len(trace)} requests, {sum(len(r.tokens) for r in trace):,} prompt tokens, "
@@ -147,7 +134,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             try:
                 t0 = time.perf_counter()
                 env = {"VLLM_CPU_KVCACHE_SPACE": str(args.engine_cache_gib)}
-                lanes = start_engine_lanes(settings, extra, cluster.ips[: args.nodes], events.endpoint, work, env)
+                lanes = start_engine_lanes(
+                    settings, extra, cluster.ips[: args.nodes], events.endpoint, work, env, args.bind_cores
+                )
                 console.print(f"{policy}: {len(lanes)} engines up in {time.perf_counter() - t0:.0f} s")
                 if not costs:
                     costs = calibrate(lanes, spec, args.chunk, tokens=args.calibrate_tokens)
@@ -171,7 +160,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     robin_p50 = statistics.median(robin.ttft_s) if robin else None
     return {
         "model": args.model, "nodes": args.nodes, "concurrency": args.concurrency, "chunk": args.chunk,
-        "requests": len(trace), "ceiling": ceiling, "engine_cache_gib": args.engine_cache_gib, "calibrate_tokens": args.calibrate_tokens, "limits": limits,
+        "requests": len(trace), "ceiling": ceiling, "engine_cache_gib": args.engine_cache_gib,
+        "bind_cores": args.bind_cores, "calibrate_tokens": args.calibrate_tokens, "limits": limits,
         "policies": [r.row(robin_p50) for r in replays],
     }  # fmt: skip
 
@@ -243,6 +233,11 @@ def main() -> None:
                     help="each engine's own KV cache (VLLM_CPU_KVCACHE_SPACE), GiB: smaller than the trace's working "
                          "set, as an engine's HBM is in production")  # fmt: skip
     ap.add_argument("--calibrate-tokens", type=int, default=1024, help="prompt length the engines are measured with")
+    ap.add_argument(
+        "--bind-cores",
+        action="store_true",
+        help="engine i computes on core i alone (as engines on separate hosts would not share cores)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench/results/engine_routing.json")
     ap.add_argument("--png", default="bench/results/engine_routing.png")

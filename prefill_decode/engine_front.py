@@ -10,6 +10,7 @@ engine's own cache, from its node's pool DRAM, and from another node's: the figu
 import asyncio
 import json
 import logging
+import os
 import statistics
 import threading
 import time
@@ -19,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import ConfigError, KvPoolError, WorkerUnavailable
@@ -70,14 +72,11 @@ def model_spec(model_dir: str | Path, kv_dtype_bytes: int = 4) -> ModelSpec:
         raise ConfigError(
             f"{path}: not a Llama-style model config ({exc}); pass a model directory vLLM loads"
         ) from None
-
-    class _Config:  # from_hf_config reads attributes
-        pass
-
-    config = _Config()
-    config.__dict__.update(cfg)
     return ModelSpec.from_hf_config(
-        config, name=path.parent.name, params=per_layer * cfg["num_hidden_layers"], kv_dtype_bytes=kv_dtype_bytes
+        SimpleNamespace(**cfg),
+        name=path.parent.name,
+        params=per_layer * cfg["num_hidden_layers"],
+        kv_dtype_bytes=kv_dtype_bytes,
     )
 
 
@@ -176,16 +175,18 @@ class EngineFront:
 
 def start_engine_lanes(
     settings: dict[str, Any], connector: dict[str, Any], node_ips: Sequence[str], events: str, log_dir: Path,
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | None = None, bind_cores: bool = False,
 ) -> list[EngineLane]:  # fmt: skip
     """One engine per Ray node in ``node_ips`` (its connector on that node's PoolNode), started at once, each
     publishing KV events to ``events`` under topic ``engine<i>``.  ``connector``: the ``kv_connector_extra_config``
-    they share (``node_ip`` is set per engine)."""
+    they share (``node_ip`` is set per engine).  ``bind_cores``: engine ``i`` computes on core ``i`` alone (vLLM's
+    ``VLLM_CPU_OMP_THREADS_BIND``), so engines on one machine do not slow each other as separate hosts would not."""
 
     def start(i: int, ip: str) -> EngineProcess:
         extra = {**connector, "node_ip": ip}
         lane_settings = {**settings, "connector": extra, "kv_events": {"endpoint": events, "topic": f"engine{i}"}}
-        return EngineProcess(lane_settings, log_dir / f"engine{i}.log", env=env)
+        bound = {"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))} if bind_cores else {}
+        return EngineProcess(lane_settings, log_dir / f"engine{i}.log", env={**(env or {}), **bound})
 
     with ThreadPoolExecutor(len(node_ips)) as pool:
         futures = [pool.submit(start, i, ip) for i, ip in enumerate(node_ips)]
