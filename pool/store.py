@@ -43,16 +43,19 @@ from kvpool.pool.config import Watermarks
 from kvpool.pool.eviction import EvictionPolicy
 from kvpool.pool.holds import Holds
 from kvpool.pool.keys import check_key
-from kvpool.pool.moves import Move, demotions, read_stored, run_moves, whole_blocks
+from kvpool.pool.move_books import MoveBooks
+from kvpool.pool.moves import Move, demotions, read_stored, run_moves
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import TensorFormat, parse_codec
-from kvpool.pool.tiers.crypto import Keyring, sealed_name
+from kvpool.pool.tiers.crypto import Keyring
 from kvpool.pool.types import DropCause, Tier
 
 log = logging.getLogger(__name__)
 
 
-class ChunkStore:
+class ChunkStore(MoveBooks):
+    """One node's chunks and their books (moves in steps: :class:`~kvpool.pool.move_books.MoveBooks`)."""
+
     def __init__(
         self,
         dram: DramSegment,
@@ -317,96 +320,6 @@ class ChunkStore:
         if move.failed:
             raise PoolFull(move.failed)
         return moved
-
-    # -- moves in steps (see pool/moves.py): the books here, the I/O without the lock -------------------
-
-    def begin_move(self, key: bytes, tier: Tier) -> Move:
-        """Start moving a held chunk to ``tier``: it is pinned for the move, and given its room there now if its
-        bytes move as they are (else after :func:`~kvpool.pool.moves.load`, by :meth:`place`).  ``ChunkBusy`` if a
-        reader has it pinned or it is moving already, ``PoolFull`` if ``tier`` has no room."""
-        chunk = self._require(key)
-        if self.busy(key):
-            self.counters["busy"] += 1
-            raise ChunkBusy(f"chunk {short(key)} is being read or moved; move it after that")
-        codec = self.codecs.get(tier, "raw") if chunk.fmt is not None else "raw"
-        sealed = tier is Tier.NVME and self.keyring is not None
-        move = Move(chunk, tier, sealed_name(codec) if sealed else codec, keys=self.keyring)
-        self.policy.pin(key)  # not a victim of the room we make for it, nor of anyone else's
-        move.pin = self.policy.state(key)
-        self._moving[key] = move
-        if not move.recoding:
-            try:
-                self.place(move)
-            finally:
-                if move.failed:
-                    self._moving.pop(key)
-                    self.policy.unpin(key)
-            if move.failed:
-                raise PoolFull(move.failed)
-        return move
-
-    def place(self, move: Move) -> None:
-        """Give a begun move its room in the target tier (once its length is known); no room: ``move.failed``."""
-        if move.offset is not None or move.failed or move.corrupt:
-            return
-        try:
-            move.offset = self._allocate(move.tier, move.length)
-        except PoolFull as exc:
-            move.failed = str(exc)
-            return
-        move.span = move.chunk.stored
-        if move.key in self.policy and self.policy.state(move.key) is move.pin:  # not dropped: its room is its own
-            rooms = (
-                self.allocators[move.chunk.tier].size_of(move.chunk.offset),
-                self.allocators[move.tier].size_of(move.offset),
-            )
-            move.span = whole_blocks(move.chunk.stored, *rooms)
-
-    def finish_move(self, move: Move) -> StoredChunk | None:
-        """End a move: the chunk in its new place, or where it was if the move failed, a reader pinned it
-        meanwhile, or it was dropped or replaced; dropped if its bytes were found corrupt.  What the chunk is now
-        (None: not held)."""
-        begun = self._moving.pop(move.key)
-        assert begun is move
-        current = self._chunks.get(move.key)
-        # the same chunk, still pinned by this move: not dropped (and maybe put again, even at the same offset)
-        same = current is not None and move.key in self.policy and self.policy.state(move.key) is move.pin
-        if same:
-            self.policy.unpin(move.key)
-        done = same and not move.failed and not move.corrupt and not self.policy.state(move.key).pins
-        if not done and move.offset is not None:
-            self.allocators[move.tier].free(move.offset)
-        if same and move.corrupt:
-            log.warning("chunk %s fails its checksum in %s: dropped", short(move.key), move.chunk.tier.value)
-            assert current is not None
-            self._drop(current, DropCause.CORRUPT)
-            self.counters["corrupt"] += 1
-            return None
-        if not done or current is None or move.offset is None:
-            return current
-        self.allocators[current.tier].free(current.offset)
-        moved = replace(current, tier=move.tier, offset=move.offset)
-        if move.recoded is not None:
-            r = move.recoded
-            moved = replace(moved, stored=len(r.data), checksum=r.checksum, codec=r.codec, fmt=r.fmt)
-            if r.codec != current.codec:
-                self.counters["encoded" if r.codec != "raw" else "decoded"] += 1
-        self._chunks[move.key] = moved
-        self.policy.move(move.key, move.tier, self.allocators[move.tier].size_of(move.offset))
-        self.counters["migrations" if move.tier is Tier.NVME else "promotions"] += 1
-        self._changes.append(Change(ChangeKind.MOVED, moved))
-        if move.tier is Tier.DRAM and self.over_high_watermark():  # promoted past the high watermark: demote others
-            self.over_high.set()
-        self._trim_quotas()
-        return self._chunks.get(move.key)
-
-    def drop_corrupt(self, chunk: StoredChunk) -> None:
-        """``chunk``'s bytes failed their checksum where it was read: drop it, unless it has moved since."""
-        current = self._chunks.get(chunk.key)
-        if current is not None and (current.tier, current.offset) == (chunk.tier, chunk.offset):
-            log.warning("chunk %s fails its checksum in %s: dropped", short(chunk.key), chunk.tier.value)
-            self._drop(current, DropCause.CORRUPT)
-            self.counters["corrupt"] += 1
 
     def move(self, key: bytes, tier: Tier) -> StoredChunk:
         """Move a chunk to ``tier`` now (an operator's or a benchmark's demotion; eviction does it by itself)."""

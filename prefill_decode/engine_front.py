@@ -215,10 +215,7 @@ def make_engine_app(front: EngineFront, model: str, tokenizer: Any = None, vocab
     above it are refused before they reach an engine.  Tenants are not served here (see docs/routing.md)."""
     from aiohttp import web
 
-    from kvpool.prefill_decode.service import completion_request, tokenize
-
-    def error(status: int, message: str, kind: str) -> web.Response:
-        return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+    from kvpool.prefill_decode.service import completion_request, error_response, front_app, tokenize
 
     async def completions(request: web.Request) -> web.Response:
         try:
@@ -232,10 +229,10 @@ def make_engine_app(front: EngineFront, model: str, tokenizer: Any = None, vocab
                 raise ConfigError(f"token ids must be below the model's vocabulary size {vocab}, got {max(tokens)}")
             done = await asyncio.to_thread(front.complete, tokens, max_tokens)
         except ConfigError as exc:
-            return error(400, str(exc), "invalid_request_error")
+            return error_response(400, str(exc), "invalid_request_error")
         except KvPoolError as exc:
             log.warning("completion failed: %s", exc)
-            return error(503, f"{type(exc).__name__}: {exc}", "server_error")
+            return error_response(503, f"{type(exc).__name__}: {exc}", "server_error")
         text = tokenizer.decode(done.tokens, skip_special_tokens=True) if tokenizer is not None else ""
         return web.json_response({
             "id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
@@ -247,21 +244,10 @@ def make_engine_app(front: EngineFront, model: str, tokenizer: Any = None, vocab
                        "predicted_ttft_s": done.quote.ttft_s, "prefix_from": done.quote.decision.tier},
         })  # fmt: skip
 
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": model, "object": "model"}]})
-
-    async def health(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
     async def stats(_: web.Request) -> web.Response:
         engines = [{"topic": lane.topic, "node": lane.node, "blocks": len(front.events.indexes[lane.topic])}
                    for lane in front.lanes]  # fmt: skip
         events = {"applied": front.events.events, "gaps": front.events.gaps}
         return web.json_response({"engines": engines, "router": front.router.stats(), "events": events})
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/stats", stats)
-    return app
+    return front_app(model, completions, stats)

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
@@ -28,6 +28,7 @@ from kvpool.prefill_decode.router import LaneRouter, Policy, Quote
 from kvpool.prefill_decode.workers import DecodeResult, PrefillResult
 
 log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
 def tokenize(tokenizer: Any, model: str, prompt: str | list[int], *, chat: bool = False) -> list[int]:
@@ -160,7 +161,7 @@ def lane_router(lanes: Sequence[Lane], replicas: Any, policy: "Policy | str" = P
     )  # fmt: skip
 
 
-def _error(status: int, message: str, kind: str) -> web.Response:
+def error_response(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind}}, status=status)
 
 
@@ -217,30 +218,24 @@ def make_app(service: Service) -> web.Application:
         try:
             prompt, max_tokens, namespace, chat = await completion_request(request)
         except ConfigError as exc:
-            return _error(400, str(exc), "invalid_request_error")
+            return error_response(400, str(exc), "invalid_request_error")
         key = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         try:
             scope = service.scope(key or None, namespace)
         except TenantRefused as exc:  # 401: no tenant's key; 403: a tenant's, asking for what it may not use
             known = service.tenants is not None and service.tenants.knows(key)
-            return _error(403 if known else 401, str(exc), "authentication_error")
+            return error_response(403 if known else 401, str(exc), "authentication_error")
         except ConfigError as exc:
-            return _error(400, str(exc), "invalid_request_error")
+            return error_response(400, str(exc), "invalid_request_error")
         try:
             tokens = service.tokenize(prompt, chat=chat)
             done = await service.complete(tokens, max_tokens, scope)
         except ConfigError as exc:
-            return _error(400, str(exc), "invalid_request_error")
+            return error_response(400, str(exc), "invalid_request_error")
         except KvPoolError as exc:
             log.warning("completion failed: %s", exc)
-            return _error(503, f"{type(exc).__name__}: {exc}", "server_error")
+            return error_response(503, f"{type(exc).__name__}: {exc}", "server_error")
         return web.json_response(_completion(service, tokens, done))
-
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": service.model, "object": "model"}]})
-
-    async def health(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
 
     async def stats(_: web.Request) -> web.Response:
         calls = [w.stats.remote() for lane in service.lanes for w in (lane.prefill, lane.decode)]
@@ -249,6 +244,19 @@ def make_app(service: Service) -> web.Application:
         router = service.router.stats() if service.router is not None else None
         tenants = {t: dict(c) for t, c in service.tenant_counts.items()}
         return web.json_response({"lanes": lanes, "router": router, "tenants": tenants})
+
+    return front_app(service.model, completions, stats)
+
+
+def front_app(model: str, completions: Handler, stats: Handler) -> web.Application:
+    """What every OpenAI-style front of kvpool serves: ``POST /v1/completions`` and ``GET /stats`` (the front's own),
+    ``GET /v1/models`` (``model``) and ``GET /health``."""
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": model, "object": "model"}]})
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
