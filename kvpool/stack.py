@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
 
-from kvpool.errors import ConfigError, KvPoolError
+from kvpool import ray_auth
+from kvpool.errors import ConfigError
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.config import PoolConfig
 
@@ -54,6 +55,9 @@ class StackConfig:
     pool: PoolConfig = field(default_factory=PoolConfig)
     nodes: int = 1  #: Ray nodes of the local cluster, on 127.0.0.2 and up (unused with ``ray_address``)
     ray_address: str = ""  #: attach to this Ray cluster (head host:port) and use its alive nodes; empty: a local one
+    #: the local cluster's authentication: token or disabled; "": the user's ``RAY_AUTH_MODE``, else token (an attached
+    #: cluster's is its own)
+    ray_auth: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.pool, PoolConfig):
@@ -62,16 +66,8 @@ class StackConfig:
             raise ConfigError(f"nodes must be an int in [1, 32] (local Ray nodes), got {self.nodes!r}")
         if not isinstance(self.ray_address, str):
             raise ConfigError(f"ray_address must be a 'host:port' string or empty, got {self.ray_address!r}")
-
-
-def attach_ray(address: str, **kwargs: Any) -> None:
-    """Attach this process to the Ray cluster at ``address``, or one clear error saying it cannot be reached."""
-    try:
-        ray.init(address=address, logging_level=logging.WARNING, **kwargs)
-    except (ConnectionError, RuntimeError) as exc:
-        raise KvPoolError(
-            f"cannot attach to the Ray cluster at {address}: is it up, and is that its head? ({exc})"
-        ) from exc
+        if self.ray_auth not in ("", *ray_auth.MODES):
+            raise ConfigError(f"ray_auth must be token or disabled, got {self.ray_auth!r:.40}")
 
 
 def _etcd_up(stack: ExitStack, metadata: MetadataConfig, report: Report) -> MetadataConfig:
@@ -90,12 +86,15 @@ def _ray_up(stack: ExitStack, config: StackConfig, report: Report) -> None:
         from kvpool.servers.ray_cluster import LocalRayCluster
 
         with report.busy(f"starting a local Ray cluster of {config.nodes} node(s)"):
-            cluster = stack.enter_context(LocalRayCluster(nodes=config.nodes))
-        report.done(f"ray       local, {config.nodes} node(s) on {', '.join(cluster.ips)} (head {cluster.address})")
+            cluster = stack.enter_context(LocalRayCluster(nodes=config.nodes, auth=config.ray_auth or None))
+        auth = f"its token in {cluster.token_path}" if cluster.token_path else "authentication DISABLED"
+        report.done(
+            f"ray       local, {config.nodes} node(s) on {', '.join(cluster.ips)}, head {cluster.address}; {auth}"
+        )
     elif ray.is_initialized() and ray.get_runtime_context().gcs_address == config.ray_address:
         report.done(f"ray       already attached to {config.ray_address}")  # kept attached on exit
     else:
-        attach_ray(config.ray_address)
+        ray_auth.attach(config.ray_address)
         stack.callback(ray.shutdown)
         report.done(f"ray       attached to {config.ray_address}")
 

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvpool import ray_auth
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.errors import ConfigError
 from kvpool.pool.store import ChunkStore
@@ -229,7 +230,13 @@ class StoreCollector(Collector):
         stones.add_metric([self.node_id], published.get("tombstones_unrecorded", 0))
         io = GaugeMetricFamily("kvpool_nvme_io_path", "How NVMe reaches GPU memory (1 on the path in use)", labels=["node", "path"])  # fmt: skip
         io.add_metric([self.node_id, nvme_io_path().name], 1)
-        yield from (*families.values(), errors, stones, io)
+        auth = GaugeMetricFamily(
+            "kvpool_ray_auth_mode",
+            "Ray authentication of this node's Ray (1 on the mode in use)",
+            labels=["node", "mode"],
+        )
+        auth.add_metric([self.node_id, ray_auth.current_mode()], 1)
+        yield from (*families.values(), errors, stones, io, auth)
         yield from self.clients.collect(self.node_id)
 
     def _tenants(self) -> Iterator[Metric]:

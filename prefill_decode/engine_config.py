@@ -22,6 +22,8 @@ class ConnectorConfig:
     cluster: str = "default"  #: the pool's cluster name (its etcd prefix)
     namespace: str = "kvpool"  #: the Ray namespace of the pool's PoolNode actors
     ray_address: str = "auto"  #: the Ray cluster the pool runs on (worker side)
+    #: the file holding that cluster's token (never the token itself); "": where Ray looks (kvpool/ray_auth.py)
+    ray_token_path: str = ""
     node_ip: str = ""  #: this host's Ray node IP, when a machine runs several Ray nodes (tests: 127.0.0.x)
     model_id: str = ""  #: the model's name in the cache identity; empty: vLLM's served model name
     chunk_size: int = DEFAULT_CHUNK_SIZE  #: tokens per chunk: a multiple of vLLM's block size
@@ -34,7 +36,7 @@ class ConnectorConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.etcd, tuple) or not all(isinstance(e, str) and e for e in self.etcd):
             raise ConfigError(f"kv_connector_extra_config.etcd must be a list of 'host:port', got {self.etcd!r:.80}")
-        for name in ("cluster", "namespace", "ray_address", "node_ip", "model_id", "tenants"):
+        for name in ("cluster", "namespace", "ray_address", "ray_token_path", "node_ip", "model_id", "tenants"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"kv_connector_extra_config.{name} must be a string, got {getattr(self, name)!r:.60}")
         for name in ("chunk_size", "replicas"):

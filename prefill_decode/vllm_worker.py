@@ -109,11 +109,12 @@ class WorkerSide:
 
             from kvpool.pool.client import PoolClient
             from kvpool.pool.config import PoolConfig
+            from kvpool.ray_auth import attach
 
             if not ray.is_initialized():
                 kw: dict[str, Any] = {"_node_ip_address": self.config.node_ip} if self.config.node_ip else {}
-                ray.init(address=self.config.ray_address, namespace=self.config.namespace,
-                         logging_level=logging.WARNING, log_to_driver=False, **kw)  # fmt: skip
+                attach(self.config.ray_address, self.config.ray_token_path or None,
+                           namespace=self.config.namespace, log_to_driver=False, **kw)  # fmt: skip
             pool = PoolConfig(metadata=self.config.metadata(), namespace=self.config.namespace)
             self.client = PoolClient(pool)
         except (KvPoolError, ConnectionError, RuntimeError) as exc:

@@ -178,13 +178,14 @@ def bench_command(
     import ray
 
     from kvpool.bench import cluster as bench
-    from kvpool.stack import StackConfig, attach_ray, running_pool
+    from kvpool.ray_auth import attach
+    from kvpool.stack import StackConfig, running_pool
 
     with root.errors(), ExitStack() as stack:
         settings = _settings(bench.Settings(), size_mib, mib_per_cell, repeat, ttft, model)
         if ray_address:
             metadata = options.pool_etcd(etcd, cluster, "bench --ray-address")
-            attach_ray(ray_address, namespace=namespace)
+            attach(ray_address, namespace=namespace)
             stack.callback(ray.shutdown)
             pool = PoolConfig(metadata=metadata, namespace=namespace, metrics_port=-1)
         else:

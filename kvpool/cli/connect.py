@@ -35,10 +35,10 @@ def attached_client(
 
     from kvpool.pool.client import PoolClient
     from kvpool.pool.config import PoolConfig
-    from kvpool.stack import attach_ray
+    from kvpool.ray_auth import attach
 
     config = options.pool_etcd(etcd, cluster, command)
-    attach_ray(ray_address, namespace=namespace)
+    attach(ray_address, namespace=namespace)
     try:
         with PoolClient(PoolConfig(metadata=config, namespace=namespace, metrics_port=-1)) as client:
             yield client

@@ -23,10 +23,10 @@ def down(ray_address: str = options.RAY_ADDRESS, namespace: str = options.NAMESP
     import ray
 
     from kvpool.pool.node import stop_pool
-    from kvpool.stack import attach_ray
+    from kvpool.ray_auth import attach
 
     with root.errors():
-        attach_ray(ray_address)
+        attach(ray_address)
         try:
             with root.console.status("stopping PoolNode actors"):
                 stopped = stop_pool(PoolConfig(namespace=namespace))
@@ -54,9 +54,9 @@ def _start_node(ray_address: str, node_ip: str, base: PoolConfig, dram_mib: int,
     import ray
 
     from kvpool.pool.node import start_pool
-    from kvpool.stack import attach_ray
+    from kvpool.ray_auth import attach
 
-    attach_ray(ray_address)
+    attach(ray_address)
     try:
         node = _ray_node(node_ip)
         res = node["Resources"]

@@ -4,9 +4,9 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-#: the labels a sample's name keeps (``name{level}``, ``name{result}``, ``name{tenant,tier}``); every other label is
-#: summed over
-KEPT_LABELS = ("level", "result")
+#: the labels a sample's name keeps (``name{level}``, ``name{result}``, ``name{mode}``, ``name{tenant,tier}``); every
+#: other label is summed over
+KEPT_LABELS = ("level", "result", "mode")
 TENANT_LABELS = ("tenant", "tier")
 
 

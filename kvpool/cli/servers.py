@@ -179,3 +179,31 @@ def make_certs(
         server = server_files(tls_dir, host)
         made = [server.ca, server.cert, *(f.cert for f in map(functools.partial(client_files, tls_dir), client))]
         root.console.print(f"in {server.ca.parent}: " + ", ".join(p.name for p in made) + " (and their keys)")
+
+
+@root.app.command("ray-token")
+def ray_token(
+    path: str = typer.Option(
+        "~/.ray/auth_token",
+        "--path",
+        help="The token file: where Ray looks by default, and where cluster.yaml ships from.",
+    ),
+    rotate: bool = typer.Option(False, "--rotate", help="Replace an existing token with a new one."),
+) -> None:
+    """Make the Ray token a pool's cluster runs with (cluster.yaml ships this file to every node), readable only by
+    you; an existing one is kept unless --rotate.  The token itself is never printed.
+
+    Rotating: kvpool ray-token --rotate, then ray up cluster.yaml --restart-only (every node gets the new file and
+    restarts Ray with it; pool nodes take their NVMe chunks back, DRAM is refilled as prompts come)."""
+    from pathlib import Path
+
+    from kvpool import ray_auth
+
+    with root.errors():
+        target = Path(path).expanduser()
+        kept = not rotate and target.is_file() and target.stat().st_size > 0
+        if kept:
+            target.chmod(0o600)  # `ray get-auth-token --generate` leaves it readable by all
+        else:
+            ray_auth.write_token(target)
+        root.console.print(f"Ray token {'kept' if kept else 'written'} in {target} (mode 0600)", soft_wrap=True)

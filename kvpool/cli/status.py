@@ -21,6 +21,7 @@ from kvpool.cli.scrape import scrape
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.identities import disagreements
 from kvpool.pool.types import NodeRecord, Tier
+from kvpool.ray_auth import MODES
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class NodeStatus:
     lookups: int  #: chunks those lookups asked for
     #: tenant -> tier -> (bytes its chunks take, its quota; 0: none), from the node's metrics
     tenants: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    ray_auth: str = ""  #: the authentication its Ray node runs with (token / disabled), from its metrics; "": unknown
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,7 @@ def _node(cache: MetadataCache, n: NodeRecord, m: dict[str, float], now: float) 
         watermarks=(m[low], m[high]) if low in m and high in m else None,
         puts=count("kvpool_puts_total"), gets=count("kvpool_gets_total"), moves=count("kvpool_tier_moves_total"),
         lookup_hits=hits, lookups=hits + misses, tenants=tenants,
+        ray_auth=next((mode for mode in MODES if m.get(f"kvpool_ray_auth_mode{{{mode}}}")), ""),
     )  # fmt: skip
 
 
@@ -225,14 +228,28 @@ def tenant_table(s: PoolStatus, tenant: str) -> Table:
     return table
 
 
+def ray_auth_line(s: PoolStatus) -> str:
+    """Which authentication the nodes' Ray runs with; nodes without it named in a warning."""
+    open_nodes = [n.host for n in s.nodes if n.ray_auth == "disabled"]
+    if open_nodes:
+        return (
+            f"warning: Ray authentication is DISABLED on {', '.join(open_nodes)}: anyone who reaches those Ray ports "
+            "can run code there and read every chunk (docs/security.md)"
+        )
+    modes = {n.ray_auth or "unknown (no metrics)" for n in s.nodes}
+    return f"ray authentication: {', '.join(sorted(modes))}"
+
+
 def warnings(s: PoolStatus) -> str:
     return "\n".join(f"warning: {w}" for w in s.warnings)
 
 
 def render(s: PoolStatus, wide: bool = False) -> RenderableType:
-    """The table (compact, or every column with ``wide``), the footer, the identities in use (a count; listed with
-    ``wide``) and any warning about them."""
+    """The table (compact, or every column with ``wide``), the footer, the nodes' Ray authentication, the identities
+    in use (a count; listed with ``wide``) and any warning about them."""
     parts: list[RenderableType] = [wide_table(s) if wide else compact_table(s), footer(s)]
+    if s.nodes:
+        parts.append(ray_auth_line(s))
     if s.identities:
         parts.append(
             identities_table(s) if wide else f"cache identities in use: {len(s.identities)} (--wide lists them)"

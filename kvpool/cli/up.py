@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.table import Table
 
+from kvpool import ray_auth
 from kvpool.cli import options, root
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.metadata.cache import MetadataCache
@@ -69,6 +70,9 @@ def _hold(pool: PoolConfig) -> None:
     if pool.metadata.tls:
         root.console.print(f"etcd is TLS only: export {options.TLS_DIR_ENV}=<the --etcd-tls directory> in that shell")
     node_ip = min(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
+    token = ray_auth.find_token() if ray_auth.current_mode() == "token" else None
+    if token is not None and token.path is not None:  # what kvpool put/get/down and engines attach with
+        root.console.print(f"Ray asks for its token: export {ray_auth.TOKEN_PATH_ENV}={token.path} in that shell")
     root.console.print(f"pool up. In another shell: kvpool status {where}")
     root.console.print(
         f'vLLM on it: vllm serve MODEL --kv-transfer-config "$(kvpool vllm-config {where} '
@@ -140,6 +144,14 @@ def up(
         None,
         "--ray-address",
         help="Attach to this Ray cluster (a pool node on every alive node). Default: start a local one on loopback.",
+    ),
+    ray_auth_mode: str = typer.Option(
+        "",
+        "--ray-auth",
+        show_default=False,
+        help="The local Ray cluster's authentication: token (the default, unless RAY_AUTH_MODE=disabled is set: a "
+        "token generated for this cluster, readable only by you) or disabled (anyone who reaches its ports can run "
+        "code on it). An attached cluster (--ray-address) keeps its own.",
     ),
     nodes: int = typer.Option(
         LOCAL_NODES, "--nodes", min=1, max=8, help="Ray nodes of the local cluster (127.0.0.2 and up)."
@@ -232,6 +244,6 @@ def up(
             remote=options.remote_config(s3_bucket, s3_endpoint, s3_codec, flush_after),
             quotas=tenants_file.quotas() if tenants_file else {},
         )  # fmt: skip
-        config = StackConfig(pool=pool, nodes=nodes, ray_address=ray_address or "")
+        config = StackConfig(pool=pool, nodes=nodes, ray_address=ray_address or "", ray_auth=ray_auth_mode.lower())
         running = stack.enter_context(running_pool(config, root.ConsoleReport()))
         _run(running, stack, demo, serve, hold, lanes, route, tenants_file, engine)

@@ -1,9 +1,11 @@
 """``kvpool vllm-config``: the ``--kv-transfer-config`` that points a vLLM engine at a running pool."""
 
 import json
+import os
 
 import typer
 
+from kvpool import ray_auth
 from kvpool.cli import connect, options, root
 from kvpool.errors import ConfigError
 from kvpool.prefill_decode.engine_config import ROLES, ConnectorConfig, kv_transfer_config
@@ -11,6 +13,26 @@ from kvpool.prefill_decode.engine_config import ROLES, ConnectorConfig, kv_trans
 
 def _connector(name: str) -> object:
     return options.field_default(ConnectorConfig, name)
+
+
+def token_file() -> str:
+    """The file of the Ray token an engine should read: the one this shell would use ("" with authentication off).
+    A token given only as ``RAY_AUTH_TOKEN`` has no file to name: the engine needs it in its own environment."""
+    if os.environ.get(ray_auth.MODE_ENV, "").lower() == "disabled":
+        return ""
+    token = ray_auth.find_token()
+    if token is None:
+        raise ray_auth.RayAuthError(
+            f"no Ray token here to hand to the engine: pass --ray-token FILE (as the engine's host reads it), or "
+            f"{ray_auth.TOKEN_PATH_ENV}=FILE; with a Ray cluster that runs without authentication, {ray_auth.MODE_ENV}=disabled"
+        )
+    if token.path is None:
+        root.err_console.print(
+            f"[yellow]the Ray token is in {ray_auth.TOKEN_ENV} here: give the engine's process {ray_auth.TOKEN_ENV} "
+            "too, or a file with --ray-token[/yellow]"
+        )
+        return ""
+    return str(token.path)
 
 
 @root.app.command("vllm-config")
@@ -34,6 +56,13 @@ def vllm_config(
         show_default=False,
         help="The model's name in chunk keys; engines of one model must agree. Default: vLLM's served name.",
     ),
+    ray_token: str = typer.Option(
+        "",
+        "--ray-token",
+        show_default=False,
+        help="The file holding the Ray cluster's token, as the engine's host reads it (never the token itself). "
+        "Default: the file this shell's Ray would use (RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token).",
+    ),
     node_ip: str = typer.Option(
         _connector("node_ip"),
         "--node-ip",
@@ -55,7 +84,8 @@ def vllm_config(
                 f"no live pool nodes in cluster '{cluster}': start the pool first (kvpool up / kvpool join)"
             )
         config = ConnectorConfig(
-            etcd=tuple(endpoints), cluster=cluster, namespace=namespace, ray_address=ray_address, node_ip=node_ip,
+            etcd=tuple(endpoints), cluster=cluster, namespace=namespace, ray_address=ray_address,
+            ray_token_path=ray_token or token_file(), node_ip=node_ip,
             model_id=model_id, chunk_size=chunk_size, replicas=replicas,
         )  # fmt: skip
         typer.echo(json.dumps(kv_transfer_config(config, role)))

@@ -1,7 +1,10 @@
 """A Ray cluster of several nodes on this one machine: the embedded default, the demo and the tests.
 
 Node ``i`` runs ``ray start --block`` on loopback address ``127.0.0.<2+i>`` (Ray rewrites 127.0.0.1, so
-it is never used) with its own free ports.  Stopping terminates exactly those processes, which then
+it is never used) with its own free ports.  Token authentication is on unless asked off (``auth="disabled"``, or
+the user's own ``RAY_AUTH_MODE=disabled``): a token is generated per cluster into a file only its owner can read
+(``token_path``), every node and this driver use it, and so does every process started from here while the cluster
+runs (they inherit ``RAY_AUTH_MODE`` and ``RAY_AUTH_TOKEN_PATH``).  Stopping terminates exactly those processes, which then
 shut their Ray processes down: never ``ray stop``, which would kill every Ray on the machine.
 """
 
@@ -17,23 +20,33 @@ from types import TracebackType
 
 import ray
 
-from kvpool.errors import KvPoolError
+from kvpool import ray_auth
+from kvpool.errors import ConfigError, KvPoolError
 from kvpool.servers.process import ServerProcess, free_port
 
 log = logging.getLogger(__name__)
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
 
 
 class LocalRayCluster:
-    def __init__(self, nodes: int = 1, *, first_ip: int = 2, num_cpus: int = 1, object_store_mib: int = 96) -> None:
+    def __init__(
+        self, nodes: int = 1, *, first_ip: int = 2, num_cpus: int = 1, object_store_mib: int = 96, auth: str | None = None,
+    ) -> None:  # fmt: skip
         if not 1 <= nodes <= 32:
-            raise ValueError(f"nodes must be in [1, 32], got {nodes}")
+            raise ConfigError(f"nodes must be in [1, 32], got {nodes}")
         self.ips = [f"127.0.0.{first_ip + i}" for i in range(nodes)]
         self.num_cpus = num_cpus
         self.object_store_bytes = object_store_mib * 2**20
         self.port = free_port(self.ips[0])
         self._nodes: list[ServerProcess] = []
-        self._log_dir: Path | None = None  #: the 'ray start' logs, made on start, removed on stop
+        self.auth = ray_auth.requested_mode(auth)  #: token or disabled
+        self._log_dir: Path | None = None  #: the 'ray start' logs (and the token), made on start, removed on stop
+        self._saved_env: dict[str, str | None] = {}  #: this process's authentication variables before start
+
+    @property
+    def token_path(self) -> Path | None:
+        """The file holding the cluster's token while it runs (None: authentication disabled, or not started)."""
+        return self._log_dir / ray_auth.TOKEN_FILE if self._log_dir is not None and self.auth == "token" else None
 
     @property
     def address(self) -> str:
@@ -50,8 +63,8 @@ class LocalRayCluster:
             "--disable-usage-stats", "--block",
         ]  # fmt: skip
         assert self._log_dir is not None
-        node = ServerProcess(f"'ray start' on {ip}", args, self._log_dir / f"ray-{ip}.log", env={**os.environ, **RAY_ENV},
-                             grace_s=60.0)  # fmt: skip
+        env = {**os.environ, **RAY_ENV}  # this process runs in the cluster's mode already (start)
+        node = ServerProcess(f"'ray start' on {ip}", args, self._log_dir / f"ray-{ip}.log", env=env, grace_s=60.0)
         self._nodes.append(node)
         return node
 
@@ -59,8 +72,12 @@ class LocalRayCluster:
         """Start every node and connect this process to the cluster as its driver."""
         os.environ.update(RAY_ENV)
         deadline = time.monotonic() + timeout_s
-        self._log_dir = Path(tempfile.mkdtemp(prefix="kvpool-ray-"))
+        self._saved_env = ray_auth.saved_env()
+        self._log_dir = Path(tempfile.mkdtemp(prefix="kvpool-ray-"))  # 0700: only its owner reads the token
         try:
+            if self.token_path is not None:
+                ray_auth.write_token(self.token_path)
+            ray_auth.use(self.auth, self.token_path)
             self._ray_start(self.ips[0], head=True).start(self._connected, timeout_s, KvPoolError, poll_s=0.3)
             for i, ip in enumerate(self.ips[1:], start=2):  # one at a time: 2 cores cannot start several at once
                 alive = functools.partial(self._alive, i)
@@ -68,7 +85,7 @@ class LocalRayCluster:
         except BaseException:
             self.stop()
             raise
-        log.info("local Ray cluster up: %s", ", ".join(self.ips))
+        log.info("local Ray cluster up: %s (authentication: %s)", ", ".join(self.ips), self.auth)
         return self
 
     def _connected(self) -> str | None:
@@ -100,6 +117,7 @@ class LocalRayCluster:
         if self._log_dir is not None:
             shutil.rmtree(self._log_dir, ignore_errors=True)
             self._log_dir = None
+            ray_auth.restore(self._saved_env)
 
     def __enter__(self) -> "LocalRayCluster":
         return self.start()

@@ -1,7 +1,6 @@
 """A client killed with a room open on a node, its batch half written (Mooncake's PutStart without PutEnd), leaves
 no orphan space: the node reclaims the room within its TTL (plus half a TTL for the reaper's turn)."""
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -47,9 +46,8 @@ def pool(ray_cluster: list[str], metadata_config: MetadataConfig) -> Iterator[Po
 def test_a_writer_killed_with_a_room_open_leaves_no_orphan_space(pool: PoolConfig, ray_cluster: list[str]) -> None:
     node = ray.get_actor(actor_name(ray_cluster[0]), namespace=pool.namespace)
     args = [ray.get_runtime_context().gcs_address, pool.namespace, actor_name(ray_cluster[0])]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    done = subprocess.run(
-        [sys.executable, "-c", KILLED_WRITER, *args], capture_output=True, text=True, env=env, timeout=120
+    done = subprocess.run(  # with the session cluster's token (RAY_AUTH_TOKEN_PATH in this environment)
+        [sys.executable, "-c", KILLED_WRITER, *args], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 9 and "opened" in done.stdout, done.stderr[-2000:]
     killed_at = time.monotonic()

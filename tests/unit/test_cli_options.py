@@ -31,6 +31,7 @@ COMMANDS = (
     "s3",
     "etcd",
     "certs",
+    "ray-token",
     "keys",
     "tenants",
 )

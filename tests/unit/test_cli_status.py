@@ -172,3 +172,12 @@ def test_the_command_shows_one_tenant() -> None:
     result = runner.invoke(app, ["status", "--etcd", "127.0.0.1:2379", "--tenant", "acme"])
     assert result.exit_code == 0, result.output
     assert "tenant 'acme'" in result.stdout and "holds nothing on the live nodes" in result.stdout
+
+
+def test_the_nodes_ray_authentication_is_shown_and_an_open_node_is_named() -> None:
+    out = text(status.render(snapshot((node(0, ray_auth="token"), node(1, ray_auth="token")))), 80)
+    assert "ray authentication: token" in out and "warning" not in out
+    out = text(status.render(snapshot((node(0, ray_auth="token"), node(1, ray_auth="disabled")))), 200)
+    assert "warning: Ray authentication is DISABLED on 127.0.0.3:" in out
+    assert "unknown (no metrics)" in text(status.render(snapshot((node(0),))), 80)
+    assert json.loads(status.to_json(snapshot((node(0, ray_auth="token"),))))["nodes"][0]["ray_auth"] == "token"

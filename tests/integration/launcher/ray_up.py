@@ -7,7 +7,8 @@ ports, small capacities, and ``setup_commands`` that link this checkout's venv i
 kvpool again.  Each "machine" gets ``HOME`` in a temp dir and ``KVPOOL_NODE_IP`` from sshd's
 ``SetEnv``.  The script then waits for both PoolNodes, puts a file with ``kvpool put``, reads it back
 with ``kvpool get`` from the other node's copy, runs ``kvpool status`` on the head through
-``ray exec``, and tears down what it started: ``kvpool down``, then every process carrying this run's
+``ray exec`` (which must show both nodes' Ray running with the token ``kvpool ray-token`` made here and
+file_mounts shipped), and tears down what it started: ``kvpool down``, then every process carrying this run's
 marker in its environment.  It never runs ``ray stop`` or ``ray down``: both stop every Ray on the box.
 
     python tests/integration/launcher/ray_up.py [--keep]     # exit 0: passed; 77: cannot run here (says why)
@@ -68,7 +69,8 @@ class Run:
         self.ray_port, self.etcd_port = free_port(HEAD), free_port(HEAD)
         self.env = {
             **os.environ,
-            "RAY_AUTH_MODE": "disabled",
+            "RAY_AUTH_MODE": "token",  # kvpool put/get/down here, with the token made for this run
+            "RAY_AUTH_TOKEN_PATH": str(self.dir / "auth_token"),
             "RAY_USAGE_STATS_ENABLED": "0",
             MARK: self.id,
             "RAY_UP_enable_autoscaler_v2": "0",
@@ -85,6 +87,7 @@ class Run:
 
     def prepare(self) -> Path:
         self.home.mkdir()
+        self.kvpool("ray-token", "--path", self.env["RAY_AUTH_TOKEN_PATH"])  # as cluster.yaml asks, before `ray up`
         (self.home / ".bashrc").touch()  # Ray's commands start with `source ~/.bashrc`
         # Login shells reset PATH in /etc/profile; the "machine's" profile puts its ssh client first.
         (self.home / ".bash_profile").write_text(f"export PATH={self.dir / 'bin'}:$PATH\n")
@@ -131,7 +134,9 @@ class Run:
             "ssh_private_key": str(self.dir / "client_key"),
             "ssh_proxy_command": proxy,
         }
-        config["file_mounts"] = {}
+        # The token, made here as `kvpool ray-token` makes it, shipped to each "machine's" ~/.ray as cluster.yaml says.
+        assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+        config["file_mounts"] = {"~/.ray/auth_token": self.env["RAY_AUTH_TOKEN_PATH"]}
         # The venv of this checkout stands in for the install (same machine); check it works on the node.
         config["setup_commands"] = ["~/kvpool-venv/bin/kvpool --help > /dev/null"]
         small = "--num-cpus=1 --object-store-memory=100000000"
@@ -255,6 +260,10 @@ def main() -> int:
         holders = re.findall(r"\b([0-9a-f]{12}) \(dram\)", put.stdout)
         if len(holders) != 2 or not all(h[:8] in status.stdout for h in holders):  # the compact view shows 8
             raise RuntimeError(f"kvpool status on the head does not show both nodes holding the chunk ({holders})")
+        if "ray authentication: token" not in status.stdout:
+            raise RuntimeError(
+                "kvpool status on the head does not show the nodes' Ray running with token authentication"
+            )
         log(f"PASSED in {time.monotonic() - started:.0f} s: ray up, 2 pool nodes, 3 MiB put x2 replicas and read back")
         if args.keep:
             log(f"kept: kvpool status --etcd {run.etcd}; Ctrl-C stops it")

@@ -22,7 +22,7 @@ KVPOOL = str(Path(sys.executable).with_name("kvpool"))
 
 
 def kvpool(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "COLUMNS": "200", "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "COLUMNS": "200"}  # with the session cluster's RAY_AUTH_MODE and RAY_AUTH_TOKEN_PATH
     return subprocess.run([KVPOOL, *args], capture_output=True, text=True, timeout=180, env=env)
 
 
@@ -118,6 +118,8 @@ def test_vllm_config_prints_the_kv_transfer_config_of_a_running_pool(pool: PoolC
     extra = ConnectorConfig.from_extra(config["kv_connector_extra_config"])
     assert extra.etcd == pool.metadata.endpoints and extra.cluster == pool.metadata.cluster
     assert extra.namespace == pool.namespace and extra.chunk_size == 512
+    token = os.environ["RAY_AUTH_TOKEN_PATH"]  # the session cluster's: its path goes to the engine, never the token
+    assert extra.ray_token_path == token and Path(token).read_text().strip() not in out.stdout + out.stderr
     assert "3 live nodes" in out.stderr and "vllm serve MODEL --kv-transfer-config" in out.stderr
 
     bad = kvpool("vllm-config", *where, "--role", "decoder")
