@@ -223,6 +223,8 @@ def up(
             raise ConfigError(f"--demo must be one of {', '.join(MODELS)} or none, got {demo!r}")
         if route not in ROUTES:
             raise ConfigError(f"--route must be one of {', '.join(ROUTES)}, got {route!r:.40}")
+        if ray_auth_mode.lower() not in ("", *ray_auth.MODES):
+            raise ConfigError(f"--ray-auth must be token or disabled, got {ray_auth_mode!r:.40}")
         if engine not in ("workers", "vllm"):
             raise ConfigError(f"--engine must be workers or vllm, got {engine!r:.40}")
         if engine == "vllm" and (serve < 0 or tenants):
