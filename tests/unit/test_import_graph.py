@@ -31,7 +31,6 @@ KNOWN_TWO_WAY = {
 KNOWN_CIRCLES = {
     frozenset({"kvpool.pool.move_books", "kvpool.pool.moves", "kvpool.pool.store"}),  # issue #28
     frozenset({"kvpool.bench.cluster", "kvpool.cli", "kvpool.cli.bench"}),  # issue #28
-    frozenset({"kvpool.bench.metadata", "kvpool.bench.metadata_scale", "kvpool.bench.metadata_sim"}),  # issue #28
 }
 
 
