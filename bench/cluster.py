@@ -258,7 +258,8 @@ def plot(results: Results, path: Path) -> Path:
     return path
 
 
-if __name__ == "__main__":  # the same options as ``kvpool bench`` (``--help`` lists them)
-    from kvpool.cli import app
-
-    app(["bench", *sys.argv[1:]], prog_name="bench/cluster.py")
+if __name__ == "__main__":
+    # ``kvpool bench`` under this script's name: the same options (``--help`` lists them).  That command lives in the
+    # CLI, the layer above this module (kvpool.cli.bench imports it), so the script runs it as a program rather than
+    # importing the CLI.  -P: no directory in front of the installed package, as when the script itself ran.
+    os.execv(sys.executable, [sys.executable, "-P", "-m", "kvpool", "bench", *sys.argv[1:]])

@@ -25,12 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 KNOWN_TWO_WAY = {
     ("metadata", "pool"),  # issue #28: their shared vocabulary moves to a bottom layer that both import
     ("prefill_decode", "stack"),  # issue #28
-    ("bench", "cli"),  # issue #28
 }
 #: files that import each other in a circle
 KNOWN_CIRCLES = {
     frozenset({"kvpool.pool.move_books", "kvpool.pool.moves", "kvpool.pool.store"}),  # issue #28
-    frozenset({"kvpool.bench.cluster", "kvpool.cli", "kvpool.cli.bench"}),  # issue #28
 }
 
 
