@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import networkx  # torch's own dependency
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Known before issue #28 and still here.  Issue #28 removes them, and nothing may be added: a new pair or circle is
@@ -100,47 +102,9 @@ class Graph:
         return {(x, y): between[x, y] + between[y, x] for x, y in between if x < y and (y, x) in between}
 
     def circles(self) -> list[frozenset[str]]:
-        """The strongly connected sets of more than one module (Tarjan's algorithm, without recursion)."""
-        out: dict[str, list[str]] = defaultdict(list)
-        for a, b in self.sites:
-            out[a].append(b)
-        index: dict[str, int] = {}
-        low: dict[str, int] = {}
-        stack: list[str] = []
-        on_stack: set[str] = set()
-        found: list[frozenset[str]] = []
-        for start in self.modules:
-            if start in index:
-                continue
-            work = [(start, iter(out[start]))]
-            index[start] = low[start] = len(index)
-            stack.append(start)
-            on_stack.add(start)
-            while work:
-                v, targets = work[-1]
-                w = next(targets, None)
-                if w is None:
-                    work.pop()
-                    if work:
-                        low[work[-1][0]] = min(low[work[-1][0]], low[v])
-                    if low[v] == index[v]:
-                        component = set()
-                        while True:
-                            w = stack.pop()
-                            on_stack.discard(w)
-                            component.add(w)
-                            if w == v:
-                                break
-                        if len(component) > 1:
-                            found.append(frozenset(component))
-                elif w not in index:
-                    index[w] = low[w] = len(index)
-                    stack.append(w)
-                    on_stack.add(w)
-                    work.append((w, iter(out[w])))
-                elif w in on_stack:
-                    low[v] = min(low[v], index[w])
-        return found
+        """The strongly connected sets of more than one module."""
+        components = networkx.strongly_connected_components(networkx.DiGraph(list(self.sites)))
+        return [frozenset(c) for c in components if len(c) > 1]
 
     def inside(self, circle: frozenset[str]) -> list[tuple[str, str]]:
         return [(a, b) for a, b in self.sites if a in circle and b in circle]
