@@ -61,7 +61,7 @@ bench: $(STAMP)
 	$(PY) bench/calls.py
 	$(PY) bench/pool.py
 	$(PY) bench/transfer.py
-	$(PY) bench/cluster.py
+	$(VENV)/bin/kvpool bench
 
 clean:
 	rm -rf build $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

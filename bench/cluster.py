@@ -1,4 +1,4 @@
-"""The multi-node benchmark behind ``kvpool bench`` and ``python bench/cluster.py``.
+"""The multi-node benchmark behind ``kvpool bench`` (the command line lives in kvpool/cli/bench.py, the layer above).
 
 It runs on whatever pool it is given — the embedded default (a local Ray cluster on loopback) or a real
 cluster started with ``ray up cluster.yaml`` — and measures, with one ``PoolClient`` actor pinned to each
@@ -17,7 +17,6 @@ loopback TCP socket, and raw O_DIRECT disk I/O.  Results go to a JSON file and P
 
 import os
 import statistics
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -256,9 +255,3 @@ def plot(results: Results, path: Path) -> Path:
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
-
-
-if __name__ == "__main__":  # the same options as ``kvpool bench`` (``--help`` lists them)
-    from kvpool.cli import app
-
-    app(["bench", *sys.argv[1:]], prog_name="bench/cluster.py")

@@ -25,6 +25,8 @@ import msgpack
 from rich.console import Console
 from rich.table import Table
 
+from kvpool.bench import metadata_scale
+from kvpool.bench.metadata_sim import node_record
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient, Get, Put, prefix_end
 from kvpool.metadata.config import MetadataConfig
@@ -32,7 +34,7 @@ from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore, batches
 from kvpool.metadata.records import decode_node, decode_placement, encode_node, encode_placement
 from kvpool.pool.keys import CacheIdentity, chunk_keys
-from kvpool.pool.types import NodeRecord, Placement, SegmentInfo, Tier
+from kvpool.pool.types import Placement, Tier
 from kvpool.servers.etcd import EmbeddedEtcd
 
 PREFIX_CHUNKS = 128
@@ -46,12 +48,6 @@ def placements(keys: list[bytes]) -> list[Placement]:
         Placement(key=k, node="bench-node", tier=Tier.DRAM, offset=i << 20, stored=1 << 20, size=1 << 20, checksum=i)
         for i, k in enumerate(keys)
     ]
-
-
-def node_record() -> NodeRecord:
-    """A node record of realistic size: 600 bytes of transport address, a DRAM and an NVMe segment."""
-    segments = (SegmentInfo("dram0", Tier.DRAM, 1 << 34, 1 << 30), SegmentInfo("nvme0", Tier.NVME, 1 << 40, 1 << 32))
-    return NodeRecord("bench-node", "host-a", 4242, b"x" * 600, segments, time.time(), "host-a:9100")
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -172,8 +168,6 @@ def main() -> None:
     ap.add_argument("--lookups", type=int, default=2_000, help="prefix lookups to time (default 2000)")
     ap.add_argument("--etcd", help="host:port of an etcd to use instead of an embedded one")
     ap.add_argument("--codec-only", action="store_true", help="only the record encode/decode rates (no etcd)")
-    from kvpool.bench import metadata_scale  # imports this module: not at the top
-
     metadata_scale.add_arguments(ap)
     args = ap.parse_args()
     if args.scale:

@@ -17,7 +17,6 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvpool.bench.metadata import node_record
 from kvpool.errors import MetadataUnavailable
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import Delete, EtcdClient, Put
@@ -26,9 +25,16 @@ from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore, batches
 from kvpool.metadata.records import encode_placement
 from kvpool.metadata.registry import NodeRegistration, NodeRegistry
-from kvpool.pool.types import Placement, Tier
+from kvpool.pool.types import NodeRecord, Placement, SegmentInfo, Tier
 
 Stamp = tuple[int, float]  #: (etcd revision, CLOCK_MONOTONIC time)
+
+
+def node_record() -> NodeRecord:
+    """A node record of realistic size: 600 bytes of transport address, a DRAM and an NVMe segment.  What each
+    simulated node registers, and what ``bench/metadata.py`` encodes and decodes."""
+    segments = (SegmentInfo("dram0", Tier.DRAM, 1 << 34, 1 << 30), SegmentInfo("nvme0", Tier.NVME, 1 << 40, 1 << 32))
+    return NodeRecord("bench-node", "host-a", 4242, b"x" * 600, segments, time.time(), "host-a:9100")
 
 
 # -- simulated nodes (in publisher processes) ----------------------------------------------------------------
