@@ -2,8 +2,8 @@
 
 The first request prefills the whole prompt and puts its KV into the pool; the second finds the prefix
 there and reloads it.  The document is long enough (about 850 tokens with SmolLM2's tokenizer and chat
-template) that most of it falls in full 256-token chunks.  :func:`run_demo` asks over a running
-``Service``; :func:`local_demo` brings the whole stack up first (``kvpool.stack``) and tears it down after.
+template) that most of it falls in full 256-token chunks.  :func:`run_demo` asks over a running ``Service``
+(``kvpool up`` brings one up with ``kvpool.stack.demo_service``).
 """
 
 from dataclasses import dataclass
@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvpool.prefill_decode.service import Completion, Service
-    from kvpool.stack import Report, StackConfig
 
 MODELS = ("smollm2-135m", "tiny-llama")  #: the models the demo runs on (the first is the default)
 
@@ -88,14 +87,3 @@ def run_demo(service: "Service", max_tokens: int = 32) -> DemoRun:
     cold = service.complete_sync(tokens, max_tokens)
     warm = service.complete_sync(tokens, max_tokens)
     return DemoRun(len(tokens), cold, warm, service.detokenize(warm.tokens).strip())
-
-
-def local_demo(model: str = MODELS[0], config: "StackConfig | None" = None, report: "Report | None" = None) -> DemoRun:
-    """The whole demo on a stack of its own (by default: embedded etcd, one local Ray node, one PoolNode)."""
-    from kvpool.errors import ConfigError
-    from kvpool.stack import StackConfig, demo_service, running_pool
-
-    if model not in MODELS:
-        raise ConfigError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
-    with running_pool(config or StackConfig(), report) as pool, demo_service(pool, model, report) as service:
-        return run_demo(service)
