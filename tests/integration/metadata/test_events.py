@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import msgspec
-import pytest
 import zmq
+from engine_needed import vllm_module
 
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import MetadataConfig
@@ -113,7 +113,7 @@ def test_a_followed_stream_delivers_changes_as_they_happen_and_stops_when_cancel
 
 
 def test_zmq_stream_decodes_with_vllms_own_kv_event_classes(etcd: EtcdClient, namespace: Namespace) -> None:
-    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    kv_events = vllm_module("vllm.distributed.kv_events")
     store = PlacementStore(etcd, namespace)
     store.publish([placement(KEYS[0], "n1")], etcd.grant_lease(30))
     start = present(etcd, namespace)
