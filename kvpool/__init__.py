@@ -2,8 +2,10 @@
 
 The components live in sub-packages: ``kvpool.metadata`` (etcd), ``kvpool.pool`` (segments, the
 ``PoolNode`` actor, the client), ``kvpool.transport`` (NIXL/UCX) and ``kvpool.prefill_decode`` (workers
-around a real model).  This root package holds only what every layer shares: the exception hierarchy
-and the clock.
+around a real model, the vLLM connector, routing).  Beside them, this root package holds what every layer shares
+(``errors``: the exception hierarchy, re-exported here; ``clock``), how Ray is attached to with its token
+(``ray_auth``), the servers kvpool starts (``servers``), a whole local stack (``stack``) and the command line
+(``cli``).
 """
 
 from kvpool.errors import (

@@ -1,7 +1,7 @@
 """Byte views of what callers hand the pool: bytes, memoryview, numpy arrays, CPU torch tensors.
 
-Views, never copies: a non-contiguous array or a GPU tensor is refused with a clear ``ValueError``
-rather than silently copied.
+Views, never copies: a non-contiguous array or a GPU tensor is refused with a ``ConfigError`` that says what to
+hand instead, rather than silently copied.
 """
 
 from typing import Any

@@ -1,1 +1,1 @@
-"""The transfer engine: the ``Transport`` interface, ``NixlTransport`` (UCX via NIXL), handoff."""
+"""The transfer engine: the ``Transport`` interface and ``NixlTransport`` (UCX via NIXL)."""
