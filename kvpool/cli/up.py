@@ -72,7 +72,9 @@ def _hold(pool: PoolConfig) -> None:
     node_ip = min(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
     token = ray_auth.find_token() if ray_auth.current_mode() == "token" else None
     if token is not None and token.path is not None:  # what kvpool put/get/down and engines attach with
-        root.console.print(f"Ray asks for its token: export {ray_auth.TOKEN_PATH_ENV}={token.path} in that shell")
+        root.console.print(
+            f"Ray asks for its token: export {ray_auth.TOKEN_PATH_ENV}={token.path} in that shell", soft_wrap=True
+        )
     root.console.print(f"pool up. In another shell: kvpool status {where}")
     root.console.print(
         f'vLLM on it: vllm serve MODEL --kv-transfer-config "$(kvpool vllm-config {where} '
