@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.pool.keys import CacheIdentity, chunk_keys, next_key, token_array
+from kvpool.core.keys import CacheIdentity, chunk_keys, next_key, token_array
 
 ID = CacheIdentity(model="llama-test", kv_dtype="bfloat16", layout="all-layers:[L,2,T,H,D]", chunk_size=4)
 
@@ -96,7 +96,7 @@ def test_token_array_keeps_uint32_without_copy() -> None:
 
 _CHILD = """
 import sys
-from kvpool.pool.keys import CacheIdentity, chunk_keys
+from kvpool.core.keys import CacheIdentity, chunk_keys
 ident = CacheIdentity(model="llama-test", kv_dtype="bfloat16", layout="all-layers", chunk_size=256)
 print(",".join(k.hex() for k in chunk_keys(ident, range(1000, 1000 + 256 * 5 + 17))))
 """
