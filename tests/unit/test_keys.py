@@ -114,3 +114,14 @@ def test_keys_agree_across_processes() -> None:
     ident = CacheIdentity(model="llama-test", kv_dtype="bfloat16", layout="all-layers", chunk_size=256)
     assert outs[0].split(",") == [k.hex() for k in chunk_keys(ident, range(1000, 1000 + 256 * 5 + 17))]
     assert len(outs[0].split(",")) == 5
+
+
+def test_the_public_path_still_imports_the_keys() -> None:
+    """``kvpool.pool.keys`` (README's path) re-exports the chunk keys of ``kvpool.core.keys``: the same objects."""
+    import kvpool.core.keys as core
+    import kvpool.pool.keys as public
+    from kvpool.pool.keys import CacheIdentity as PublicIdentity
+    from kvpool.pool.keys import chunk_keys as public_chunk_keys
+
+    assert PublicIdentity is CacheIdentity and public_chunk_keys is chunk_keys
+    assert public.__all__ and all(getattr(public, name) is getattr(core, name) for name in public.__all__)
