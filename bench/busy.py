@@ -33,10 +33,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpool.bench.node_client import close_clients, node_clients
+from kvpool.core.keys import CacheIdentity, chunk_keys
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig, Watermarks
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node import start_pool, stop_pool
 from kvpool.pool.tiers.s3_config import RemoteConfig
 from kvpool.servers.etcd import EmbeddedEtcd

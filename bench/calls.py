@@ -24,8 +24,8 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
+from kvpool.core.keys import CacheIdentity, chunk_keys
 from kvpool.pool.client import PoolClient
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.stack import StackConfig, running_pool
 
 

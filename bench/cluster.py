@@ -29,9 +29,9 @@ import ray
 
 from kvpool.bench.limits import gbps, measure_limits
 from kvpool.bench.node_client import close_clients, node_clients
+from kvpool.core.keys import CacheIdentity, chunk_keys
+from kvpool.core.types import Tier
 from kvpool.pool.config import MiB, PoolConfig
-from kvpool.pool.keys import CacheIdentity, chunk_keys
-from kvpool.pool.types import Tier
 
 TIERS = (Tier.DRAM, Tier.NVME)
 

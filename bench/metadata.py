@@ -27,14 +27,14 @@ from rich.table import Table
 
 from kvpool.bench import metadata_scale
 from kvpool.bench.metadata_sim import node_record
+from kvpool.core.keys import CacheIdentity, chunk_keys
+from kvpool.core.types import Placement, Tier
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient, Get, Put, prefix_end
 from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore, batches
 from kvpool.metadata.records import decode_node, decode_placement, encode_node, encode_placement
-from kvpool.pool.keys import CacheIdentity, chunk_keys
-from kvpool.pool.types import Placement, Tier
 from kvpool.servers.etcd import EmbeddedEtcd
 
 PREFIX_CHUNKS = 128

@@ -17,6 +17,7 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kvpool.core.types import NodeRecord, Placement, SegmentInfo, Tier
 from kvpool.errors import MetadataUnavailable
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import Delete, EtcdClient, Put
@@ -25,7 +26,6 @@ from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore, batches
 from kvpool.metadata.records import encode_placement
 from kvpool.metadata.registry import NodeRegistration, NodeRegistry
-from kvpool.pool.types import NodeRecord, Placement, SegmentInfo, Tier
 
 Stamp = tuple[int, float]  #: (etcd revision, CLOCK_MONOTONIC time)
 

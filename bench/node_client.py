@@ -11,10 +11,10 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvpool.bench.limits import median_seconds
+from kvpool.core.keys import CacheIdentity, chunk_keys
+from kvpool.core.types import Tier
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.keys import CacheIdentity, chunk_keys
-from kvpool.pool.types import Tier
 
 BATCH = 8  #: values per get (and put) call unless told otherwise: a serving engine's few reused KV buffers
 

@@ -27,12 +27,12 @@ from rich.table import Table
 
 from kvpool.bench.limits import disk_gbps, gbps, median_seconds, memcpy_gbps
 from kvpool.bench.node_client import close_clients, get_all, node_clients
+from kvpool.core.keys import CacheIdentity, chunk_keys
+from kvpool.core.types import Tier
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node import start_pool, stop_pool
-from kvpool.pool.types import Tier
 from kvpool.servers.etcd import EmbeddedEtcd
 from kvpool.servers.ray_cluster import LocalRayCluster
 

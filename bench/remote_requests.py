@@ -61,7 +61,7 @@ def store_ops(store: RemoteStore) -> tuple[Put, Get]:
 
 
 def keys(tag: str, n: int) -> list[bytes]:
-    """``n`` chunk keys (SHA-256 digests, as pool/keys.py makes them), distinct per ``tag``."""
+    """``n`` chunk keys (SHA-256 digests, as kvpool/core/keys.py makes them), distinct per ``tag``."""
     return [hashlib.sha256(f"{tag}/{i}".encode()).digest() for i in range(n)]
 
 

@@ -25,13 +25,13 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpool.bench.limits import disk_gbps, gbps
+from kvpool.core.types import Tier
 from kvpool.pool.chunks import checksum
 from kvpool.pool.config import MiB
 from kvpool.pool.journal import NvmeJournal, recover, segment_name
 from kvpool.pool.node import IO_THREADS
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.store import ChunkStore
-from kvpool.pool.types import Tier
 
 NAME = segment_name("bench", "127.0.0.1")
 

@@ -52,13 +52,13 @@ from rich.table import Table
 
 from kvpool.bench.advisor_check import ADVISED, MODELS, held_at_lookup, predicted_hit_ratios
 from kvpool.bench.traces import Request, TraceSettings, make_trace, reuse_ceiling
+from kvpool.core.types import Tier
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.events import EventStream, replay
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
-from kvpool.pool.types import Tier
 from kvpool.prefill_decode.cost import Hardware
 from kvpool.prefill_decode.router import Policy
 from kvpool.prefill_decode.service import Completion, Lane, Service, lane_router

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.pool.keys import CacheIdentity, chunk_keys
+from kvpool.core.keys import CacheIdentity, chunk_keys
 
 
 @dataclass(frozen=True)

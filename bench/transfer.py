@@ -95,7 +95,7 @@ def pool_cells(remote: Any, head: str, size: int, total: int) -> list[dict[str, 
     (puts all in one batch, gets 8 a call into registered buffers, as Mooncake's are)."""
     import ray
 
-    from kvpool.pool.keys import CacheIdentity, chunk_keys
+    from kvpool.core.keys import CacheIdentity, chunk_keys
 
     ident = CacheIdentity(model="bench-transfer", kv_dtype="uint8", layout="bytes", chunk_size=1)
     n = max(1, total // size)

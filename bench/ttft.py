@@ -31,11 +31,11 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpool.bench.limits import disk_gbps, memcpy_gbps
+from kvpool.core.types import Tier
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
-from kvpool.pool.types import Tier
 from kvpool.prefill_decode.calibrate import measure_hardware, spec_of
 from kvpool.prefill_decode.connector import PoolConnector
 from kvpool.prefill_decode.cost import CostModel

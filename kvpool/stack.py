@@ -134,8 +134,8 @@ def check_pool(pool: PoolConfig, chunks: int = 16) -> PoolCheck:
     """Put ``chunks`` chunks of 1 MiB, look the chain up, read them back and compare: the pool works end to end."""
     import numpy as np
 
+    from kvpool.core.keys import CacheIdentity, chunk_keys
     from kvpool.pool.client import PoolClient
-    from kvpool.pool.keys import CacheIdentity, chunk_keys
 
     ident = CacheIdentity(model="kvpool-check", kv_dtype="uint8", layout="bytes", chunk_size=256)
     keys = chunk_keys(ident, np.arange(256 * chunks) % 50_000)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.core.types import Departure, IdentityRecord, NodeRecord, Placement, Tier, Tombstone
 from kvpool.errors import MalformedRecord, MetadataUnavailable
 from kvpool.metadata.client import EtcdClient, KeyValue, WatchStream
 from kvpool.metadata.namespace import Namespace
@@ -25,7 +26,6 @@ from kvpool.metadata.records import (
     decode_placement,
     decode_tombstone,
 )  # fmt: skip
-from kvpool.pool.types import Departure, IdentityRecord, NodeRecord, Placement, Tier, Tombstone
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.core.types import Placement, Tier
 from kvpool.errors import MalformedRecord, MetadataUnavailable
 from kvpool.metadata.client import EtcdClient, WatchStream
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.records import decode_placement
-from kvpool.pool.types import Placement, Tier
 
 _DELETE = 1  #: mvccpb.Event.EventType.DELETE
 

@@ -15,11 +15,11 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict
 
+from kvpool.core.keys import CacheIdentity
+from kvpool.core.types import IdentityRecord
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import FINGERPRINT_HEX, Namespace
 from kvpool.metadata.records import encode_identity
-from kvpool.pool.keys import CacheIdentity
-from kvpool.pool.types import IdentityRecord
 
 IDENTITY_TTL_S = 24 * 3600  #: an identity nobody registered again for this long leaves the list
 

@@ -23,13 +23,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from kvpool.core.keys import CacheIdentity, chunk_keys, layer_key
+from kvpool.core.types import DropCause, Placement, Tombstone
 from kvpool.errors import MalformedRecord, MetadataUnavailable
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.identities import fingerprint
 from kvpool.metadata.records import decode_placement
-from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
-from kvpool.pool.types import DropCause, Placement, Tombstone
 
 
 class MissCause(enum.Enum):

@@ -11,10 +11,10 @@
 import re
 from dataclasses import dataclass
 
+from kvpool.core.keys import KEY_BYTES
 from kvpool.errors import ConfigError, MalformedRecord
 from kvpool.metadata.config import validate_name
 
-KEY_BYTES = 32  # chunk keys are SHA-256 digests (kvpool.pool.keys)
 _KEY_HEX = re.compile(rb"[0-9a-f]{%d}" % (2 * KEY_BYTES))  # lower case, as chunk() writes it
 FINGERPRINT_HEX = 16  #: hex digits of a cache identity's root that name it
 _FINGERPRINT = re.compile(rb"[0-9a-f]{%d}" % FINGERPRINT_HEX)
@@ -68,7 +68,7 @@ class Namespace:
     def chunk(self, key: bytes) -> bytes:
         """The prefix holding every replica of one chunk."""
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            raise ConfigError(f"a chunk key is {KEY_BYTES} bytes (kvpool.pool.keys.chunk_keys), got {key!r:.60}")
+            raise ConfigError(f"a chunk key is {KEY_BYTES} bytes (kvpool.core.keys.chunk_keys), got {key!r:.60}")
         return self.chunks + key.hex().encode() + b"/"
 
     def replica(self, key: bytes, node_id: str) -> bytes:

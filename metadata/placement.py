@@ -8,11 +8,11 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
+from kvpool.core.types import Placement
 from kvpool.errors import MalformedRecord
 from kvpool.metadata.client import Delete, EtcdClient, Put
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.records import decode_placement, encode_placement
-from kvpool.pool.types import Placement
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,7 +1,7 @@
 """The values kvpool stores in etcd, and their msgpack encoding.
 
 Every value is a msgpack map with a schema version ``"v"``, described by a strict ``msgspec`` Struct
-below (the wire format); the values themselves are the pool's (:mod:`kvpool.pool.types`).  Decoding is
+below (the wire format); the values themselves are the pool's (:mod:`kvpool.core.types`).  Decoding is
 strict: anything that is not a map of exactly the expected fields and types (``bool`` is never an
 ``int``, floats are finite, offsets and sizes are in range) raises :class:`MalformedRecord`, which
 readers log and skip, so one bad value never crashes a reader.  The chunk key and the holding node live
@@ -14,10 +14,8 @@ from typing import Annotated, Any, Final, Literal, get_args
 import msgspec
 from msgspec import Meta, Struct
 
-from kvpool.errors import ConfigError, MalformedRecord
-from kvpool.metadata.namespace import FINGERPRINT_HEX
-from kvpool.pool.keys import CacheIdentity
-from kvpool.pool.types import (
+from kvpool.core.keys import CacheIdentity
+from kvpool.core.types import (
     Departure,
     DropCause,
     IdentityRecord,
@@ -27,6 +25,8 @@ from kvpool.pool.types import (
     Tier,
     Tombstone,
 )  # fmt: skip
+from kvpool.errors import ConfigError, MalformedRecord
+from kvpool.metadata.namespace import FINGERPRINT_HEX
 
 __all__ = [
     "SCHEMA_VERSION", "decode_departure", "decode_identity", "decode_node", "decode_placement", "decode_tombstone",

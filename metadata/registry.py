@@ -5,11 +5,11 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
+from kvpool.core.types import NodeRecord
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.lease import LeaseKeeper
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.records import encode_node
-from kvpool.pool.types import NodeRecord
 
 
 class NodeRegistration:

@@ -1,9 +1,9 @@
 """Tombstones: why a chunk is gone, kept in etcd a while after the chunk.
 
-A node writes ``gone/<key>/<node>`` (a :class:`~kvpool.pool.types.Tombstone`: evicted, removed or corrupt, the
+A node writes ``gone/<key>/<node>`` (a :class:`~kvpool.core.types.Tombstone`: evicted, removed or corrupt, the
 tier, the time, the policy) in the same transaction that deletes the placement; and when a node's record leaves
 etcd (its lease ran out, or it shut down) the surviving nodes write ``departed/<node>`` (a
-:class:`~kvpool.pool.types.Departure` with the revision of that delete: its placements went at the same
+:class:`~kvpool.core.types.Departure` with the revision of that delete: its placements went at the same
 revision, so etcd's history at the revision before says which chunks it held).
 
 Both go on a *tombstone lease* of :data:`TTL_S`, a new one every half of it, so a tombstone lives between half
@@ -17,11 +17,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvpool.core.types import Departure, DropCause, Placement, Tombstone
 from kvpool.errors import MetadataUnavailable
 from kvpool.metadata.client import EtcdClient, Put, Version, WatchStream
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.records import encode_departure, encode_tombstone
-from kvpool.pool.types import Departure, DropCause, Placement, Tombstone
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ exactly that, the root of the chunk's hash chain.  The other free fields mean so
 (``lora_name`` picks an adapter, ``kv_cache_spec_kind`` an attention kind, ``session_id`` a request), and a
 ``BlockRemoved`` needs none: its hash already names one identity's chunk.  A placement does not record
 the chunk's tokens, so ``token_ids`` is empty, ``block_size`` 0 and ``parent_block_hash`` None: match blocks by
-hash, computed with :func:`kvpool.pool.keys.chunk_keys` over the same cache identity.  A stream that starts from
+hash, computed with :func:`kvpool.core.keys.chunk_keys` over the same cache identity.  A stream that starts from
 the pool's contents opens with ``AllBlocksCleared``.  One batch per etcd revision that changed chunks.
 """
 
@@ -30,9 +30,9 @@ from typing import Any
 import msgspec
 import zmq
 
+from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
 from kvpool.metadata.events import ChunkEvent, EventKind
-from kvpool.pool.types import Tier
 
 log = logging.getLogger(__name__)
 

@@ -9,12 +9,12 @@ from itertools import pairwise
 
 import crc32c
 
+from kvpool.core.keys import check_key
+from kvpool.core.types import DropCause, Tier
 from kvpool.errors import ConfigError
 from kvpool.metadata.namespace import FINGERPRINT_HEX
-from kvpool.pool.keys import check_key
 from kvpool.pool.tenants import check_tenant
 from kvpool.pool.tiers.codecs import Buffer, TensorFormat
-from kvpool.pool.types import DropCause, Tier
 
 SEGMENT_NAMES = {Tier.DRAM: "dram0", Tier.NVME: "nvme0"}
 _FINGERPRINT = re.compile(f"[0-9a-f]{{{FINGERPRINT_HEX}}}", re.ASCII)

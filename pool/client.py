@@ -39,6 +39,8 @@ from typing import Any
 import ray
 import torch
 
+from kvpool.core.keys import CacheIdentity, check_items, check_key, check_keys, check_list
+from kvpool.core.types import Placement, Tier, nearest_first
 from kvpool.errors import (
     ChunkNotFound,
     ConfigError,
@@ -58,7 +60,6 @@ from kvpool.pool.buffers import byte_view
 from kvpool.pool.chunks import Origin, checksum, short
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.device_reads import DeviceReads, device_bytes
-from kvpool.pool.keys import CacheIdentity, check_items, check_key, check_keys, check_list
 from kvpool.pool.metrics import SOURCES, StatsReporter
 from kvpool.pool.node_handle import NodeHandles, NodeInfo, call
 from kvpool.pool.peers import Peers, node_record
@@ -67,7 +68,6 @@ from kvpool.pool.segment import DramSegment
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.s3_config import GC_GRACE_S
 from kvpool.pool.tiers.s3_reads import S3Reads
-from kvpool.pool.types import Placement, Tier, nearest_first
 from kvpool.pool.writes import Item, Rooms, Summary, put_local, put_peer, targets
 
 log = logging.getLogger(__name__)

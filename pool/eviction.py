@@ -11,8 +11,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
+from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
-from kvpool.pool.types import Tier
 
 
 @dataclass

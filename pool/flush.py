@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
+from kvpool.core.types import Placement, Tier
 from kvpool.errors import RemoteUnavailable
 from kvpool.pool.chunks import Recoded, StoredChunk
 from kvpool.pool.moves import read_stored, recode
@@ -13,7 +14,6 @@ from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.crypto import sealed_name
 from kvpool.pool.tiers.s3 import RemoteStore
 from kvpool.pool.tiers.s3_config import RemoteConfig
-from kvpool.pool.types import Placement, Tier
 
 log = logging.getLogger(__name__)
 

@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from kvpool.core.types import Tier
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.pool.allocator import OffsetAllocator
 from kvpool.pool.chunks import Change, ChangeKind, Origin, StoredChunk, check_origin, checksum, short
 from kvpool.pool.moves import read_stored
 from kvpool.pool.segment import ALIGN, NvmeSegment
 from kvpool.pool.tiers.codecs import TensorFormat
-from kvpool.pool.types import Tier
 
 if TYPE_CHECKING:
     from kvpool.pool.store import ChunkStore

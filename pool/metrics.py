@@ -15,10 +15,10 @@ from prometheus_client.registry import Collector
 
 from kvpool import ray_auth
 from kvpool.clock import SYSTEM_CLOCK, Clock
+from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
 from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.gds import nvme_io_path
-from kvpool.pool.types import Tier
 
 #: store counter → (metric name, help, labels): migrations and promotions are moves between tiers
 _COUNTERS = {

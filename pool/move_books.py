@@ -11,13 +11,13 @@ import threading
 from dataclasses import replace
 from typing import Protocol
 
+from kvpool.core.types import DropCause, Tier
 from kvpool.errors import ChunkBusy, PoolFull
 from kvpool.pool.allocator import OffsetAllocator
 from kvpool.pool.chunks import Change, ChangeKind, StoredChunk, short
 from kvpool.pool.eviction import EvictionPolicy
 from kvpool.pool.moves import Move, whole_blocks
 from kvpool.pool.tiers.crypto import Keyring, sealed_name
-from kvpool.pool.types import DropCause, Tier
 
 log = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvpool.core.types import Tier
 from kvpool.errors import ChunkBusy, KvPoolError, PoolFull
 from kvpool.pool.chunks import Recoded, StoredChunk, checksum, short
 from kvpool.pool.segment import ALIGN, DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import Buffer, transcode
 from kvpool.pool.tiers.crypto import Keyring, UndecryptableChunk, seal, split, unseal
-from kvpool.pool.types import Tier
 
 if TYPE_CHECKING:
     from kvpool.pool.store import ChunkStore

@@ -29,6 +29,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from kvpool.core.types import NodeRecord, SegmentInfo, Tier
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, MetadataUnavailable, PoolFull, RemoteUnavailable
 from kvpool.pool.chunks import SEGMENT_NAMES, Origin, Room, StoredChunk, check_length, check_origin
 from kvpool.pool.config import PoolConfig
@@ -43,7 +44,6 @@ from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.gds import nvme_io_path
 from kvpool.pool.tiers.s3 import RemoteStore
-from kvpool.pool.types import NodeRecord, SegmentInfo, Tier
 from kvpool.transport.nixl import NixlTransport
 
 log = logging.getLogger(__name__)

@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.core.types import NodeRecord
 from kvpool.errors import NodeUnreachable, TransferError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.pool.buffers import byte_view
-from kvpool.pool.types import NodeRecord
 from kvpool.transport.base import Op
 from kvpool.transport.nixl import NixlTransport
 

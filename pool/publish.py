@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
+from kvpool.core.types import DropCause, NodeRecord, Placement
 from kvpool.errors import MetadataUnavailable
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import Namespace
@@ -23,7 +24,6 @@ from kvpool.pool.chunks import Change, ChangeKind, StoredChunk, short
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.journal import NvmeJournal
 from kvpool.pool.store import ChunkStore
-from kvpool.pool.types import DropCause, NodeRecord, Placement
 
 log = logging.getLogger(__name__)
 RECORD_REFRESH_S = 1.0  #: the node record's usage figures lag by at most this

@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+from kvpool.core.types import Placement, Tier
 from kvpool.errors import ChunkNotFound, UndecodableChunk
 from kvpool.pool.buffers import byte_view
 from kvpool.pool.chunks import SEGMENT_NAMES, StoredChunk, checksum, short
@@ -20,7 +21,6 @@ from kvpool.pool.peers import STAGING_BYTES, Peers, rounds
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import decode
 from kvpool.pool.tiers.crypto import Keyring, unseal
-from kvpool.pool.types import Placement, Tier
 from kvpool.transport.base import Op
 
 Outcome = bool | None  #: per chunk: True intact, False failed its checksum, None not read (moved, gone, unreachable)

@@ -25,6 +25,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
+from kvpool.core.keys import check_key
+from kvpool.core.types import DropCause, Tier
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, CorruptChunk, PoolFull
 from kvpool.pool.allocator import OffsetAllocator
 from kvpool.pool.chunks import (
@@ -42,13 +44,11 @@ from kvpool.pool.chunks import (
 from kvpool.pool.config import Watermarks
 from kvpool.pool.eviction import EvictionPolicy
 from kvpool.pool.holds import Holds
-from kvpool.pool.keys import check_key
 from kvpool.pool.move_books import MoveBooks
 from kvpool.pool.moves import Move, demotions, read_stored, run_moves
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import TensorFormat, parse_codec
 from kvpool.pool.tiers.crypto import Keyring
-from kvpool.pool.types import DropCause, Tier
 
 log = logging.getLogger(__name__)
 

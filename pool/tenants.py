@@ -2,7 +2,7 @@
 
 A shared pool holds every tenant's prompts in a reusable form, and a prefix lookup is a probe: whoever can compute
 another tenant's keys can tell (by a hit, or by its timing) what that tenant asked.  So a tenant's keys are made
-from a root only its secret gives: the chain of :mod:`kvpool.pool.keys` starts at
+from a root only its secret gives: the chain of :mod:`kvpool.core.keys` starts at
 
     H_0 = HMAC-SHA256(secret, "kvpool.tenant/1" || SHA-256(cache identity))
 

@@ -17,13 +17,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvpool.core.types import NodeRecord, Tier
 from kvpool.errors import ChunkNotFound, PoolFull
 from kvpool.pool.chunks import SEGMENT_NAMES, Origin, Room
 from kvpool.pool.node_handle import call
 from kvpool.pool.peers import STAGING_BYTES, Peers, rounds
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.tiers.codecs import TensorFormat
-from kvpool.pool.types import NodeRecord, Tier
 from kvpool.transport.base import Op
 
 Item = tuple[bytes, memoryview]  #: a chunk to write: its key and its bytes

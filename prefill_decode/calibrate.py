@@ -8,8 +8,8 @@ import time
 import numpy as np
 import torch
 
+from kvpool.core.types import Tier
 from kvpool.pool.client import PoolClient
-from kvpool.pool.types import Tier
 from kvpool.prefill_decode.cost import CostModel, Hardware, ModelSpec
 from kvpool.prefill_decode.model import LoadedModel, forward, kv_cache
 

@@ -22,13 +22,13 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvpool.core.keys import CacheIdentity
+from kvpool.core.types import Placement, nearest_first
 from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError
 from kvpool.metadata.identities import fingerprint
 from kvpool.metadata.misses import miss_cause
 from kvpool.pool.client import PoolClient
-from kvpool.pool.keys import CacheIdentity
 from kvpool.pool.tenants import Scope
-from kvpool.pool.types import Placement, nearest_first
 from kvpool.prefill_decode.layout import KVBuffer, KVLayout
 
 log = logging.getLogger(__name__)

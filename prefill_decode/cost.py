@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
-from kvpool.pool.types import Tier
 
 #: The tiers a KV prefix can be reloaded from, nearest first (the pool's :class:`Tier` names, GPU excepted).
 TIERS: tuple[str, ...] = tuple(t.value for t in Tier if t is not Tier.GPU)

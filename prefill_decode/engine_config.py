@@ -5,9 +5,9 @@ where vLLM is not installed, e.g. on the pool's head node."""
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from kvpool.core.keys import DEFAULT_CHUNK_SIZE
 from kvpool.errors import ConfigError
 from kvpool.metadata.config import MetadataConfig
-from kvpool.pool.keys import DEFAULT_CHUNK_SIZE
 
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
 CONNECTOR = "KvPoolConnector"

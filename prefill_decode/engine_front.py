@@ -23,8 +23,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from kvpool.core.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.errors import ConfigError, KvPoolError, WorkerUnavailable
-from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.pool.tenants import Scope
 from kvpool.prefill_decode.cost import CostModel, Hardware, ModelSpec
 from kvpool.prefill_decode.engine_router import EngineEvents, EngineRouter

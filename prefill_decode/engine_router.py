@@ -21,10 +21,10 @@ from typing import Any
 import msgspec
 import zmq
 
+from kvpool.core.types import Placement
 from kvpool.errors import ConfigError
 from kvpool.metadata.zmq_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvpool.pool.tenants import Scope
-from kvpool.pool.types import Placement
 from kvpool.prefill_decode.cost import CostModel
 from kvpool.prefill_decode.router import LaneRouter, Policy, Quote, by_path, decide, prefix_sources
 

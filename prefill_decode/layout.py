@@ -5,7 +5,7 @@ chunks of a prefix, laid end to end, *are* the cache:
 
 - ``all-layers``: one pool object per chunk, ``[T, L, 2, H, D]`` (tokens, layers, K/V, KV heads, head dim);
 - ``per-layer``: one pool object per chunk and layer, ``[T, 2, H, D]``, keyed by
-  :func:`kvpool.pool.keys.layer_key`, so layer ``l+1`` can be fetched while layer ``l`` computes;
+  :func:`kvpool.core.keys.layer_key`, so layer ``l+1`` can be fetched while layer ``l`` computes;
 - ``groups-of-G``: one pool object per chunk and group of ``G`` consecutive layers, ``[T, G, 2, H, D]``, keyed by
   the group's index: ``G`` times fewer objects (and placements) than per-layer, still fetched group by group
   while the model computes the group before;
@@ -32,8 +32,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvpool.core.keys import DEFAULT_CHUNK_SIZE, CacheIdentity, chunk_keys, layer_key
 from kvpool.errors import ConfigError
-from kvpool.pool.keys import DEFAULT_CHUNK_SIZE, CacheIdentity, chunk_keys, layer_key
 from kvpool.pool.tenants import Scope
 
 LAYOUTS = ("auto", "all-layers", "per-layer", "groups-of-G")  #: G: layers per object, a divisor of the model's layers

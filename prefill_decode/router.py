@@ -16,10 +16,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.core.keys import token_array
+from kvpool.core.types import Placement, Tier, nearest_first
 from kvpool.errors import ConfigError
-from kvpool.pool.keys import token_array
 from kvpool.pool.tenants import Scope
-from kvpool.pool.types import Placement, Tier, nearest_first
 from kvpool.prefill_decode.connector import PoolConnector
 from kvpool.prefill_decode.cost import Action, CostModel, Decision
 

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvpool.core.keys import token_array
 from kvpool.errors import ChunkNotFound, ConfigError
 from kvpool.metadata.misses import MissCause
-from kvpool.pool.keys import token_array
 from kvpool.prefill_decode.connector import LoadTimes, PoolConnector
 from kvpool.prefill_decode.model import LoadedModel, forward, kv_cache
 

@@ -21,8 +21,8 @@ from typing import Any
 import ray
 from aiohttp import web
 
+from kvpool.core.keys import token_array
 from kvpool.errors import ConfigError, KvPoolError, TenantRefused, WorkerUnavailable
-from kvpool.pool.keys import token_array
 from kvpool.pool.tenants import Scope, Tenants
 from kvpool.prefill_decode.router import LaneRouter, Policy, Quote
 from kvpool.prefill_decode.workers import DecodeResult, PrefillResult

@@ -16,7 +16,7 @@ vLLM loads it by module path (``--kv-transfer-config '{"kv_connector": "KvPoolCo
 
 The pool object of a chunk is one layer of it: the chunk's ``chunk_size / block_size`` blocks laid end to end,
 each a block of vLLM's KV tensor for that layer exactly as the attention backend lays it out (on CPU
-``[kv_heads, block_size, 2 * head_size]``), keyed by :func:`~kvpool.pool.keys.layer_key` of the chunk's
+``[kv_heads, block_size, 2 * head_size]``), keyed by :func:`~kvpool.core.keys.layer_key` of the chunk's
 chain key.  The cache identity names the vLLM version, device, attention backend, KV spec, block size,
 tensor-parallel rank and the model, so engines whose KV cannot be exchanged never meet.
 
@@ -34,8 +34,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvpool.core.keys import CacheIdentity
 from kvpool.errors import ConfigError
-from kvpool.pool.keys import CacheIdentity
 from kvpool.prefill_decode.engine_config import ROLES, ConnectorConfig
 from kvpool.prefill_decode.vllm_scheduler import KvPoolMetadata, SchedulerSide, Transfer
 from kvpool.prefill_decode.vllm_worker import WorkerSide

@@ -10,6 +10,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvpool.core.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.errors import KvPoolError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
@@ -17,7 +18,6 @@ from kvpool.metadata.identities import register as register_identity
 from kvpool.metadata.misses import miss_cause
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.advisor import AccessLog
-from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.pool.tenants import Tenants
 from kvpool.prefill_decode.engine_config import ConnectorConfig
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
+from kvpool.core.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.metadata.identities import fingerprint
-from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.pool.metrics import MISS_PREFIX
 from kvpool.pool.tenants import Tenants
 from kvpool.prefill_decode.engine_config import ConnectorConfig

@@ -17,9 +17,9 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from kvpool.core.keys import DEFAULT_CHUNK_SIZE, CacheIdentity, token_array
 from kvpool.errors import ConfigError, PoolFull
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.keys import DEFAULT_CHUNK_SIZE, CacheIdentity, token_array
 from kvpool.pool.tenants import Scope
 from kvpool.prefill_decode.calibrate import measure_hardware, spec_of
 from kvpool.prefill_decode.connector import PoolConnector

@@ -10,9 +10,9 @@ from rich.table import Table
 
 from kvpool.cli import connect, options, root
 from kvpool.cli.figures import fig
+from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
 from kvpool.pool.advisor import MissRatioCurve, curve_of_log, read_access_logs, tier_hits
-from kvpool.pool.types import Tier
 from kvpool.prefill_decode.cost import KNOWN_MODELS, REFERENCE_HARDWARE, CostModel, model_spec
 
 GiB = 2**30

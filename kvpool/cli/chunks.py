@@ -9,9 +9,9 @@ import typer
 from rich.table import Table
 
 from kvpool.cli import connect, options, root
+from kvpool.core.keys import parse_key
+from kvpool.core.types import Placement
 from kvpool.errors import ConfigError
-from kvpool.pool.keys import parse_key
-from kvpool.pool.types import Placement
 
 Chunk = tuple[bytes, Sequence[Placement]]  #: a key and its replicas
 

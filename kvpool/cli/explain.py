@@ -9,10 +9,10 @@ import typer
 from rich.table import Table
 
 from kvpool.cli import connect, options, root
+from kvpool.core.keys import CacheIdentity, token_array
 from kvpool.errors import ConfigError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.identities import fingerprint
-from kvpool.pool.keys import CacheIdentity, token_array
 
 
 def pick_identity(cache: MetadataCache, model: str, identity: str) -> CacheIdentity:

@@ -18,9 +18,9 @@ from rich.table import Table
 from kvpool.cli import connect, options, root
 from kvpool.cli.figures import short_duration, short_size, size
 from kvpool.cli.scrape import scrape
+from kvpool.core.types import NodeRecord, Tier
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.identities import disagreements
-from kvpool.pool.types import NodeRecord, Tier
 from kvpool.ray_auth import MODES
 
 

@@ -71,7 +71,7 @@ MAX_NDIM = 16
 DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
 _DTYPE_CODE = {dtype: i + 1 for i, dtype in enumerate(DTYPES)}
 _DTYPE_NAMES = {str(dtype).removeprefix("torch."): dtype for dtype in DTYPES}
-_KEY_BYTES = hashlib.sha256().digest_size  # chunk keys are SHA-256 digests (pool/keys.py)
+_KEY_BYTES = hashlib.sha256().digest_size  # chunk keys are SHA-256 digests (kvpool/core/keys.py)
 _GRAMMAR = "raw | fp8-e4m3[/channel] | fp8-e5m2[/channel] | int4[:gN], then nothing, +zstd or +delta+zstd"
 
 Buffer = bytes | bytearray | memoryview
@@ -320,7 +320,9 @@ def codec_key(chunk_key: bytes, codec: Codec | str) -> bytes:
     """
     if not isinstance(chunk_key, bytes) or len(chunk_key) != _KEY_BYTES:
         got = f"{len(chunk_key)} bytes" if isinstance(chunk_key, bytes) else type(chunk_key).__name__
-        raise ConfigError(f"chunk_key: a chunk key is a {_KEY_BYTES}-byte SHA-256 digest (pool/keys.py), got {got}")
+        raise ConfigError(
+            f"chunk_key: a chunk key is a {_KEY_BYTES}-byte SHA-256 digest (kvpool/core/keys.py), got {got}"
+        )
     if isinstance(codec, Codec):
         name = codec.name
     else:

@@ -44,13 +44,13 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
+from kvpool.core.types import Tier
 from kvpool.errors import ChunkNotFound, ConfigError, RemoteUnavailable
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.config import validate_name
 from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.tiers.codecs import Buffer, codec_key
 from kvpool.pool.tiers.s3_config import GC_GRACE_S, RemoteConfig
-from kvpool.pool.types import Tier
 
 DELETE_BATCH = 1000  # the most keys one DeleteObjects request may name
 DEFAULT_REGION = "us-east-1"

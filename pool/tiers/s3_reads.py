@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvpool.core.types import Placement
 from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError, MetadataUnavailable, RemoteUnavailable
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.placement import PlacementStore
@@ -19,7 +20,6 @@ from kvpool.pool.tiers.codecs import Buffer, TensorFormat
 from kvpool.pool.tiers.crypto import Keyring, UndecryptableChunk, split, unseal
 from kvpool.pool.tiers.s3 import RemoteStore, collect_garbage
 from kvpool.pool.tiers.s3_config import RemoteConfig
-from kvpool.pool.types import Placement
 
 log = logging.getLogger(__name__)
 

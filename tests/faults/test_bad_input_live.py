@@ -14,14 +14,14 @@ import ray
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvpool.core.keys import CacheIdentity, chunk_keys
+from kvpool.core.types import Tier
 from kvpool.errors import KvPoolError
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.config import MiB, PoolConfig
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node import start_pool, stop_pool
 from kvpool.pool.node_handle import actor_name
 from kvpool.pool.tiers.codecs import TensorFormat
-from kvpool.pool.types import Tier
 from kvpool.servers.etcd import EmbeddedEtcd
 
 EXAMPLES = 150

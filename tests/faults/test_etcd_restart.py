@@ -10,11 +10,11 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from kvpool.core.keys import CacheIdentity, chunk_keys
 from kvpool.errors import ChunkNotFound, MetadataUnavailable
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node import start_pool, stop_pool
 from kvpool.servers.etcd import EmbeddedEtcd
 

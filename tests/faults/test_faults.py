@@ -15,14 +15,14 @@ import pytest
 import ray
 from ray_nodes import extra_ray_node
 
+from kvpool.core.keys import CacheIdentity, chunk_keys
+from kvpool.core.types import Tier
 from kvpool.errors import ChunkNotFound, CorruptChunk, KvPoolError, PoolFull
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig, Watermarks
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node import start_pool, stop_pool
 from kvpool.pool.node_handle import actor_name
-from kvpool.pool.types import Tier
 
 CHUNK = 64 * 1024
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import ray
 
+from kvpool.core.keys import CacheIdentity, chunk_keys
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node import start_pool, stop_pool
 from kvpool.pool.node_handle import actor_name
 

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 import ray
 
+from kvpool.core.keys import CacheIdentity, chunk_keys
+from kvpool.core.types import Tier
 from kvpool.errors import ChunkNotFound, PoolFull
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node import start_pool, stop_pool
 from kvpool.pool.node_handle import NodeInfo, actor_name
 from kvpool.pool.segment import DramSegment
-from kvpool.pool.types import Tier
 
 WARM_UP = 0.3  #: the first 30 % of the run fills the tiers and the allocators; growth is measured after it
 RSS_SLACK = 48 * MiB  #: allowed RSS growth after warm-up (allocator arenas, Ray's and gRPC's buffers settle)

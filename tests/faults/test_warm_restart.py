@@ -13,16 +13,16 @@ import numpy as np
 import ray
 from ray_nodes import extra_ray_node
 
+from kvpool.core.keys import CacheIdentity, chunk_keys
+from kvpool.core.types import Tier
 from kvpool.errors import ChunkNotFound
 from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.misses import MissCause, miss_cause
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.journal import segment_name
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node import start_pool, stop_pool
 from kvpool.pool.node_handle import actor_name
-from kvpool.pool.types import Tier
 
 IP = "127.0.0.11"
 CHUNK = 256 * 1024

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from kvpool.bench.traces import TraceSettings, make_trace
+from kvpool.core.keys import CacheIdentity, chunk_keys
 from kvpool.errors import ConfigError
 from kvpool.pool.advisor import usable_bytes
 from kvpool.pool.config import Watermarks
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.reuse import MissRatioCurve, ReuseSampler, lru_hit_ratio, prefix_lru_hit_ratio, tier_hits
 
 KIB, MIB = 1 << 10, 1 << 20

@@ -29,6 +29,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from kvpool.core.keys import CacheIdentity, check_key, chunk_keys, layer_key, parse_key, token_array
+from kvpool.core.types import NodeRecord, Placement, SegmentInfo, Tier
 from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError, MalformedRecord, PoolFull, TransferError
 from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig
 from kvpool.metadata.namespace import Namespace
@@ -36,11 +38,9 @@ from kvpool.metadata.records import SCHEMA_VERSION, decode_node, decode_placemen
 from kvpool.pool.allocator import OffsetAllocator
 from kvpool.pool.chunks import ChangeKind
 from kvpool.pool.config import PoolConfig, Watermarks
-from kvpool.pool.keys import CacheIdentity, check_key, chunk_keys, layer_key, parse_key, token_array
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.s3_config import RemoteConfig
-from kvpool.pool.types import NodeRecord, Placement, SegmentInfo, Tier
 from kvpool.prefill_decode.workers import WorkerConfig
 from kvpool.transport import nixl
 from kvpool.transport.base import Op

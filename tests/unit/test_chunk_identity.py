@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from kvpool.cli.events import _line
+from kvpool.core.keys import CacheIdentity
+from kvpool.core.types import Placement, Tier
 from kvpool.errors import ConfigError, MalformedRecord
 from kvpool.metadata.events import ChunkEvent, EventKind
 from kvpool.metadata.identities import fingerprint
@@ -22,11 +24,9 @@ from kvpool.metadata.zmq_events import BlockRemoved, BlockStored, vllm_batch
 from kvpool.pool import journal as journal_module
 from kvpool.pool.chunks import Origin, check_origin, checksum
 from kvpool.pool.journal import NvmeJournal, segment_name, take_back
-from kvpool.pool.keys import CacheIdentity
 from kvpool.pool.metrics import StoreCollector
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.store import ChunkStore
-from kvpool.pool.types import Placement, Tier
 
 IDENTITY = CacheIdentity(model="identity-test", kv_dtype="u8", layout="bytes")
 FP = fingerprint(IDENTITY)

@@ -10,8 +10,8 @@ import numpy as np
 from typer.testing import CliRunner
 
 from kvpool.cli import app
+from kvpool.core.keys import CacheIdentity, chunk_keys
 from kvpool.pool.advisor import AccessLog, curve_of_log, read_access_logs
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 
 runner = CliRunner()
 KIB = 1 << 10

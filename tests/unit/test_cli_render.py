@@ -6,7 +6,7 @@ from kvpool.bench.cluster import Results
 from kvpool.cli.bench import render_bench
 from kvpool.cli.chunks import chunks_table
 from kvpool.cli.up import check_line, demo_lines, demo_table
-from kvpool.pool.types import Placement, Tier
+from kvpool.core.types import Placement, Tier
 from kvpool.prefill_decode.demo import DemoRun
 from kvpool.prefill_decode.service import Completion
 from kvpool.prefill_decode.workers import DecodeResult, PrefillResult, PrefillSummary

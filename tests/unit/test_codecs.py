@@ -10,8 +10,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvpool.core.keys import layer_key
 from kvpool.errors import ChunkNotFound, ConfigError, UndecodableChunk, UnencodableTensor
-from kvpool.pool.keys import layer_key
 from kvpool.pool.tiers.codecs import MAGIC, Codec, codec_key, decode, parse_codec, read_header
 from kvpool.pool.tiers.quantizers import Fp8, Int4
 

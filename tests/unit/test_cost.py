@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
-from kvpool.pool.types import Tier
 from kvpool.prefill_decode.cost import (
     KNOWN_MODELS,
     REFERENCE_HARDWARE,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvpool.core.types import Tier
 from kvpool.errors import ChunkNotFound, ConfigError, UndecodableChunk
 from kvpool.pool.chunks import Origin, StoredChunk, checksum
 from kvpool.pool.config import PoolConfig
@@ -26,7 +27,6 @@ from kvpool.pool.tiers.crypto import (
     split,
 )
 from kvpool.pool.tiers.s3_config import RemoteConfig
-from kvpool.pool.types import Tier
 
 KEY = bytes(range(32))  # a chunk key
 BASES = ("raw", "raw+zstd", "fp8-e4m3", "fp8-e5m2/channel+zstd", "int4", "int4+delta+zstd")

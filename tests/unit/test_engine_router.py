@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import zmq
 
+from kvpool.core.types import Placement, Tier
 from kvpool.errors import ConfigError
 from kvpool.metadata.zmq_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvpool.pool.tenants import Scope
-from kvpool.pool.types import Placement, Tier
 from kvpool.prefill_decode.cost import Action, CostModel, Hardware, model_spec
 from kvpool.prefill_decode.engine_front import model_spec as model_spec_of
 from kvpool.prefill_decode.engine_router import BlockIndex, EngineEvents, EngineRouter

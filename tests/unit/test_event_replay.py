@@ -3,10 +3,10 @@ the vLLM-shaped batches say the same as the events."""
 
 import pytest
 
+from kvpool.core.types import Tier
 from kvpool.errors import MetadataUnavailable
 from kvpool.metadata.events import ChunkEvent, EventKind, replay
 from kvpool.metadata.zmq_events import AllBlocksCleared, BlockRemoved, BlockStored, vllm_batch
-from kvpool.pool.types import Tier
 
 A, B = b"a" * 32, b"b" * 32
 

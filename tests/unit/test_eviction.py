@@ -1,10 +1,10 @@
 import pytest
 
 from kvpool.clock import ManualClock
+from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
 from kvpool.pool.config import Watermarks
 from kvpool.pool.eviction import EvictionPolicy
-from kvpool.pool.types import Tier
 
 
 def key(i: int) -> bytes:

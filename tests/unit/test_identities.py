@@ -8,11 +8,11 @@ from rich.console import Console
 
 from kvpool.cli import status
 from kvpool.cli.status import IdentityStatus, PoolStatus, RemoteTier
+from kvpool.core.keys import CacheIdentity
+from kvpool.core.types import IdentityRecord
 from kvpool.errors import MalformedRecord
 from kvpool.metadata.identities import disagreements, fingerprint
 from kvpool.metadata.records import decode_identity, encode_identity
-from kvpool.pool.keys import CacheIdentity
-from kvpool.pool.types import IdentityRecord
 
 BF16 = CacheIdentity(model="llama", kv_dtype="bfloat16", layout="groups-of-4", chunk_size=256, tp_size=2)
 

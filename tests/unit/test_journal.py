@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvpool.core.types import DropCause, Tier
 from kvpool.errors import ConfigError
 from kvpool.pool import journal as journal_module
 from kvpool.pool.chunks import ChangeKind, checksum
 from kvpool.pool.journal import NvmeJournal, segment_name, take_back
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import ChunkStore
-from kvpool.pool.types import DropCause, Tier
 
 BLOCK = 64 * 1024
 NVME = 16 * BLOCK

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.pool.keys import CacheIdentity, chunk_keys, next_key, token_array
+from kvpool.core.keys import CacheIdentity, chunk_keys, next_key, token_array
 
 ID = CacheIdentity(model="llama-test", kv_dtype="bfloat16", layout="all-layers:[L,2,T,H,D]", chunk_size=4)
 
@@ -96,7 +96,7 @@ def test_token_array_keeps_uint32_without_copy() -> None:
 
 _CHILD = """
 import sys
-from kvpool.pool.keys import CacheIdentity, chunk_keys
+from kvpool.core.keys import CacheIdentity, chunk_keys
 ident = CacheIdentity(model="llama-test", kv_dtype="bfloat16", layout="all-layers", chunk_size=256)
 print(",".join(k.hex() for k in chunk_keys(ident, range(1000, 1000 + 256 * 5 + 17))))
 """
@@ -114,3 +114,14 @@ def test_keys_agree_across_processes() -> None:
     ident = CacheIdentity(model="llama-test", kv_dtype="bfloat16", layout="all-layers", chunk_size=256)
     assert outs[0].split(",") == [k.hex() for k in chunk_keys(ident, range(1000, 1000 + 256 * 5 + 17))]
     assert len(outs[0].split(",")) == 5
+
+
+def test_the_public_path_still_imports_the_keys() -> None:
+    """``kvpool.pool.keys`` (README's path) re-exports the chunk keys of ``kvpool.core.keys``: the same objects."""
+    import kvpool.core.keys as core
+    import kvpool.pool.keys as public
+    from kvpool.pool.keys import CacheIdentity as PublicIdentity
+    from kvpool.pool.keys import chunk_keys as public_chunk_keys
+
+    assert PublicIdentity is CacheIdentity and public_chunk_keys is chunk_keys
+    assert public.__all__ and all(getattr(public, name) is getattr(core, name) for name in public.__all__)

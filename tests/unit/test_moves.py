@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvpool.clock import ManualClock
+from kvpool.core.types import Tier
 from kvpool.errors import ChunkBusy
 from kvpool.pool.chunks import ChangeKind, checksum
 from kvpool.pool.config import Watermarks
@@ -18,7 +19,6 @@ from kvpool.pool.moves import demotions, load, moves_to, promotions, run_moves, 
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.codecs import TensorFormat
-from kvpool.pool.types import Tier
 
 BLOCK = 64 * 1024
 

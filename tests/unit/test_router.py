@@ -9,9 +9,9 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
+from kvpool.core.types import Placement, Tier
 from kvpool.errors import ConfigError
 from kvpool.pool.tenants import Scope
-from kvpool.pool.types import Placement, Tier
 from kvpool.prefill_decode.cost import Action, CostModel, Decision, Hardware, model_spec
 from kvpool.prefill_decode.router import PEER, LaneRouter, Policy, Quote, Route, choose, decide, read_path
 

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from kvpool.clock import ManualClock
+from kvpool.core.types import Tier
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, PoolFull
 from kvpool.pool.chunks import ChangeKind
 from kvpool.pool.config import Watermarks
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import ChunkStore
-from kvpool.pool.types import Tier
 
 BLOCK = 64 * 1024
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvpool.clock import ManualClock
+from kvpool.core.types import Tier
 from kvpool.errors import ConfigError, CorruptChunk
 from kvpool.pool.chunks import ChangeKind, checksum
 from kvpool.pool.config import Watermarks
@@ -14,7 +15,6 @@ from kvpool.pool.flush import idle
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.codecs import TensorFormat
-from kvpool.pool.types import Tier
 
 SHAPE = (64, 2, 4, 32)  # [tokens, K/V, heads, head dim]: 64 KiB of float32
 

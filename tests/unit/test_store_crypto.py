@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvpool.clock import ManualClock
+from kvpool.core.types import Tier
 from kvpool.errors import CorruptChunk
 from kvpool.pool.chunks import checksum
 from kvpool.pool.config import Watermarks
@@ -15,7 +16,6 @@ from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.crypto import KEY_BYTES, Keyring
-from kvpool.pool.types import Tier
 
 
 def key(i: int) -> bytes:

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from kvpool.clock import ManualClock
+from kvpool.core.types import DropCause, Tier
 from kvpool.errors import ConfigError
 from kvpool.pool.chunks import ChangeKind, Origin
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import ChunkStore
-from kvpool.pool.types import DropCause, Tier
 
 BLOCK = 64 * 1024
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.core.keys import CacheIdentity, chunk_keys
 from kvpool.errors import ConfigError, TenantRefused
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.tenants import Tenants, new_secret
 
 IDENTITY = CacheIdentity(model="m", kv_dtype="float16", layout="l", chunk_size=4)

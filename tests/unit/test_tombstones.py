@@ -2,12 +2,12 @@
 
 import pytest
 
+from kvpool.core.keys import chunk_keys, layer_key
+from kvpool.core.types import Departure, DropCause, Tier, Tombstone
 from kvpool.errors import MalformedRecord
 from kvpool.metadata.misses import object_keys, objects_per_chunk
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.records import decode_departure, decode_tombstone, encode_departure, encode_tombstone
-from kvpool.pool.keys import chunk_keys, layer_key
-from kvpool.pool.types import Departure, DropCause, Tier, Tombstone
 from kvpool.prefill_decode.layout import KVLayout
 
 KEY = bytes(range(32))
@@ -51,7 +51,7 @@ def test_object_keys_match_the_layouts(layout: str, layers: int) -> None:
 
 
 def test_other_layouts_count_one_object() -> None:
-    from kvpool.pool.keys import CacheIdentity
+    from kvpool.core.keys import CacheIdentity
 
     vllm = CacheIdentity(
         "m", "bfloat16", "vllm-0.11:cpu:TORCH_SDPA:FullAttentionSpec:kv_heads=2:head_size=64:block=16", 16

@@ -7,11 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvpool.core.types import NodeRecord, SegmentInfo, Tier
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.registry import NodeRegistry
-from kvpool.pool.types import NodeRecord, SegmentInfo, Tier
 
 KVPOOL = str(Path(sys.executable).with_name("kvpool"))
 

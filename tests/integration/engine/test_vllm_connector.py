@@ -13,15 +13,15 @@ from engines import CHUNK, P, Q, R, S, engine, extra_config
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvpool.cli import scrape
+from kvpool.core.keys import CacheIdentity, chunk_keys, layer_key
+from kvpool.core.types import Tier
 from kvpool.errors import ConfigError, WorkerUnavailable
 from kvpool.metadata.identities import fingerprint
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.pool.node_handle import actor_name
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.tenants import Tenants
-from kvpool.pool.types import Tier
 from kvpool.prefill_decode.engine_config import ConnectorConfig
 from kvpool.prefill_decode.vllm_connector import KvPoolMetadata, Transfer, WorkerSide
 

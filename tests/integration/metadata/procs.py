@@ -8,12 +8,12 @@ import os
 import sys
 import time
 
+from kvpool.core.types import NodeRecord, Placement, Tier
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.metadata.registry import NodeRegistry
-from kvpool.pool.types import NodeRecord, Placement, Tier
 
 
 def placements(node: str, n: int, tag: int = 0) -> list[Placement]:

@@ -3,14 +3,14 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvpool.core.keys import CacheIdentity, chunk_keys
+from kvpool.core.types import NodeRecord, Placement, Tier
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.metadata.records import encode_node
-from kvpool.pool.keys import CacheIdentity, chunk_keys
-from kvpool.pool.types import NodeRecord, Placement, Tier
 from kvpool.servers.etcd import EmbeddedEtcd
 
 IDENT = CacheIdentity(model="m", kv_dtype="bf16", layout="all", chunk_size=8)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from kvpool.core.types import Placement, Tier
 from kvpool.errors import MetadataUnavailable
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
@@ -19,7 +20,6 @@ from kvpool.metadata.events import EventStream, replay
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.metadata.records import decode_placement
-from kvpool.pool.types import Placement, Tier
 from kvpool.servers.etcd import EmbeddedEtcd, EtcdMembers
 
 NODE = "n1"

@@ -14,6 +14,8 @@ import msgspec
 import zmq
 from engine_needed import vllm_module
 
+from kvpool.core.keys import CacheIdentity, chunk_keys
+from kvpool.core.types import Placement, Tier
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.events import ChunkEvent, EventKind, EventStream, replay
@@ -21,8 +23,6 @@ from kvpool.metadata.identities import fingerprint
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.metadata.zmq_events import ZmqPublisher, vllm_batch
-from kvpool.pool.keys import CacheIdentity, chunk_keys
-from kvpool.pool.types import Placement, Tier
 from kvpool.servers.etcd import free_port
 
 IDENTITY = CacheIdentity(model="events", kv_dtype="u8", layout="b", chunk_size=1)

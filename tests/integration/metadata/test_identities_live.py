@@ -8,12 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvpool.core.keys import CacheIdentity
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.identities import fingerprint, register
 from kvpool.metadata.namespace import Namespace
-from kvpool.pool.keys import CacheIdentity
 
 KVPOOL = str(Path(sys.executable).with_name("kvpool"))
 LLAMA = CacheIdentity(model="llama", kv_dtype="bfloat16", layout="groups-of-4", chunk_size=256)

@@ -2,13 +2,13 @@
 
 import pytest
 
+from kvpool.core.keys import CacheIdentity, chunk_keys
+from kvpool.core.types import Placement, Tier
 from kvpool.errors import MetadataUnavailable
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
-from kvpool.pool.keys import CacheIdentity, chunk_keys
-from kvpool.pool.types import Placement, Tier
 
 IDENT = CacheIdentity(model="m", kv_dtype="bf16", layout="all", chunk_size=16)
 

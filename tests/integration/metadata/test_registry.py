@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.clock import ManualClock
+from kvpool.core.types import NodeRecord, SegmentInfo, Tier
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import MetadataConfig
@@ -17,7 +18,6 @@ from kvpool.metadata.lease import LeaseState
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.records import decode_node
 from kvpool.metadata.registry import NodeRegistry
-from kvpool.pool.types import NodeRecord, SegmentInfo, Tier
 
 PROCS = str(Path(__file__).with_name("procs.py"))
 

@@ -9,11 +9,11 @@ import pytest
 from typer.testing import CliRunner
 
 from kvpool.cli import app
+from kvpool.core.keys import CacheIdentity, chunk_keys
 from kvpool.errors import ConfigError
 from kvpool.pool.advisor import ACCESS_LOG_ENV, ACCESS_RATE_ENV, read_access_logs
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 
 KEYS = chunk_keys(CacheIdentity(model="access-log", kv_dtype="u8", layout="b", chunk_size=1), range(6))
 

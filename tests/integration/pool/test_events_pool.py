@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import ray
 
+from kvpool.core.keys import CacheIdentity, chunk_keys
+from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
 from kvpool.metadata.events import ChunkEvent, EventKind, EventStream, replay
 from kvpool.metadata.identities import fingerprint
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node_handle import actor_name
-from kvpool.pool.types import Tier
 
 IDENTITY = CacheIdentity(model="events-pool", kv_dtype="u8", layout="b", chunk_size=1)
 KEYS = chunk_keys(IDENTITY, range(8))

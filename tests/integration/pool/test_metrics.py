@@ -6,8 +6,8 @@ import urllib.request
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpool.core.keys import CacheIdentity, chunk_keys
 from kvpool.pool.client import PoolClient
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 
 
 def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import ray
 
+from kvpool.core.keys import CacheIdentity, chunk_keys
+from kvpool.core.types import Tier
 from kvpool.errors import CorruptChunk
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.misses import MissCause, explain, miss_cause
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node_handle import actor_name
-from kvpool.pool.types import Tier
 
 KVPOOL = str(Path(sys.executable).with_name("kvpool"))
 ONE = CacheIdentity(model="misses", kv_dtype="u8", layout="b", chunk_size=4)

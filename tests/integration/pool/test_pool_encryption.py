@@ -17,16 +17,16 @@ from typing import Any
 import pytest
 import torch
 
+from kvpool.core.keys import CacheIdentity, chunk_keys
+from kvpool.core.types import Placement, Tier
 from kvpool.errors import ChunkNotFound
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node import start_pool, stop_pool
 from kvpool.pool.tiers.crypto import KEY_BYTES, EncryptionConfig
 from kvpool.pool.tiers.s3 import RemoteStore
 from kvpool.pool.tiers.s3_config import RemoteConfig
-from kvpool.pool.types import Placement, Tier
 
 MakePool = Callable[..., PoolConfig]
 

@@ -10,12 +10,12 @@ import pytest
 import ray
 import torch
 
+from kvpool.core.keys import CacheIdentity
+from kvpool.core.types import Tier
 from kvpool.errors import KvPoolError
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.keys import CacheIdentity
 from kvpool.pool.node_handle import actor_name
-from kvpool.pool.types import Tier
 
 KEY = bytes(range(32))
 MISSING = bytes(32)  # a well-formed key the pool does not hold

@@ -4,8 +4,8 @@ the node no longer has (reclaimed, or the node's earlier life) costs one more ro
 import numpy as np
 import ray
 
+from kvpool.core.keys import CacheIdentity, chunk_keys
 from kvpool.pool.client import PoolClient
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 
 KEYS = chunk_keys(CacheIdentity(model="rooms", kv_dtype="u8", layout="b", chunk_size=1), range(6))
 

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from test_metrics import scrape
 
+from kvpool.core.keys import CacheIdentity, chunk_keys
 from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.misses import MissCause, miss_cause
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node import start_pool, stop_pool
 from kvpool.pool.tenants import Tenants, new_secret
 

@@ -5,14 +5,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvpool.core.keys import CacheIdentity, chunk_keys
+from kvpool.core.types import Placement, Tier
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.tiers.s3 import RemoteStore
 from kvpool.pool.tiers.s3_config import RemoteConfig
-from kvpool.pool.types import Placement, Tier
 
 
 def test_gc_deletes_orphans_and_drops_dangling_placements(

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.core.types import Placement, Tier
 from kvpool.errors import ConfigError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
@@ -18,7 +19,6 @@ from kvpool.pool.tiers.crypto import KEY_BYTES, EncryptionConfig
 from kvpool.pool.tiers.s3 import RemoteStore
 from kvpool.pool.tiers.s3_config import RemoteConfig
 from kvpool.pool.tiers.s3_reads import S3Reads
-from kvpool.pool.types import Placement, Tier
 
 SEALED = "raw+aes256gcm"
 

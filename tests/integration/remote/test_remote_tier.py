@@ -16,16 +16,16 @@ import pytest
 import ray
 import torch
 
+from kvpool.core.keys import CacheIdentity, chunk_keys
+from kvpool.core.types import Placement, Tier
 from kvpool.errors import ChunkNotFound
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
-from kvpool.pool.keys import CacheIdentity, chunk_keys
 from kvpool.pool.node import start_pool, stop_pool
 from kvpool.pool.node_handle import actor_name
 from kvpool.pool.tiers.s3 import RemoteStore
 from kvpool.pool.tiers.s3_config import RemoteConfig
-from kvpool.pool.types import Placement, Tier
 
 SHAPE = (64, 2, 4, 64)  # [tokens, K/V, heads, head dim]: 128 KiB of float32 per chunk
 IDENTITY = "0123456789abcdef"  #: the cache identity fingerprint the chunks are written under

@@ -1,4 +1,4 @@
-"""The pool's own vocabulary: storage tiers, where a chunk's replica lives, and what a node contributes.
+"""The pool's vocabulary: storage tiers, where a chunk's replica lives, and what a node contributes.
 
 Plain frozen values with no encoding; how they are stored in etcd is :mod:`kvpool.metadata.records`.
 """
@@ -6,10 +6,8 @@ Plain frozen values with no encoding; how they are stored in etcd is :mod:`kvpoo
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvpool.pool.keys import CacheIdentity
+from kvpool.core.keys import CacheIdentity
 
 
 class Tier(enum.Enum):
@@ -81,7 +79,7 @@ class NodeRecord:
 class IdentityRecord:
     """A cache identity a client said it uses (``PoolClient.register_identity``), who said so last, and when."""
 
-    identity: "CacheIdentity"
+    identity: CacheIdentity
     host: str
     pid: int
     at: float  #: seconds since the epoch

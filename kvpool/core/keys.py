@@ -1,0 +1,191 @@
+"""Chunk keys: a SHA-256 hash chain over fixed-size token chunks.
+
+``H_0 = SHA-256(identity)`` and ``H_k = SHA-256(H_{k-1} || tokens of chunk k)``, so a key names a whole
+prefix, not just one chunk: two prompts share key ``k`` exactly when their first ``k`` chunks agree.  The
+identity folds in everything that changes the bytes of a KV chunk (model, dtype, layout, chunk size,
+tensor-parallel shard, codec), so two caches that cannot be exchanged never share a key.  Nothing here
+depends on the process, the host or ``PYTHONHASHSEED``: the same prompt gives the same keys everywhere.
+"""
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Set
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvpool.errors import ConfigError
+
+KEY_BYTES = 32  #: chunk keys are SHA-256 digests
+DEFAULT_CHUNK_SIZE = 256
+_MAX_TOKEN_ID = 2**32 - 1  # tokens are hashed as little-endian uint32
+_IDENTITY_TAG = "kvpool.cache-identity/1"
+_KEY_HEX = re.compile(rf"[0-9a-fA-F]{{{2 * KEY_BYTES}}}", re.ASCII)
+
+
+@dataclass(frozen=True)
+class CacheIdentity:
+    """Everything that makes two KV caches exchangeable.
+
+    ``layout`` names how a chunk's bytes are arranged, e.g. ``"all-layers:[L,2,T,H,D]"`` for a chunk
+    that holds every layer, or ``"layer:[2,T,H,D]"`` for layer-wise chunks.
+    """
+
+    model: str
+    kv_dtype: str
+    layout: str
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    tp_size: int = 1
+    tp_rank: int = 0
+    codec: str = "raw"
+
+    def __post_init__(self) -> None:
+        for name in ("model", "kv_dtype", "layout", "codec"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"CacheIdentity.{name} must be a non-empty string, got {value!r}")
+        for name in ("chunk_size", "tp_size", "tp_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"CacheIdentity.{name} must be an int, got {value!r}")
+        if self.chunk_size <= 0:
+            raise ConfigError(f"CacheIdentity.chunk_size must be > 0, got {self.chunk_size}")
+        if self.tp_size <= 0:
+            raise ConfigError(f"CacheIdentity.tp_size must be > 0, got {self.tp_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"CacheIdentity.tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
+
+    def root(self) -> bytes:
+        """``H_0``: the SHA-256 of a canonical encoding of the identity."""
+        canonical = json.dumps({"tag": _IDENTITY_TAG, **asdict(self)}, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).digest()
+
+
+class KeyScope(Protocol):
+    """What roots a chain instead of the identity's own hash: a tenant's or a shared namespace's scope
+    (:class:`kvpool.pool.tenants.Scope`, rooted in its secret).  The chain asks it only for ``H_0``."""
+
+    def root(self, identity_root: bytes) -> bytes:
+        """``H_0`` of this scope's chain for a cache whose identity hashes to ``identity_root``."""
+        ...
+
+
+def check_key(key: Any, field: str = "key") -> bytes:
+    """``key`` if it is a chunk key (``KEY_BYTES`` bytes, as :func:`chunk_keys` makes them); ``ConfigError``
+    naming ``field`` otherwise."""
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        got = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
+        raise ConfigError(
+            f"{field}: a chunk key is {KEY_BYTES} bytes (kvpool.core.keys.chunk_keys makes them), got {got} {key!r:.60}"
+        )
+    return key
+
+
+def check_list(value: Any, field: str) -> list[Any]:
+    """``value`` as a list if it is a list or tuple; ``ConfigError`` naming ``field`` otherwise."""
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{field} must be a list, got {type(value).__name__} {value!r:.60}")
+    return list(value)
+
+
+def check_keys(keys: Any, field: str = "keys") -> list[bytes]:
+    """``keys`` if it is a list of chunk keys; ``ConfigError`` naming ``field`` (and the index) otherwise."""
+    return [check_key(k, f"{field}[{i}]") for i, k in enumerate(check_list(keys, field))]
+
+
+def check_items(items: Any, field: str = "items") -> list[tuple[bytes, Any]]:
+    """``items`` if it is a list of ``(chunk key, data)`` pairs; ``ConfigError`` naming the bad one otherwise."""
+    out = []
+    for i, item in enumerate(check_list(items, field)):
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise ConfigError(f"{field}[{i}] must be a (key, data) pair, got {item!r:.60}")
+        out.append((check_key(item[0], f"{field}[{i}] key"), item[1]))
+    return out
+
+
+def parse_key(text: Any, field: str = "key") -> bytes:
+    """A chunk key written as ``2 * KEY_BYTES`` hex digits (``key.hex()``, as ``kvpool ls`` shows it; surrounding
+    whitespace ignored) → its bytes; ``ConfigError`` naming ``field`` otherwise."""
+    if not isinstance(text, str) or not _KEY_HEX.fullmatch(text.strip()):
+        raise ConfigError(
+            f"{field}: a chunk key is {2 * KEY_BYTES} hex digits (kvpool ls shows them), got {text!r:.80}"
+        )
+    return bytes.fromhex(text.strip())
+
+
+def token_array(tokens: Any, field: str = "tokens") -> np.ndarray:
+    """Validate token ids and return them as a little-endian uint32 array (no copy when already one).
+
+    Accepts an ordered collection of ints (list, tuple, range, iterator), a 1-D integer numpy array or a 1-D
+    integer torch tensor.  Raises ``ConfigError`` naming ``field`` for non-integers, negative ids, ids above
+    2**32-1, a wrong shape, or a container that holds no ordered ids (str, bytes, a set, a mapping).
+    """
+    if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor, without importing torch
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise ConfigError(f"{field} must hold integer token ids, got dtype {arr.dtype}")
+    else:
+        if isinstance(tokens, (str, bytes, bytearray, memoryview, Mapping, Set)) or not hasattr(tokens, "__iter__"):
+            raise ConfigError(
+                f"{field} must be a sequence of int token ids, got {type(tokens).__name__} {tokens!r:.60}"
+            )
+        items = list(tokens)
+        types = set(map(type, items))  # one C-level pass; the per-item check below runs only to name a culprit
+        if not types <= {int} and not all(issubclass(t, (int, np.integer)) and t is not bool for t in types):
+            for i, t in enumerate(items):
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                    raise ConfigError(f"{field}[{i}] must be an int token id, got {type(t).__name__} {t!r}")
+        try:
+            arr = np.asarray(items, dtype=np.int64) if items else np.zeros(0, dtype=np.int64)
+        except OverflowError:  # beyond int64 either way; name the first id out of range
+            i, t = next((i, int(t)) for i, t in enumerate(items) if not 0 <= int(t) <= _MAX_TOKEN_ID)
+            where = "below 0" if t < 0 else f"above the largest supported token id {_MAX_TOKEN_ID}"
+            raise ConfigError(f"{field}[{i}] = {t} is {where}") from None
+    if arr.ndim != 1:
+        raise ConfigError(f"{field} must be 1-D, got shape {tuple(arr.shape)}")
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0:
+            raise ConfigError(f"{field} must be non-negative token ids, found {lo} at index {int(arr.argmin())}")
+        if hi > _MAX_TOKEN_ID:
+            raise ConfigError(f"{field} holds id {hi} above the largest supported token id {_MAX_TOKEN_ID}")
+    return arr.astype("<u4", copy=False)
+
+
+def next_key(previous: bytes, chunk_tokens: np.ndarray) -> bytes:
+    """One link of the chain: ``SHA-256(previous || chunk tokens as little-endian uint32)``."""
+    h = hashlib.sha256(previous)
+    h.update(np.ascontiguousarray(chunk_tokens, dtype="<u4").tobytes())
+    return h.digest()
+
+
+def chunk_keys(identity: CacheIdentity, tokens: Any, scope: KeyScope | None = None) -> list[bytes]:
+    """The keys of every *full* chunk of ``tokens``; a trailing partial chunk gets no key.  ``scope``: a tenant's
+    (or a shared namespace's) chain, rooted in its secret (:mod:`kvpool.pool.tenants`); None: the identity's own."""
+    if not isinstance(identity, CacheIdentity):
+        raise ConfigError(f"identity must be a CacheIdentity, got {type(identity).__name__}")
+    if scope is not None and not callable(getattr(scope, "root", None)):
+        raise ConfigError(f"scope must be a Scope (Tenants.scope(tenant)) or None, got {type(scope).__name__}")
+    arr = token_array(tokens)
+    c = identity.chunk_size
+    keys: list[bytes] = []
+    key = identity.root() if scope is None else scope.root(identity.root())
+    for start in range(0, len(arr) - c + 1, c):
+        key = next_key(key, arr[start : start + c])
+        keys.append(key)
+    return keys
+
+
+def layer_key(chunk_key: bytes, layer: int) -> bytes:
+    """The key of one layer of a chunk, for layer-wise layouts: ``SHA-256(H_k || "layer" || uint32 layer)``.
+
+    Derived from the chunk's key, so a prefix hit on layer 0 names the same prefix on every layer.
+    """
+    check_key(chunk_key, "chunk_key")
+    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer <= _MAX_TOKEN_ID:
+        raise ConfigError(f"layer must be an int in [0, 2**32), got {layer!r}")
+    return hashlib.sha256(chunk_key + b"layer" + layer.to_bytes(4, "little")).digest()
