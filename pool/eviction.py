@@ -2,21 +2,29 @@
 
 The node's store asks this policy for candidates and does the moving itself, re-trying its allocator
 after each one, because freed bytes are only useful once they form an extent large enough.  Recency is
-``(last access time, access sequence)``: the clock orders accesses, the sequence breaks ties.
+``(last access time, access sequence)``: the clock orders accesses, the sequence breaks ties.  The unpinned chunks
+are kept in that order (:class:`~kvpool.pool.recency.RecencyIndex`) by tier and copy, and by tier and tenant, so
+that each candidate costs O(log n), not a sort of the tier.
 """
 
 import itertools
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
+from kvpool.pool.recency import RecencyIndex
+
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass
 class ChunkState:
+    """The policy's record of a chunk: read it, change it only through the policy (its order follows these fields)."""
+
     tier: Tier
     size: int
     last_access: float
@@ -34,13 +42,17 @@ class EvictionPolicy:
         self._chunks: dict[bytes, ChunkState] = {}
         self._seq = itertools.count()
         self._used: Counter[tuple[str, Tier]] = Counter()  #: bytes per (tenant, tier)
+        self._counts: Counter[Tier] = Counter()  #: chunks per tier, pinned ones included
+        self._order = RecencyIndex()  #: the unpinned chunks, by (tier, copy elsewhere) and by (tier, tenant)
 
     def add(self, key: bytes, tier: Tier, size: int, *, replicated: bool = False, tenant: str = "") -> None:
         if key in self._chunks:
             raise ConfigError(f"chunk {key.hex()[:16]} is already tracked")
-        self._chunks[key] = ChunkState(tier, size, self.clock.time(), next(self._seq), replicated=replicated,
-                                       tenant=tenant)  # fmt: skip
+        st = self._chunks[key] = ChunkState(tier, size, self.clock.time(), next(self._seq), replicated=replicated,
+                                            tenant=tenant)  # fmt: skip
         self._used[(tenant, tier)] += size
+        self._counts[tier] += 1
+        self._place(key, st)
 
     def state(self, key: bytes) -> ChunkState:
         """``KeyError`` for an untracked chunk."""
@@ -51,35 +63,60 @@ class EvictionPolicy:
 
     def touch(self, key: bytes) -> None:
         st = self._chunks[key]
+        then = st.last_access
         st.last_access, st.seq = self.clock.time(), next(self._seq)
+        if st.last_access < then:  # the wall clock stepped back: the order only follows a recency that grows
+            self._place(key, st)
+        elif not st.pins:
+            self._order.touch(key)
 
     def move(self, key: bytes, tier: Tier, size: int | None = None) -> None:
         """The chunk now lives in ``tier`` (taking ``size`` bytes there, if another size); it keeps its recency."""
         st = self._chunks[key]
         self._used[(st.tenant, st.tier)] -= st.size
+        self._counts[st.tier] -= 1
         st.tier, st.size = tier, st.size if size is None else size
         self._used[(st.tenant, tier)] += st.size
+        self._counts[tier] += 1
+        self._place(key, st)
+
+    def mark_replicated(self, key: bytes) -> None:
+        """Another copy of the chunk exists now (the S3 tier's, or another node's): a full tier drops it first."""
+        st = self._chunks[key]
+        st.replicated = True
+        self._place(key, st)
 
     def remove(self, key: bytes) -> ChunkState:
         st = self._chunks.pop(key)
         self._used[(st.tenant, st.tier)] -= st.size
+        self._counts[st.tier] -= 1
+        self._order.discard(key)
         return st
 
     def pin(self, key: bytes) -> None:
         self._chunks[key].pins += 1
+        self._order.discard(key)
 
     def unpin(self, key: bytes) -> None:
         st = self._chunks[key]
         if st.pins <= 0:
             raise ConfigError(f"chunk {key.hex()[:16]} is not pinned")
         st.pins -= 1
+        self._place(key, st)
+
+    def _place(self, key: bytes, st: ChunkState) -> None:
+        """Put the chunk where its state says in the order: out of it while pinned."""
+        if st.pins:
+            self._order.discard(key)
+        else:
+            self._order.put(key, st, (_by_copy(st.tier, st.replicated), _by_tenant(st.tier, st.tenant)))
 
     def lru(self, tier: Tier, tenant: str | None = None) -> Iterator[bytes]:
         """Unpinned chunks of ``tier`` (``tenant``'s only, if given), least recently used first: the order to
-        migrate them."""
-        items = [(st.last_access, st.seq, k) for k, st in self._chunks.items()
-                 if st.tier is tier and not st.pins and (tenant is None or st.tenant == tenant)]  # fmt: skip
-        return (k for _, _, k in sorted(items))
+        migrate them.  Read as it goes (:meth:`RecencyIndex.walk`): a chunk pinned or removed meanwhile is skipped."""
+        if tenant is None:
+            return self._order.walk(_by_copy(tier, True), _by_copy(tier, False))
+        return self._order.walk(_by_tenant(tier, tenant))
 
     def used(self) -> dict[str, dict[Tier, int]]:
         """Bytes each tenant holds per tier (tenants with none left out)."""
@@ -106,9 +143,42 @@ class EvictionPolicy:
     def drop_order(self, tier: Tier) -> Iterator[bytes]:
         """Unpinned chunks of ``tier`` in the order to drop them: those with a copy elsewhere first, each
         group least recently used first."""
-        order = list(self.lru(tier))
-        yield from (k for k in order if self._chunks[k].replicated)
-        yield from (k for k in order if not self._chunks[k].replicated)
+        yield from self._order.walk(_by_copy(tier, True))
+        yield from self._order.walk(_by_copy(tier, False))
 
     def count(self, tier: Tier) -> int:
-        return sum(1 for st in self._chunks.values() if st.tier is tier)
+        return self._counts[tier]
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the byte and chunk counts or the order disagree with the chunks' states (for
+        tests and the store's audit; O(n))."""
+        self._order.check_invariants()
+        used: Counter[tuple[str, Tier]] = Counter()
+        counts: Counter[Tier] = Counter()
+        for key, st in self._chunks.items():
+            used[(st.tenant, st.tier)] += st.size
+            counts[st.tier] += 1
+            groups = (_by_copy(st.tier, st.replicated), _by_tenant(st.tier, st.tenant))
+            found = self._order.lookup(key)
+            placed = found is None if st.pins else found is not None and found[0] is st and found[1] == groups
+            _require(placed, f"chunk {key.hex()[:16]}: out of its place in the LRU order")
+        _require(len(self._order) == sum(not st.pins for st in self._chunks.values()), "the order holds other chunks")
+        _require(_nonzero(used) == _nonzero(self._used), "bytes per tenant and tier disagree with the chunks")
+        _require(_nonzero(counts) == _nonzero(self._counts), "chunks per tier disagree with the chunks")
+
+
+def _by_copy(tier: Tier, replicated: bool) -> Hashable:
+    return ("copy", tier.value, replicated)  # the tier's name: an Enum member hashes in Python, a str's hash is kept
+
+
+def _by_tenant(tier: Tier, tenant: str) -> Hashable:
+    return ("tenant", tier.value, tenant)
+
+
+def _nonzero(counter: Mapping[K, int]) -> dict[K, int]:
+    return {k: n for k, n in counter.items() if n}
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

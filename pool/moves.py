@@ -200,7 +200,7 @@ def demotions(store: "ChunkStore", max_bytes: int | None = None, need: int = 0) 
         planned += alloc.size_of(out[-1].chunk.offset)
         if after is not None:
             after.free(out[-1].chunk.offset)
-    for key in list(store.policy.lru(Tier.DRAM)):
+    for key in store.policy.lru(Tier.DRAM):  # read as it goes: begin_move pins (takes out) only the key it is given
         room_made = after is None or after.largest_free >= need
         if (planned >= excess and room_made) or (max_bytes is not None and out and planned >= max_bytes):
             break

@@ -372,7 +372,7 @@ class ChunkStore(MoveBooks):
         for key in keys:
             if (chunk := self._chunks.get(key)) is not None:
                 self._chunks[key] = replace(chunk, in_s3=True)
-                self.policy.state(key).replicated = True
+                self.policy.mark_replicated(key)
 
     # -- state -----------------------------------------------------------------------------------------
 
@@ -382,8 +382,12 @@ class ChunkStore(MoveBooks):
     def audit(self) -> list[str]:
         """What disagrees between the allocators and the chunks, reservations and moves they hold (empty: nothing):
         every allocation belongs to exactly one chunk, reservation or move in flight, and the eviction policy
-        tracks every chunk in its tier."""
+        tracks every chunk in its tier, in the order its books say."""
         problems = []
+        try:
+            self.policy.check_invariants()
+        except AssertionError as exc:
+            problems.append(f"eviction policy: {exc}")
         for tier, alloc in self.allocators.items():
             try:
                 alloc.check_invariants()
