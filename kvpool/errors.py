@@ -85,3 +85,9 @@ class TenantRefused(KvPoolError):
     """A request named a tenant the tenants file does not have, a shared namespace its tenant may not use, or an API
     key no tenant holds (the HTTP front answers 401/403).  Add the tenant or the namespace to the tenants file, or
     send a key it lists."""
+
+
+class RayAuthError(KvPoolError):
+    """This process cannot authenticate to a pool's Ray cluster: no token was found, the cluster refused the one given,
+    or authentication is off here while the cluster requires it.  The message says where to put the token
+    (kvpool/ray_auth.py finds it where Ray does)."""

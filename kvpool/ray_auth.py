@@ -16,16 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpool.errors import ConfigError, KvPoolError
+from kvpool.errors import ConfigError, KvPoolError, RayAuthError
 
 MODES = ("token", "disabled")
 MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
 TOKEN_FILE = "auth_token"  #: the name of a token file kvpool writes
-
-
-class RayAuthError(KvPoolError):
-    """This process cannot authenticate to a Ray cluster: no token was found, the cluster refused the one given, or
-    authentication is off here while the cluster requires it.  The message says where to put the token."""
 
 
 def default_token_path() -> Path:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvpool import ray_auth
-from kvpool.errors import ConfigError
-from kvpool.ray_auth import MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV, RayAuthError, Token
+from kvpool.errors import ConfigError, RayAuthError
+from kvpool.ray_auth import MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV, Token
 
 
 @pytest.fixture(autouse=True)
