@@ -1,10 +1,9 @@
 """A chunk's move between tiers, in steps, so that its I/O runs without the node's lock.
 
-A move is begun, finished and (for a re-encoded chunk) given its room by the :class:`~kvpool.pool.store.ChunkStore`,
-which keeps the books; its bytes are read, re-encoded and written by :func:`load` and :func:`write`, which touch
-nothing but the segments and the move itself, so a ``PoolNode`` runs them for many chunks at once in threads while
-its other calls go on.  :func:`promotions`, :func:`moves_to` and :func:`demotions` choose and begin moves;
-:func:`run_moves` drives their steps — ``ChunkStore`` inline, the node with its lock.
+A move is begun, given its room (once its re-encoded length is known) and finished by the store's
+:class:`~kvpool.pool.move_books.MoveBooks`, which keeps the books; its bytes are read, re-encoded and written by
+:func:`load` and :func:`write`, which touch nothing but the segments and the move itself, so a ``PoolNode`` runs them
+for many chunks at once in threads while its other calls go on.
 
 While a chunk moves it stays readable where it was: the move holds a pin (it is no eviction victim, and a plain
 remove is ``ChunkBusy``), and the room it moves to is owned by the move until it finishes.  The move is called off
@@ -12,22 +11,16 @@ at its finish (the target's room given back, the chunk where it was) if a reader
 was dropped.
 """
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Executor
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvpool.core.types import Tier
-from kvpool.errors import ChunkBusy, KvPoolError, PoolFull
+from kvpool.errors import KvPoolError
 from kvpool.pool.chunks import Recoded, StoredChunk, checksum, short
 from kvpool.pool.segment import ALIGN, DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import Buffer, transcode
 from kvpool.pool.tiers.crypto import Keyring, UndecryptableChunk, seal, split, unseal
-
-if TYPE_CHECKING:
-    from kvpool.pool.store import ChunkStore
 
 log = logging.getLogger(__name__)
 Segments = Mapping[Tier, DramSegment | NvmeSegment]
@@ -138,107 +131,3 @@ def whole_blocks(length: int, *rooms: int) -> int:
     """``length`` rounded up to whole I/O blocks if every room (allocation) holds that much, else ``length``."""
     padded = -(-length // ALIGN) * ALIGN
     return padded if all(padded <= r for r in rooms) else length
-
-
-# -- which moves to make: a reader's hits, an operator's batch, the watermark ------------------------------
-
-
-def promotions(store: "ChunkStore", keys: Iterable[bytes]) -> list[Move]:
-    """Begun moves to DRAM of the held chunks among ``keys`` that are on NVMe and neither pinned nor moving (a
-    reader's hits, promoted before the reader pins them); one DRAM has no room for stays where it is."""
-    out: list[Move] = []
-    for key in keys:
-        chunk = store.held(key)
-        if chunk is None or chunk.tier is not Tier.NVME or store.busy(key):
-            continue
-        try:
-            out.append(store.begin_move(key, Tier.DRAM))
-        except PoolFull as exc:
-            log.info("not promoting %s to DRAM: %s", short(key), exc)
-            break
-    return out
-
-
-def moves_to(store: "ChunkStore", keys: Iterable[bytes], tier: Tier) -> tuple[list[Move], list[bytes], str]:
-    """Begun moves to ``tier`` of the held chunks among ``keys`` that are elsewhere; the keys left as they are because
-    a reader has them pinned; and why the rest were not begun ("": they were) — ``tier`` is full."""
-    store.check_tier(tier)
-    moves: list[Move] = []
-    busy: list[bytes] = []
-    for key in keys:
-        chunk = store.held(key)
-        if chunk is None or chunk.tier is tier:
-            continue
-        try:
-            moves.append(store.begin_move(key, tier))
-        except ChunkBusy:
-            busy.append(key)
-        except PoolFull as exc:
-            return moves, busy, str(exc)
-    return moves, busy, ""
-
-
-def demotions(store: "ChunkStore", max_bytes: int | None = None, need: int = 0) -> list[Move]:
-    """DRAM above its high watermark, or without a free extent of ``need`` bytes: begun moves of LRU chunks to NVMe
-    that bring it to the low watermark, or free ``need`` bytes (at most ``max_bytes`` of them), for the caller to
-    run."""
-    alloc = store.allocators[Tier.DRAM]
-    #: what DRAM's free extents would be after the moves planned so far (only while room for ``need`` is wanted)
-    after = alloc.copy() if need > alloc.largest_free else None
-    #: first: tenants over their DRAM quota move their own (with no NVMe below, the store drops them instead)
-    quota = store.policy.over_quota(store.quotas, Tier.DRAM) if Tier.NVME in store.segments else []
-    if not store.over_high_watermark() and after is None and not quota:
-        return []
-    excess, planned = alloc.used - store.watermarks.low * alloc.capacity, 0
-    out: list[Move] = []
-    for key in quota:
-        try:
-            out.append(store.begin_move(key, Tier.NVME))
-        except PoolFull as exc:
-            log.warning("a tenant is over its DRAM quota but NVMe cannot take more: %s", exc)
-            return out
-        planned += alloc.size_of(out[-1].chunk.offset)
-        if after is not None:
-            after.free(out[-1].chunk.offset)
-    for key in store.policy.lru(Tier.DRAM):  # read as it goes: begin_move pins (takes out) only the key it is given
-        room_made = after is None or after.largest_free >= need
-        if (planned >= excess and room_made) or (max_bytes is not None and out and planned >= max_bytes):
-            break
-        try:
-            move = store.begin_move(key, Tier.NVME)
-        except PoolFull as exc:
-            log.warning("DRAM needs room but NVMe cannot take more: %s", exc)
-            break
-        out.append(move)
-        planned += alloc.size_of(move.chunk.offset)
-        if after is not None:
-            after.free(move.chunk.offset)
-    return out
-
-
-# -- doing them ------------------------------------------------------------------------------------------------
-
-
-def _each(step: Callable[[Move, Segments], None], moves: Sequence[Move], segments: Segments,
-          executor: Executor | None) -> None:  # fmt: skip
-    if executor is None or len(moves) < 2:
-        for m in moves:
-            step(m, segments)
-    else:
-        list(executor.map(step, moves, [segments] * len(moves)))
-
-
-def run_moves(
-    store: "ChunkStore", moves: Sequence[Move], lock: contextlib.AbstractContextManager[object] | None = None,
-    executor: Executor | None = None,
-) -> list[StoredChunk | None]:  # fmt: skip
-    """Do begun moves: their I/O without ``lock`` (in ``executor``'s threads, if given), the store's books with it.
-    What each chunk is now (None: dropped as corrupt)."""
-    held = lock if lock is not None else contextlib.nullcontext()
-    _each(load, moves, store.segments, executor)
-    with held:
-        for m in moves:
-            store.place(m)
-    _each(write, moves, store.segments, executor)
-    with held:
-        return [store.finish_move(m) for m in moves]

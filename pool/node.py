@@ -36,7 +36,7 @@ from kvpool.pool.config import PoolConfig
 from kvpool.pool.flush import FLUSH_BYTES, Flusher
 from kvpool.pool.journal import NvmeJournal, segment_name, take_back
 from kvpool.pool.metrics import ClientStats, StoreCollector, serve_metrics
-from kvpool.pool.moves import demotions, moves_to, promotions, read_stored, run_moves
+from kvpool.pool.moves import read_stored
 from kvpool.pool.node_handle import NodeInfo, Settled, actor_name
 from kvpool.pool.publish import Publisher
 from kvpool.pool.segment import DramSegment, NvmeSegment, reap_stale_segments
@@ -169,10 +169,10 @@ class PoolNode:
     def _demote(self) -> None:
         while not self._closing.is_set():
             with self._lock:
-                moves = demotions(self.store, DEMOTE_BYTES)
+                moves = self.store.moves.demotions(DEMOTE_BYTES)
             if not moves:
                 return
-            run_moves(self.store, moves, self._lock, self._io)
+            self.store.moves.run(moves, self._lock, self._io)
             self.publisher.publish()
 
     # -- the actor's calls -----------------------------------------------------------------------------
@@ -191,9 +191,9 @@ class PoolNode:
         check_length(length, "room length")
         try:
             with self._lock:
-                moves = [] if self.nvme is None else demotions(self.store, need=length)
+                moves = [] if self.nvme is None else self.store.moves.demotions(need=length)
             if moves:
-                run_moves(self.store, moves, self._lock, self._io)
+                self.store.moves.run(moves, self._lock, self._io)
             with self._lock:
                 return self.store.open_room(length, self.config.reservation_ttl_s)
         finally:
@@ -245,9 +245,9 @@ class PoolNode:
         release_batch."""
         if self.store.promote_on_hit if promote is None else promote:
             with self._lock:
-                moves = promotions(self.store, keys)
+                moves = self.store.moves.promotions(keys)
             if moves:
-                run_moves(self.store, moves, self._lock, self._io)
+                self.store.moves.run(moves, self._lock, self._io)
                 self._publish_later.set()  # the reader needs no placement of them: it gets where they are now
         out: list[StoredChunk | None] = []
         with self._lock:
@@ -318,9 +318,9 @@ class PoolNode:
         """Move held chunks to ``tier`` (their I/O without the lock); see :class:`Settled`.  ``PoolFull`` once the
         rest is done if ``tier`` had no room for some."""
         with self._lock:
-            moves, busy, full = moves_to(self.store, keys, tier)
+            moves, busy, full = self.store.moves.moves_to(keys, tier)
         try:
-            run_moves(self.store, moves, self._lock, self._io)
+            self.store.moves.run(moves, self._lock, self._io)
         finally:
             revision = self.publisher.publish()
         failed = [m.failed for m in moves if m.failed]

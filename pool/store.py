@@ -27,7 +27,7 @@ from dataclasses import replace
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.core.keys import check_key
 from kvpool.core.types import DropCause, Tier
-from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, CorruptChunk, PoolFull
+from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, PoolFull
 from kvpool.pool.allocator import OffsetAllocator
 from kvpool.pool.chunks import (
     Change,
@@ -45,7 +45,7 @@ from kvpool.pool.config import Watermarks
 from kvpool.pool.eviction import EvictionPolicy
 from kvpool.pool.holds import Holds
 from kvpool.pool.move_books import MoveBooks
-from kvpool.pool.moves import Move, demotions, read_stored, run_moves
+from kvpool.pool.moves import Move, read_stored
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import TensorFormat, parse_codec
 from kvpool.pool.tiers.crypto import Keyring
@@ -53,8 +53,9 @@ from kvpool.pool.tiers.crypto import Keyring
 log = logging.getLogger(__name__)
 
 
-class ChunkStore(MoveBooks):
-    """One node's chunks and their books (moves in steps: :class:`~kvpool.pool.move_books.MoveBooks`)."""
+class ChunkStore:
+    """One node's chunks: writes, reads and removes; where they go between tiers is kept by ``moves``
+    (:class:`~kvpool.pool.move_books.MoveBooks`)."""
 
     def __init__(
         self,
@@ -75,12 +76,11 @@ class ChunkStore(MoveBooks):
         if nvme is not None and nvme.capacity >= alignment:
             self.segments[Tier.NVME] = nvme
             self.allocators[Tier.NVME] = OffsetAllocator(nvme.capacity, alignment)
-        self.codecs = {t: parse_codec(c).name for t, c in (codecs or {}).items()}
-        if self.codecs.get(Tier.DRAM, "raw") != "raw":
+        by_tier = {t: parse_codec(c).name for t, c in (codecs or {}).items()}
+        if by_tier.get(Tier.DRAM, "raw") != "raw":
             raise ConfigError(
                 "the DRAM tier stores chunks raw (readers copy them one-sided); put codecs on NVMe or remote"
             )
-        self.keyring = keyring  #: seals every chunk stored on NVMe (None: NVMe is not encrypted)
         self.quotas = dict(quotas or {})  #: tenant -> (DRAM bytes, NVMe bytes) it may hold here; 0: no limit
         self.watermarks = watermarks or Watermarks()
         self.promote_on_hit = promote_on_hit
@@ -90,7 +90,6 @@ class ChunkStore(MoveBooks):
         self.policy = EvictionPolicy(clock)
         self._chunks: dict[bytes, StoredChunk] = {}
         self.holds = Holds(self.allocators[Tier.DRAM], clock)  #: DRAM given to writers, not yet chunks
-        self._moving: dict[bytes, Move] = {}  #: moves begun and not finished; each owns its target room
         self._changes: list[Change] = []  #: since the last take_changes()
         self.counters = {
             "puts": 0, "gets": 0, "misses": 0, "migrations": 0, "promotions": 0, "drops": 0, "corrupt": 0, "reaped": 0,
@@ -99,6 +98,20 @@ class ChunkStore(MoveBooks):
             "encoded": 0, "decoded": 0,  #: chunks re-stored with another codec on a move (down, up)
             "bytes_via_ray": 0,  #: KV bytes that came or went as Ray call arguments/results, not one-sided
         }  # fmt: skip
+        #: moves between tiers, the room a full tier makes, tenants' quotas: all kept in step with the above
+        self.moves = MoveBooks(
+            self.segments,
+            self.allocators,
+            self.policy,
+            self._chunks,
+            self._changes,
+            self.counters,
+            codecs=by_tier,
+            keyring=keyring,
+            quotas=self.quotas,
+            watermarks=self.watermarks,
+            over_high=self.over_high,
+        )
 
     # -- writing ---------------------------------------------------------------------------------------
 
@@ -110,7 +123,7 @@ class ChunkStore(MoveBooks):
             return Reservation(key, self._chunks[key].offset, length, already_stored=True)
         if key in self.holds:
             raise ConfigError(f"chunk {short(key)} is being written already")
-        return self.holds.reserve(key, self._allocate(Tier.DRAM, length), length)
+        return self.holds.reserve(key, self.moves.allocate(Tier.DRAM, length), length)
 
     def reap(self, max_age_s: float) -> int:
         """Give back the space of reservations older than ``max_age_s`` that were never committed (their writer
@@ -122,7 +135,7 @@ class ChunkStore(MoveBooks):
     def open_room(self, length: int, ttl_s: float) -> Room:
         """DRAM room of ``length`` bytes for a writer's next batch, making room by migration or drops if needed;
         reclaimed by :meth:`reap` ``ttl_s`` after this unless filled."""
-        return self.holds.open_room(self._allocate(Tier.DRAM, check_length(length, "room length")), ttl_s)
+        return self.holds.open_room(self.moves.allocate(Tier.DRAM, check_length(length, "room length")), ttl_s)
 
     def close_room(self, room_id: int) -> None:
         """Give a room's space back; an unknown room is left alone (cleanup goes on past it)."""
@@ -177,18 +190,11 @@ class ChunkStore(MoveBooks):
         self.counters["puts"] += 1
         self._changes.append(Change(ChangeKind.ADDED, chunk))
         if self.demote_inline:
-            self.maintain()
-        elif self.over_high_watermark() or self.policy.over_quota(self.quotas, Tier.DRAM):
+            self.moves.maintain()
+        elif self.moves.over_high_watermark() or self.policy.over_quota(self.quotas, Tier.DRAM):
             self.over_high.set()
-        self._trim_quotas()
+        self.moves.trim_quotas()
         return self._chunks.get(key, chunk)
-
-    def _trim_quotas(self) -> None:
-        """Tenants over their quota lose their own LRU chunks: dropped from NVMe (or from DRAM when there is no NVMe
-        below it); over it in DRAM with NVMe below, they move down with the next demotions (``moves.demotions``)."""
-        for key in self.policy.over_quota(self.quotas, Tier.NVME if Tier.NVME in self.segments else Tier.DRAM):
-            self._drop(self._chunks[key], DropCause.EVICTED)
-            self.counters["quota_drops"] += 1
 
     def abort(self, key: bytes) -> None:
         """Give a reservation's space back; a key that is not reserved (or not a key) is left alone: cleanup
@@ -212,7 +218,8 @@ class ChunkStore(MoveBooks):
 
     def take_changes(self) -> list[Change]:
         """Every change since the last call, in order."""
-        out, self._changes = self._changes, []
+        out = self._changes.copy()
+        self._changes.clear()  # the books record into this same list
         return out
 
     # -- reading ---------------------------------------------------------------------------------------
@@ -223,7 +230,7 @@ class ChunkStore(MoveBooks):
         chunk = self._require(key)
         if chunk.tier is Tier.NVME and (self.promote_on_hit if promote is None else promote):
             try:
-                chunk = self._move(chunk, Tier.DRAM)
+                chunk = self.moves.move_now(chunk, Tier.DRAM)
             except (PoolFull, ChunkBusy) as exc:  # no room, or another reader has it pinned where it is
                 log.info("not promoting %s to DRAM: %s", short(key), exc)
         self.policy.pin(key)
@@ -260,98 +267,42 @@ class ChunkStore(MoveBooks):
         if self.policy.state(key).pins and not corrupt:
             self.counters["busy"] += 1
             raise ChunkBusy(f"chunk {short(key)} is being read; remove it after the read")
-        self._drop(chunk, DropCause.CORRUPT if corrupt else DropCause.REMOVED)
+        self.moves.drop(chunk, DropCause.CORRUPT if corrupt else DropCause.REMOVED)
         if corrupt:
             self.counters["corrupt"] += 1
 
-    def _drop(self, chunk: StoredChunk, cause: DropCause) -> None:
-        self.allocators[chunk.tier].free(chunk.offset)
-        self.policy.remove(chunk.key)
-        del self._chunks[chunk.key]
-        self._changes.append(Change(ChangeKind.DROPPED, chunk, cause))
-
-    # -- room: allocation with eviction, migration by watermark ---------------------------------------
-
-    def _allocate(self, tier: Tier, length: int) -> int:
-        alloc = self.allocators[tier]
-        if length > alloc.capacity:
-            raise PoolFull(
-                f"a chunk of {length / 2**20:.1f} MiB is larger than this node's {tier.value} segment "
-                f"({alloc.capacity / 2**20:.1f} MiB); use smaller chunks or a larger segment"
-            )
-        while not alloc.can_allocate(length):
-            victim = self._next_victim(tier)
-            if victim is None:
-                pinned = sum(1 for k in self._chunks if self.policy.state(k).pins)
-                raise PoolFull(
-                    f"{tier.value} segment full: {alloc.used / 2**20:.1f} of {alloc.capacity / 2**20:.1f} MiB used, "
-                    f"no room for {length / 2**20:.1f} MiB and nothing left to evict ({pinned} chunks pinned by readers)"
-                )
-            self._evict(victim, tier)
-        return alloc.allocate(length)
-
-    def _next_victim(self, tier: Tier) -> StoredChunk | None:
-        order = (
-            self.policy.lru(tier) if tier is Tier.DRAM and Tier.NVME in self.segments else self.policy.drop_order(tier)
-        )
-        key = next(order, None)
-        return self._chunks[key] if key is not None else None
-
-    def _evict(self, chunk: StoredChunk, tier: Tier) -> None:
-        """Make room in ``tier``: DRAM chunks go down to NVMe when there is one; otherwise they are dropped."""
-        if tier is Tier.DRAM and Tier.NVME in self.segments:
-            try:
-                self._move(chunk, Tier.NVME)
-                return
-            except CorruptChunk:
-                return  # dropped: that made the room
-            except PoolFull as exc:
-                log.info("NVMe cannot take %s (%s); dropping it from DRAM", short(chunk.key), exc)
-        self._drop(chunk, DropCause.EVICTED)
-        self.counters["drops"] += 1
-
-    def _move(self, chunk: StoredChunk, tier: Tier) -> StoredChunk:
-        """Re-store ``chunk`` in ``tier`` now, with that tier's codec; ``CorruptChunk`` (and the chunk dropped) if it
-        has to be re-encoded and its bytes fail their checksum, ``PoolFull`` if the tier has no room for it."""
-        move = self.begin_move(chunk.key, tier)
-        [moved] = run_moves(self, [move])
-        if move.corrupt or moved is None:
-            raise CorruptChunk(f"chunk {short(chunk.key)} was corrupt in {chunk.tier.value} and has been dropped")
-        if move.failed:
-            raise PoolFull(move.failed)
-        return moved
+    # -- moves between tiers (the books: ``self.moves``) ---------------------------------------------
 
     def move(self, key: bytes, tier: Tier) -> StoredChunk:
         """Move a chunk to ``tier`` now (an operator's or a benchmark's demotion; eviction does it by itself)."""
         chunk = self._require(key)
-        self.check_tier(tier)
-        return chunk if chunk.tier is tier else self._move(chunk, tier)
+        self.moves.check_tier(tier)
+        return chunk if chunk.tier is tier else self.moves.move_now(chunk, tier)
 
-    def check_tier(self, tier: Tier) -> None:
-        """``ConfigError`` unless this store has a segment of ``tier``."""
-        if tier not in self.segments:
-            raise ConfigError(
-                f"this node has no {tier.value} tier"
-                if isinstance(tier, Tier)
-                else f"tier must be a Tier, got {tier!r:.40}"
-            )
+    def begin_move(self, key: bytes, tier: Tier) -> Move:
+        """Start moving a held chunk to ``tier`` (see :meth:`MoveBooks.begin`)."""
+        return self.moves.begin(self._require(key), tier)
 
-    def over_high_watermark(self) -> bool:
-        """Whether DRAM is above its high watermark (with an NVMe tier below it to demote to)."""
-        alloc = self.allocators[Tier.DRAM]
-        return Tier.NVME in self.segments and alloc.used > self.watermarks.high * alloc.capacity
+    def place(self, move: Move) -> None:
+        """Give a begun move its room in the target tier (see :meth:`MoveBooks.place`)."""
+        self.moves.place(move)
 
-    def maintain(self) -> None:
-        """DRAM above its high watermark: migrate LRU chunks to NVMe until the low watermark, now."""
-        run_moves(self, demotions(self))
+    def finish_move(self, move: Move) -> StoredChunk | None:
+        """End a move (see :meth:`MoveBooks.finish`); what the chunk is now (None: not held)."""
+        return self.moves.finish(move)
+
+    def drop_corrupt(self, chunk: StoredChunk) -> None:
+        """``chunk``'s bytes failed their checksum where it was read: drop it, unless it has moved since."""
+        self.moves.drop_corrupt(chunk)
+
+    @property
+    def keyring(self) -> Keyring | None:
+        """The keys that seal every chunk stored on NVMe (None: NVMe is not encrypted), kept by the books."""
+        return self.moves.keyring
 
     def held(self, key: object) -> StoredChunk | None:
         """The chunk held under ``key`` (None: none, or not a key)."""
         return self._chunks.get(key) if isinstance(key, bytes) else None
-
-    def busy(self, key: bytes) -> bool:
-        """Whether a held chunk is pinned by a reader or being moved."""
-        return bool(self.policy.state(key).pins) or key in self._moving
 
     # -- the remote tier: which chunks have a copy there (pool/flush.py picks what to flush) ---------
 
@@ -396,7 +347,7 @@ class ChunkStore(MoveBooks):
             owners = [c.offset for c in self._chunks.values() if c.tier is tier]
             if tier is Tier.DRAM:
                 owners += self.holds.offsets()
-            owners += [m.offset for m in self._moving.values() if m.tier is tier and m.offset is not None]
+            owners += self.moves.offsets(tier)
             if len(set(owners)) != len(owners):
                 problems.append(f"{tier.value}: two chunks or reservations share an offset")
             try:

@@ -1,5 +1,5 @@
-"""Moves between tiers in steps (pool/moves.py): what happens when readers, removes or corruption come between the
-steps that a ``PoolNode`` runs without its lock — real segments, no Ray/etcd."""
+"""Moves between tiers in steps (pool/moves.py, pool/move_books.py): what happens when readers, removes or corruption
+come between the steps that a ``PoolNode`` runs without its lock — real segments, no Ray/etcd."""
 
 import threading
 from collections.abc import Iterator
@@ -15,7 +15,7 @@ from kvpool.core.types import Tier
 from kvpool.errors import ChunkBusy
 from kvpool.pool.chunks import ChangeKind, checksum
 from kvpool.pool.config import Watermarks
-from kvpool.pool.moves import demotions, load, moves_to, promotions, run_moves, write
+from kvpool.pool.moves import load, write
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.codecs import TensorFormat
@@ -77,7 +77,7 @@ def test_a_reader_that_pins_the_chunk_meanwhile_calls_the_move_off(store: ChunkS
 
 def test_a_chunk_dropped_as_corrupt_meanwhile_is_gone_and_its_new_room_given_back(store: ChunkStore) -> None:
     put(store, 1)
-    [move] = moves_to(store, [key(1)], Tier.NVME)[0]
+    [move] = store.moves.moves_to([key(1)], Tier.NVME)[0]
     store.remove(key(1), corrupt=True)
     load(move, store.segments)
     store.place(move)
@@ -94,7 +94,7 @@ def test_corrupt_bytes_found_while_re_encoding_drop_the_chunk(tmp_path: Path) ->
         raw = memoryview(t.view(torch.uint8).numpy()).cast("B")
         chunk = store.put(key(1), raw, checksum(raw), fmt=TensorFormat.of(t))
         dram.write(chunk.offset + 10, b"\xff\xff")  # a flipped word in DRAM
-        [moved] = run_moves(store, [store.begin_move(key(1), Tier.NVME)])
+        [moved] = store.moves.run([store.begin_move(key(1), Tier.NVME)])
         assert moved is None and key(1) not in store
         assert store.counters["corrupt"] == 1 and store.audit() == []
 
@@ -104,13 +104,13 @@ def test_demotions_run_in_threads_reach_the_low_watermark_with_every_byte_intact
         put(store, i)
     assert store.over_high.is_set() and store.counters["migrations"] == 0
     with ThreadPoolExecutor(4) as io:
-        moved = run_moves(store, demotions(store), executor=io)
+        moved = store.moves.run(store.moves.demotions(), executor=io)
     assert [c.key for c in moved if c is not None] == [key(i) for i in range(5)]  # LRU first, down to 4/16
-    assert store.usage()[Tier.DRAM][0] == 4 * BLOCK and demotions(store) == []
+    assert store.usage()[Tier.DRAM][0] == 4 * BLOCK and store.moves.demotions() == []
     for i in range(9):
         assert store.read(key(i)) == data(i).tobytes()
     with ThreadPoolExecutor(4) as io:  # and back up, several at once
-        up = run_moves(store, promotions(store, [key(i) for i in range(5)]), executor=io)
+        up = store.moves.run(store.moves.promotions([key(i) for i in range(5)]), executor=io)
     assert all(c is not None and c.tier is Tier.DRAM for c in up) and store.audit() == []
     for i in range(9):
         assert store.read(key(i)) == data(i).tobytes()
@@ -138,11 +138,12 @@ def test_a_room_larger_than_the_free_space_demotes_lru_chunks_below_the_high_wat
         put(store, i)
     store.locate(key(3))  # recently read: the least recently used are 0, 1, 2, 4, 5
     store.release(key(3))
-    assert demotions(store) == [] and demotions(store, need=10 * BLOCK) == []  # 10 free blocks in a row already
-    moves = demotions(store, need=12 * BLOCK)
+    # 10 free blocks in a row already
+    assert store.moves.demotions() == [] and store.moves.demotions(need=10 * BLOCK) == []
+    moves = store.moves.demotions(need=12 * BLOCK)
     # LRU order, until 12 blocks would be free in a row: [4, 16) once 4 and 5 go too; chunk 3, read lately, stays
     assert [m.chunk.key for m in moves] == [key(0), key(1), key(2), key(4), key(5)]
-    run_moves(store, moves, threading.Lock(), None)
+    store.moves.run(moves, threading.Lock(), None)
     migrated = store.counters["migrations"]
     room = store.open_room(12 * BLOCK, ttl_s=30.0)
     assert store.counters["drops"] == 0 and store.counters["migrations"] == migrated  # nothing more under the lock

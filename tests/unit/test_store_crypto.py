@@ -68,7 +68,7 @@ def test_chunks_this_node_cannot_open_are_dropped_not_promoted(segments: tuple[D
     plain = os.urandom(5000)
     store.put(key(1), memoryview(plain), checksum(plain))
     store.move(key(1), Tier.NVME)
-    store.keyring = Keyring({"k1": os.urandom(KEY_BYTES)})  # the key under that id replaced
+    store.moves.keyring = Keyring({"k1": os.urandom(KEY_BYTES)})  # the key under that id replaced
     with pytest.raises(CorruptChunk):
         store.move(key(1), Tier.DRAM)
     assert key(1) not in store and store.counters["corrupt"] == 1 and store.audit() == []
