@@ -84,21 +84,13 @@ def requested_mode(explicit: str | None = None) -> str:
     return mode
 
 
-def process_env(mode: str, token_path: Path | None) -> dict[str, str]:
-    """The variables that make a Ray process run in ``mode`` with the token in ``token_path`` (None: keep where this
-    process finds it).  A path given replaces ``RAY_AUTH_TOKEN``, which Ray would read first: drop that one."""
-    env = {MODE_ENV: mode}
-    if mode == "token" and token_path is not None:
-        env[TOKEN_PATH_ENV] = str(token_path)
-    return env
-
-
 def use(mode: str, token_path: Path | None = None) -> None:
     """Run this process (and the processes it starts from now on) in ``mode``, with the token of ``token_path``;
     Ray's cached settings and token are reloaded, so the next ``ray.init`` sees them."""
-    os.environ.update(process_env(mode, token_path))
+    os.environ[MODE_ENV] = mode
     if mode == "token" and token_path is not None:
-        os.environ.pop(TOKEN_ENV, None)
+        os.environ[TOKEN_PATH_ENV] = str(token_path)
+        os.environ.pop(TOKEN_ENV, None)  # Ray would read it before the file
     _reload()
 
 

@@ -11,6 +11,7 @@ import typer
 from rich.console import Group, RenderableType
 from rich.table import Table
 
+from kvpool import ray_auth
 from kvpool.cli import options, root
 from kvpool.errors import ConfigError
 from kvpool.pool.config import MiB, PoolConfig
@@ -178,14 +179,13 @@ def bench_command(
     import ray
 
     from kvpool.bench import cluster as bench
-    from kvpool.ray_auth import attach
     from kvpool.stack import StackConfig, running_pool
 
     with root.errors(), ExitStack() as stack:
         settings = _settings(bench.Settings(), size_mib, mib_per_cell, repeat, ttft, model)
         if ray_address:
             metadata = options.pool_etcd(etcd, cluster, "bench --ray-address")
-            attach(ray_address, namespace=namespace)
+            ray_auth.attach(ray_address, namespace=namespace)
             stack.callback(ray.shutdown)
             pool = PoolConfig(metadata=metadata, namespace=namespace, metrics_port=-1)
         else:

@@ -73,9 +73,3 @@ def test_the_mode_to_start_in_is_token_unless_the_user_asks_otherwise(monkeypatc
 def test_attaching_without_a_token_says_where_to_put_it_before_calling_ray() -> None:
     with pytest.raises(RayAuthError, match=r"no token for the Ray cluster at 127.0.0.9:1: put .* ~/.ray/auth_token"):
         ray_auth.prepare_attach("127.0.0.9:1")
-
-
-def test_a_token_file_replaces_a_token_variable_in_what_a_process_is_given(tmp_path: Path) -> None:
-    path = tmp_path / "t"
-    assert ray_auth.process_env("token", path) == {MODE_ENV: "token", TOKEN_PATH_ENV: str(path)}
-    assert ray_auth.process_env("disabled", path) == {MODE_ENV: "disabled"}
