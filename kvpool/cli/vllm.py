@@ -7,7 +7,7 @@ import typer
 
 from kvpool import ray_auth
 from kvpool.cli import connect, options, root
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, RayAuthError
 from kvpool.prefill_decode.engine_config import ROLES, ConnectorConfig, kv_transfer_config
 
 
@@ -22,7 +22,7 @@ def token_file() -> str:
         return ""
     token = ray_auth.find_token()
     if token is None:
-        raise ray_auth.RayAuthError(
+        raise RayAuthError(
             f"no Ray token here to hand to the engine: pass --ray-token FILE (as the engine's host reads it), or "
             f"{ray_auth.TOKEN_PATH_ENV}=FILE; with a Ray cluster that runs without authentication, {ray_auth.MODE_ENV}=disabled"
         )
