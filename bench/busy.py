@@ -105,19 +105,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     key_id, secret = SeaweedServer.generate_credentials()
     try:
         with (
-            EmbeddedEtcd() as etcd, LocalRayCluster(nodes=2) as cluster,
+            EmbeddedEtcd() as etcd,
+            LocalRayCluster(nodes=2) as cluster,
             SeaweedServer(access_key_id=key_id, secret_access_key=secret) as s3,
-        ):  # fmt: skip
+        ):
             s3.create_bucket("kvpool-busy")
             remote = RemoteConfig(
-                bucket="kvpool-busy", endpoint_url=s3.endpoint_url, access_key_id=key_id, secret_access_key=secret,
+                bucket="kvpool-busy",
+                endpoint_url=s3.endpoint_url,
+                access_key_id=key_id,
+                secret_access_key=secret,
                 flush_after_s=0.5,
-            )  # fmt: skip
+            )
             config = PoolConfig(
-                metadata=MetadataConfig(endpoints=(etcd.endpoint,), cluster="busy"), dram_bytes=DRAM_MIB * MiB,
-                nvme_bytes=NVME_MIB * MiB, nvme_dir=nvme_dir, watermarks=Watermarks(high=0.8, low=0.6),
-                remote=remote, namespace=f"busy-{uuid.uuid4().hex[:6]}",
-            )  # fmt: skip
+                metadata=MetadataConfig(endpoints=(etcd.endpoint,), cluster="busy"),
+                dram_bytes=DRAM_MIB * MiB,
+                nvme_bytes=NVME_MIB * MiB,
+                nvme_dir=nvme_dir,
+                watermarks=Watermarks(high=0.8, low=0.6),
+                remote=remote,
+                namespace=f"busy-{uuid.uuid4().hex[:6]}",
+            )
             head, second = cluster.node_ids()
             start_pool(config)
             try:

@@ -112,9 +112,13 @@ def _warm_up(clients: list[Any], ids: list[str]) -> None:
 
 
 def _put_matrix(
-    clients: list[Any], ids: list[str], hosts: list[str], settings: Settings, n: int,
+    clients: list[Any],
+    ids: list[str],
+    hosts: list[str],
+    settings: Settings,
+    n: int,
     progress: Callable[[str, int], None],
-) -> list[list[float]]:  # fmt: skip
+) -> list[list[float]]:
     """put[writer][holder], GB/s: ``n`` chunks written by each client into each node's DRAM."""
     grid = []
     for w, writer in enumerate(clients):
@@ -130,9 +134,14 @@ def _put_matrix(
 
 
 def _get_matrix(
-    clients: list[Any], ids: list[str], hosts: list[str], settings: Settings, n: int, tier: Tier,
+    clients: list[Any],
+    ids: list[str],
+    hosts: list[str],
+    settings: Settings,
+    n: int,
+    tier: Tier,
     progress: Callable[[str, int], None],
-) -> list[list[float]]:  # fmt: skip
+) -> list[list[float]]:
     """get[holder][reader], GB/s: ``n`` chunks held by each node (moved to ``tier``), read by each client."""
     grid = []
     move = tier.value if tier is not Tier.DRAM else ""
@@ -150,9 +159,13 @@ def _get_matrix(
 
 
 def _scaling(
-    clients: list[Any], ids: list[str], hosts: list[str], settings: Settings, n: int,
+    clients: list[Any],
+    ids: list[str],
+    hosts: list[str],
+    settings: Settings,
+    n: int,
     progress: Callable[[str, int], None],
-) -> list[dict[str, float]]:  # fmt: skip
+) -> list[dict[str, float]]:
     """Aggregate DRAM get GB/s with k = 1..N readers at once, reader i reading chunks held by node i+1."""
     k_max = len(ids)
     keys = [_keys(f"scale-{i}-{uuid.uuid4().hex[:8]}", n) for i in range(k_max)]
@@ -164,12 +177,14 @@ def _scaling(
             t0 = time.perf_counter()
             seconds = ray.get([clients[i].get.remote(keys[(i + 1) % k_max], settings.size, "", 1) for i in range(k)])
             wall = time.perf_counter() - t0
-            out.append({
-                "readers": k,
-                "aggregate_gbps": gbps(k * n * settings.size, wall),
-                "per_reader_gbps": statistics.mean(gbps(n * settings.size, s) for s in seconds),
-                "cross_node": float(k_max > 1),
-            })  # fmt: skip
+            out.append(
+                {
+                    "readers": k,
+                    "aggregate_gbps": gbps(k * n * settings.size, wall),
+                    "per_reader_gbps": statistics.mean(gbps(n * settings.size, s) for s in seconds),
+                    "cross_node": float(k_max > 1),
+                }
+            )
     finally:
         ray.get([clients[i].remove.remote(keys[i]) for i in range(k_max)])
     return out
@@ -195,11 +210,16 @@ def _ttft(
             prompt = [(uuid.uuid4().int + i * 7919) % 500 for i in range(tokens)]
             cold = service.complete_sync(prompt, 1)
             warm = service.complete_sync(prompt, 1)
-            out.append({
-                "tokens": tokens, "cold_s": cold.ttft_s, "warm_s": warm.ttft_s,
-                "speedup": cold.ttft_s / warm.ttft_s, "reused_tokens": warm.prefill.summary.reused_tokens,
-                "same_token": float(cold.tokens == warm.tokens),
-            })  # fmt: skip
+            out.append(
+                {
+                    "tokens": tokens,
+                    "cold_s": cold.ttft_s,
+                    "warm_s": warm.ttft_s,
+                    "speedup": cold.ttft_s / warm.ttft_s,
+                    "reused_tokens": warm.prefill.summary.reused_tokens,
+                    "same_token": float(cold.tokens == warm.tokens),
+                }
+            )
     finally:
         for h in (prefill, decode):
             ray.kill(h)

@@ -51,10 +51,22 @@ from kvpool.prefill_decode.model import LoadedModel, forward, kv_cache, load_mod
 console = Console(width=170)
 
 CODECS = (
-    "raw", "raw+zstd", "fp8-e4m3", "fp8-e4m3/channel", "fp8-e5m2", "fp8-e5m2/channel", "fp8-e4m3+zstd",
-    "fp8-e4m3/channel+zstd", "fp8-e5m2+zstd", "int4", "int4:g64", "int4+zstd", "int4+delta+zstd",
-    "int4:g64+zstd", "int4:g64+delta+zstd",
-)  # fmt: skip
+    "raw",
+    "raw+zstd",
+    "fp8-e4m3",
+    "fp8-e4m3/channel",
+    "fp8-e5m2",
+    "fp8-e5m2/channel",
+    "fp8-e4m3+zstd",
+    "fp8-e4m3/channel+zstd",
+    "fp8-e5m2+zstd",
+    "int4",
+    "int4:g64",
+    "int4+zstd",
+    "int4+delta+zstd",
+    "int4:g64+zstd",
+    "int4:g64+delta+zstd",
+)
 DELTA_BASES = ("raw", "fp8-e4m3", "fp8-e4m3/channel", "fp8-e5m2", "int4", "int4:g64")
 
 
@@ -156,19 +168,29 @@ def bench_model(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any
         same = [a == b for a, b in zip(free_tokens, ref_tokens, strict=True)]
         rows.append(
             {
-                "model": name, "codec": codec.name, "dtype": args.dtype, "objects": len(flat),
-                "object_shape": list(flat[0].shape), "bytes": nbytes, "encoded_bytes": sum(map(len, encoded)),
-                "ratio": nbytes / sum(map(len, encoded)), "encode_gbps": nbytes / encode_s / 1e9,
-                "decode_gbps": nbytes / decode_s / 1e9, "memcpy_gbps": nbytes / copy_s / 1e9,
+                "model": name,
+                "codec": codec.name,
+                "dtype": args.dtype,
+                "objects": len(flat),
+                "object_shape": list(flat[0].shape),
+                "bytes": nbytes,
+                "encoded_bytes": sum(map(len, encoded)),
+                "ratio": nbytes / sum(map(len, encoded)),
+                "encode_gbps": nbytes / encode_s / 1e9,
+                "decode_gbps": nbytes / decode_s / 1e9,
+                "memcpy_gbps": nbytes / copy_s / 1e9,
                 "object_bytes": flat[0].numel() * flat[0].element_size(),
-                "seal_gbps": sum(map(len, encoded)) / seal_s / 1e9, "open_gbps": sum(map(len, encoded)) / open_s / 1e9,
+                "seal_gbps": sum(map(len, encoded)) / seal_s / 1e9,
+                "open_gbps": sum(map(len, encoded)) / open_s / 1e9,
                 "kv_rel_err": float((err / norm).sqrt()) if norm > 0 else 0.0,
                 "max_logit_err": float((forced_logits - ref_logits).abs().max()),
                 "forced_top1_agree": sum(a == b for a, b in zip(forced_tokens, ref_tokens, strict=True)) / args.steps,
-                "free_tokens_same": sum(same), "first_diff": same.index(False) + 1 if False in same else None,
-                "steps": args.steps, "ref_min_margin": margin,
+                "free_tokens_same": sum(same),
+                "first_diff": same.index(False) + 1 if False in same else None,
+                "steps": args.steps,
+                "ref_min_margin": margin,
             }
-        )  # fmt: skip
+        )
         r = rows[-1]
         console.print(
             f"  {codec.name:24} {r['ratio']:5.2f}x  enc {r['encode_gbps']:.2f} dec {r['decode_gbps']:.2f} "
@@ -196,10 +218,14 @@ def delta_rows(model: str, objects: list[torch.Tensor], nbytes: int) -> list[dic
             codec_bytes = sum(len(with_delta.encode(o)) for o in objects)
         rows.append(
             {
-                "model": model, "base": spec, "zstd_ratio": nbytes / plain, "delta_zstd_ratio": nbytes / delta,
-                "delta_gain": plain / delta - 1, "codec_delta_ratio": nbytes / codec_bytes if codec_bytes else None,
+                "model": model,
+                "base": spec,
+                "zstd_ratio": nbytes / plain,
+                "delta_zstd_ratio": nbytes / delta,
+                "delta_gain": plain / delta - 1,
+                "codec_delta_ratio": nbytes / codec_bytes if codec_bytes else None,
             }
-        )  # fmt: skip
+        )
     return rows
 
 
@@ -221,22 +247,40 @@ def stored(q: Quantizer, codes: np.ndarray) -> bytes:
 def render(rows: list[dict[str, Any]], deltas: list[dict[str, Any]], steps: int) -> None:
     table = Table(title=f"KV codecs: size, speed (one thread) and the effect on {steps} greedy decode steps")
     cols = (
-        "model", "codec", "ratio", "encode GB/s", "decode GB/s", "memcpy GB/s", "seal GB/s", "open GB/s",
-        "KV rel err", "max |Δlogit|",
-        "top-1 agree (forced)", "same tokens (free)", "first diff",
-    )  # fmt: skip
+        "model",
+        "codec",
+        "ratio",
+        "encode GB/s",
+        "decode GB/s",
+        "memcpy GB/s",
+        "seal GB/s",
+        "open GB/s",
+        "KV rel err",
+        "max |Δlogit|",
+        "top-1 agree (forced)",
+        "same tokens (free)",
+        "first diff",
+    )
     for col in cols:
         left = col in ("model", "codec")
         table.add_column(col, justify="left" if left else "right", no_wrap=left)
     for i, r in enumerate(rows):
         table.add_row(
-            r["model"], r["codec"], f"{r['ratio']:.2f}x", f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}",
-            f"{r['memcpy_gbps']:.1f}", f"{r['seal_gbps']:.2f}", f"{r['open_gbps']:.2f}", f"{r['kv_rel_err']:.4f}",
+            r["model"],
+            r["codec"],
+            f"{r['ratio']:.2f}x",
+            f"{r['encode_gbps']:.2f}",
+            f"{r['decode_gbps']:.2f}",
+            f"{r['memcpy_gbps']:.1f}",
+            f"{r['seal_gbps']:.2f}",
+            f"{r['open_gbps']:.2f}",
+            f"{r['kv_rel_err']:.4f}",
             f"{r['max_logit_err']:.3f}",
-            f"{r['forced_top1_agree']:.0%}", f"{r['free_tokens_same']}/{r['steps']}",
+            f"{r['forced_top1_agree']:.0%}",
+            f"{r['free_tokens_same']}/{r['steps']}",
             "-" if r["first_diff"] is None else str(r["first_diff"]),
             end_section=i + 1 < len(rows) and rows[i + 1]["model"] != r["model"],
-        )  # fmt: skip
+        )
     console.print(table)
     console.print(
         "ratio: object bytes / encoded bytes, headers included; GB/s: object bytes per second; memcpy: the same "
@@ -250,11 +294,14 @@ def render(rows: list[dict[str, Any]], deltas: list[dict[str, Any]], steps: int)
         dt.add_column(col, justify="left" if col in ("model", "base") else "right")
     for i, r in enumerate(deltas):
         dt.add_row(
-            r["model"], r["base"], f"{r['zstd_ratio']:.3f}x", f"{r['delta_zstd_ratio']:.3f}x",
+            r["model"],
+            r["base"],
+            f"{r['zstd_ratio']:.3f}x",
+            f"{r['delta_zstd_ratio']:.3f}x",
             f"{r['delta_gain']:+.1%}",
             "" if r["codec_delta_ratio"] is None else f"{r['codec_delta_ratio']:.3f}x",
             end_section=i + 1 < len(deltas) and deltas[i + 1]["model"] != r["model"],
-        )  # fmt: skip
+        )
     console.print(dt)
     console.print(
         "codec int4+delta+zstd: the codec's own encoded size (headers included), as a check of the column before."

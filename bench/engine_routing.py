@@ -64,12 +64,18 @@ class Replay:
     def row(self, robin_p50: float | None) -> dict[str, Any]:
         p50 = statistics.median(self.ttft_s)
         return {
-            "policy": self.policy, "requests": len(self.ttft_s), "not_computed": self.cached_tokens / self.prompt_tokens,
-            "from_pool": self.pool_tokens / self.prompt_tokens, "ttft_p50_s": p50,
-            "ttft_p99_s": float(np.percentile(self.ttft_s, 99)), "vs_round_robin": (robin_p50 or p50) / p50,
-            "throughput_rps": len(self.ttft_s) / self.wall_s, "lanes": self.lanes, "events": self.events,
+            "policy": self.policy,
+            "requests": len(self.ttft_s),
+            "not_computed": self.cached_tokens / self.prompt_tokens,
+            "from_pool": self.pool_tokens / self.prompt_tokens,
+            "ttft_p50_s": p50,
+            "ttft_p99_s": float(np.percentile(self.ttft_s, 99)),
+            "vs_round_robin": (robin_p50 or p50) / p50,
+            "throughput_rps": len(self.ttft_s) / self.wall_s,
+            "lanes": self.lanes,
+            "events": self.events,
             "event_gaps": self.gaps,
-        }  # fmt: skip
+        }
 
 
 def replay(front: EngineFront, trace: list[Request], concurrency: int, policy: str) -> Replay:
@@ -105,28 +111,41 @@ def replay(front: EngineFront, trace: list[Request], concurrency: int, policy: s
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    trace = make_trace(TraceSettings(requests=args.requests, documents=args.documents,
-                                     conversations=args.conversations, seed=args.seed))  # fmt: skip
+    trace = make_trace(
+        TraceSettings(
+            requests=args.requests, documents=args.documents, conversations=args.conversations, seed=args.seed
+        )
+    )
     longest = max(len(r.tokens) for r in trace)
     path, _, _ = model_dir(args.model, work)
     settings = {"model": str(path), "max_model_len": max(longest, args.calibrate_tokens) + 8}
     spec = model_spec(settings["model"])
     ceiling = reuse_ceiling(trace, args.chunk)
-    console.print(f"[bold]{args.model}[/]: {len(trace)} requests, {sum(len(r.tokens) for r in trace):,} prompt tokens, "
-                  f"reuse ceiling {ceiling:.1%}; {args.nodes} engines, {args.concurrency} in flight")  # fmt: skip
+    console.print(
+        f"[bold]{args.model}[/]: {len(trace)} requests, {sum(len(r.tokens) for r in trace):,} prompt tokens, "
+        f"reuse ceiling {ceiling:.1%}; {args.nodes} engines, {args.concurrency} in flight"
+    )
     costs: list[CostModel] = []
     replays: list[Replay] = []
     limits: dict[str, float] = {}
     with EmbeddedEtcd() as etcd, LocalRayCluster(nodes=args.nodes) as cluster:
         for policy in args.policies.split(","):
             metadata = MetadataConfig(endpoints=(etcd.endpoint,), cluster=f"bench-{uuid.uuid4().hex[:8]}")
-            pool = PoolConfig(metadata=metadata, dram_bytes=args.dram_mib * MiB, nvme_bytes=args.nvme_mib * MiB,
-                              namespace=f"engines-{uuid.uuid4().hex[:8]}")  # fmt: skip
+            pool = PoolConfig(
+                metadata=metadata,
+                dram_bytes=args.dram_mib * MiB,
+                nvme_bytes=args.nvme_mib * MiB,
+                namespace=f"engines-{uuid.uuid4().hex[:8]}",
+            )
             start_pool(pool)
             extra = {
-                "etcd": [etcd.endpoint], "cluster": metadata.cluster, "namespace": pool.namespace,
-                "ray_address": cluster.address, "model_id": f"bench-{args.model}", "chunk_size": args.chunk,
-            }  # fmt: skip
+                "etcd": [etcd.endpoint],
+                "cluster": metadata.cluster,
+                "namespace": pool.namespace,
+                "ray_address": cluster.address,
+                "model_id": f"bench-{args.model}",
+                "chunk_size": args.chunk,
+            }
             events = EngineEvents("tcp://127.0.0.2:*", [f"engine{i}" for i in range(args.nodes)])
             etcd_client = EtcdClient(metadata)
             cache = MetadataCache(etcd_client, Namespace(metadata.cluster)).start()
@@ -142,10 +161,12 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     costs = calibrate(lanes, spec, args.chunk, tokens=args.calibrate_tokens)
                     hw = costs[0].hardware
                     limits = {
-                        "cold_s": costs[0].prefill_s(args.calibrate_tokens), "engine_cache_s": hw.step_s,
+                        "cold_s": costs[0].prefill_s(args.calibrate_tokens),
+                        "engine_cache_s": hw.step_s,
                         "peer_s": hw.step_s + costs[0].transfer_s(args.calibrate_tokens, "peer"),
-                        "dram_gbps": hw.bandwidth["dram"] / 1e9, "peer_gbps": hw.bandwidth.get("peer", 0) / 1e9,
-                    }  # fmt: skip
+                        "dram_gbps": hw.bandwidth["dram"] / 1e9,
+                        "peer_gbps": hw.bandwidth.get("peer", 0) / 1e9,
+                    }
                 front = EngineFront.over(lanes, events, costs, cache.replicas, args.chunk, policy)
                 replays.append(replay(front, trace, args.concurrency, policy))
                 console.print(f"  {policy}: p50 {statistics.median(replays[-1].ttft_s) * 1e3:.0f} ms")
@@ -159,34 +180,63 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     robin = next((r for r in replays if r.policy == Policy.ROUND_ROBIN.value), None)
     robin_p50 = statistics.median(robin.ttft_s) if robin else None
     return {
-        "model": args.model, "nodes": args.nodes, "concurrency": args.concurrency, "chunk": args.chunk,
-        "requests": len(trace), "ceiling": ceiling, "engine_cache_gib": args.engine_cache_gib,
-        "bind_cores": args.bind_cores, "calibrate_tokens": args.calibrate_tokens, "limits": limits,
+        "model": args.model,
+        "nodes": args.nodes,
+        "concurrency": args.concurrency,
+        "chunk": args.chunk,
+        "requests": len(trace),
+        "ceiling": ceiling,
+        "engine_cache_gib": args.engine_cache_gib,
+        "bind_cores": args.bind_cores,
+        "calibrate_tokens": args.calibrate_tokens,
+        "limits": limits,
         "policies": [r.row(robin_p50) for r in replays],
-    }  # fmt: skip
+    }
 
 
 def render(out: dict[str, Any]) -> None:
-    table = Table(title=f"routing over {out['nodes']} vLLM engines ({out['model']}), {out['requests']} requests, "
-                        f"{out['concurrency']} in flight")  # fmt: skip
-    for col in ("policy", "not computed", "of it from the pool", "TTFT p50 ms", "TTFT p99 ms", "p50 vs RR", "req/s",
-                "requests per engine"):  # fmt: skip
+    table = Table(
+        title=f"routing over {out['nodes']} vLLM engines ({out['model']}), {out['requests']} requests, "
+        f"{out['concurrency']} in flight"
+    )
+    for col in (
+        "policy",
+        "not computed",
+        "of it from the pool",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "p50 vs RR",
+        "req/s",
+        "requests per engine",
+    ):
         table.add_column(col, justify="right")
     for r in out["policies"]:
         table.add_row(
-            r["policy"], f"{r['not_computed']:.1%}", f"{r['from_pool']:.1%}", f"{r['ttft_p50_s'] * 1e3:.0f}",
-            f"{r['ttft_p99_s'] * 1e3:.0f}", f"{r['vs_round_robin']:.2f}x", f"{r['throughput_rps']:.2f}",
+            r["policy"],
+            f"{r['not_computed']:.1%}",
+            f"{r['from_pool']:.1%}",
+            f"{r['ttft_p50_s'] * 1e3:.0f}",
+            f"{r['ttft_p99_s'] * 1e3:.0f}",
+            f"{r['vs_round_robin']:.2f}x",
+            f"{r['throughput_rps']:.2f}",
             " / ".join(map(str, r["lanes"])),
-        )  # fmt: skip
+        )
     lim, n = out["limits"], out["calibrate_tokens"]
     table.add_row(
-        "limit", f"{out['ceiling']:.1%} ceiling", "", f"{lim['engine_cache_s'] * 1e3:.0f} engine cache",
-        f"{lim['cold_s'] * 1e3:.0f} cold", f"{lim['peer_s'] * 1e3:.0f} peer pool", "",
+        "limit",
+        f"{out['ceiling']:.1%} ceiling",
+        "",
+        f"{lim['engine_cache_s'] * 1e3:.0f} engine cache",
+        f"{lim['cold_s'] * 1e3:.0f} cold",
+        f"{lim['peer_s'] * 1e3:.0f} peer pool",
+        "",
         f"one {n}-token request alone",
-    )  # fmt: skip
+    )
     console.print(table)
-    console.print(f"pool reads measured by calibration: own node's DRAM {lim['dram_gbps']:.2f} GB/s, another node's "
-                  f"{lim['peer_gbps']:.2f} GB/s")  # fmt: skip
+    console.print(
+        f"pool reads measured by calibration: own node's DRAM {lim['dram_gbps']:.2f} GB/s, another node's "
+        f"{lim['peer_gbps']:.2f} GB/s"
+    )
 
 
 def plot(out: dict[str, Any], path: Path) -> None:
@@ -224,14 +274,19 @@ def main() -> None:
     ap.add_argument("--documents", type=int, default=12)
     ap.add_argument("--conversations", type=int, default=6)
     ap.add_argument("--concurrency", type=int, default=6, help="requests in flight")
-    ap.add_argument("--policies", default=",".join(p.value for p in (Policy.ROUND_ROBIN, Policy.LEAST_LOADED,
-                                                                      Policy.CACHE_AWARE)))  # fmt: skip
+    ap.add_argument(
+        "--policies", default=",".join(p.value for p in (Policy.ROUND_ROBIN, Policy.LEAST_LOADED, Policy.CACHE_AWARE))
+    )
     ap.add_argument("--dram-mib", type=int, default=512, help="pool DRAM per node, MiB")
     ap.add_argument("--nvme-mib", type=int, default=512, help="pool NVMe per node, MiB")
     ap.add_argument("--chunk", type=int, default=256, help="tokens per pool chunk")
-    ap.add_argument("--engine-cache-gib", type=int, default=1,
-                    help="each engine's own KV cache (VLLM_CPU_KVCACHE_SPACE), GiB: smaller than the trace's working "
-                         "set, as an engine's HBM is in production")  # fmt: skip
+    ap.add_argument(
+        "--engine-cache-gib",
+        type=int,
+        default=1,
+        help="each engine's own KV cache (VLLM_CPU_KVCACHE_SPACE), GiB: smaller than the trace's working "
+        "set, as an engine's HBM is in production",
+    )
     ap.add_argument("--calibrate-tokens", type=int, default=1024, help="prompt length the engines are measured with")
     ap.add_argument(
         "--bind-cores",

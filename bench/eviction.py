@@ -50,8 +50,11 @@ class FullSort:
         self.states = states
 
     def lru(self, tier: Tier, tenant: str | None = None) -> Iterator[bytes]:
-        items = [(st.last_access, st.seq, k) for k, st in self.states.items()
-                 if st.tier is tier and not st.pins and (tenant is None or st.tenant == tenant)]  # fmt: skip
+        items = [
+            (st.last_access, st.seq, k)
+            for k, st in self.states.items()
+            if st.tier is tier and not st.pins and (tenant is None or st.tenant == tenant)
+        ]
         return (k for _, _, k in sorted(items))
 
     def drop_order(self, tier: Tier) -> Iterator[bytes]:
@@ -218,10 +221,13 @@ def render(rows: list[dict[str, Any]]) -> None:
         table.add_column(col, justify="left" if col == "operation" else "right")
     for i, r in enumerate(rows):
         table.add_row(
-            f"{r['chunks']:,}", r["op"], f"{r['policy_us']:.2f}", f"{r['full_sort_us']:.2f}",
+            f"{r['chunks']:,}",
+            r["op"],
+            f"{r['policy_us']:.2f}",
+            f"{r['full_sort_us']:.2f}",
             f"{r['full_sort_us'] / r['policy_us']:.1f}x",
             end_section=i + 1 < len(rows) and rows[i + 1]["chunks"] != r["chunks"],
-        )  # fmt: skip
+        )
     console.print(table)
     console.print(
         "full sort: the tier's unpinned chunks listed and sorted for every question (the policy before its order was "

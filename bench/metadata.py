@@ -135,8 +135,9 @@ def publish_rows(etcd: EtcdClient, ns: Namespace, keys: list[bytes]) -> list[Row
         etcd.txn([], [Put(k, v, lease) for k, v in batch])
     raw_s = time.perf_counter() - t0
     n, ops = len(items), etcd.config.txn_max_ops
-    return [(f"publish, {ops}/txn", f"{n / publish_s:,.0f} placements/s",
-             f"{n / raw_s:,.0f} puts/s (raw txn, pre-encoded)")]  # fmt: skip
+    return [
+        (f"publish, {ops}/txn", f"{n / publish_s:,.0f} placements/s", f"{n / raw_s:,.0f} puts/s (raw txn, pre-encoded)")
+    ]
 
 
 def lookup_rows(etcd: EtcdClient, ns: Namespace, keys: list[bytes], lookups: int) -> list[Row]:
@@ -154,12 +155,18 @@ def lookup_rows(etcd: EtcdClient, ns: Namespace, keys: list[bytes], lookups: int
     plain = timed([], lambda: sum(1 for k in prefix if k in as_dict), lookups)
     (d50, d99), (g50, _), (c50, c99), (p50, _) = map(percentiles, (direct, single, cached, plain))
     return [
-        (f"lookup_prefix({PREFIX_CHUNKS}) via etcd (1 txn)", f"p50 {d50 * 1e3:.2f} ms · p99 {d99 * 1e3:.2f} ms",
-         f"single get {g50 * 1e3:.2f} ms · TCP RTT {tcp_round_trip_us():.0f} µs"),
-        (f"lookup_prefix({PREFIX_CHUNKS}) via watch cache", f"p50 {c50 * 1e6:.1f} µs · p99 {c99 * 1e6:.1f} µs",
-         f"{PREFIX_CHUNKS} dict lookups {p50 * 1e6:.1f} µs"),
+        (
+            f"lookup_prefix({PREFIX_CHUNKS}) via etcd (1 txn)",
+            f"p50 {d50 * 1e3:.2f} ms · p99 {d99 * 1e3:.2f} ms",
+            f"single get {g50 * 1e3:.2f} ms · TCP RTT {tcp_round_trip_us():.0f} µs",
+        ),
+        (
+            f"lookup_prefix({PREFIX_CHUNKS}) via watch cache",
+            f"p50 {c50 * 1e6:.1f} µs · p99 {c99 * 1e6:.1f} µs",
+            f"{PREFIX_CHUNKS} dict lookups {p50 * 1e6:.1f} µs",
+        ),
         (f"cache start (paged snapshot of {2 * len(keys)} keys)", f"{snapshot_s * 1e3:.0f} ms", ""),
-    ]  # fmt: skip
+    ]
 
 
 def main() -> None:
@@ -187,8 +194,9 @@ def main() -> None:
         endpoint = args.etcd or server.endpoint  # type: ignore[union-attr]
         cfg = MetadataConfig(endpoints=(endpoint,), cluster=f"bench-{uuid.uuid4().hex[:8]}")
         etcd, ns = EtcdClient(cfg), Namespace(cfg.cluster)
-        keys = chunk_keys(CacheIdentity(model="bench", kv_dtype="bf16", layout="all", chunk_size=16),
-                          range(16 * args.placements))  # fmt: skip
+        keys = chunk_keys(
+            CacheIdentity(model="bench", kv_dtype="bf16", layout="all", chunk_size=16), range(16 * args.placements)
+        )
         try:
             rows += publish_rows(etcd, ns, keys) + lookup_rows(etcd, ns, keys, args.lookups)
         finally:

@@ -125,8 +125,15 @@ def _lag_figures(stamps: list[Stamp], seen: dict[str, list[list[Stamp]]]) -> dic
     }
 
 
-def _phase(pubs: list[Connection], watchers: list[Connection], etcd: EtcdClient, etcd_pid: int | None,
-           phase: int, nodes: int, count: int) -> dict[str, Any]:  # fmt: skip
+def _phase(
+    pubs: list[Connection],
+    watchers: list[Connection],
+    etcd: EtcdClient,
+    etcd_pid: int | None,
+    phase: int,
+    nodes: int,
+    count: int,
+) -> dict[str, Any]:
     """``nodes`` new nodes publish ``count`` placements in all, then as many bare puts; the phase's figures."""
     ids = [f"sim-{phase}-{i}" for i in range(nodes)]
     active = [c for i, c in enumerate(pubs) if ids[i :: len(pubs)]]
@@ -147,10 +154,16 @@ def _phase(pubs: list[Connection], watchers: list[Connection], etcd: EtcdClient,
     published, raw_puts = sum(r["acked"] for r in rounds), sum(r["acked"] for r in raw)
     span = max(r["end"] for r in rounds) - min(r["start"] for r in rounds)
     raw_span = max(r["end"] for r in raw) - min(r["start"] for r in raw)
-    return {"nodes": nodes, "placements": published, "placements_per_s": published / span,
-            "raw_puts_per_s": raw_puts / raw_span, "lag": _lag_figures(stamps, seen),
-            "failed_txns": sum(r["failed"] for r in rounds), "raw_failed_txns": sum(r["failed"] for r in raw),
-            "etcd_cpu_us_per_placement": etcd_cpu / max(published, 1) * 1e6}  # fmt: skip
+    return {
+        "nodes": nodes,
+        "placements": published,
+        "placements_per_s": published / span,
+        "raw_puts_per_s": raw_puts / raw_span,
+        "lag": _lag_figures(stamps, seen),
+        "failed_txns": sum(r["failed"] for r in rounds),
+        "raw_failed_txns": sum(r["failed"] for r in raw),
+        "etcd_cpu_us_per_placement": etcd_cpu / max(published, 1) * 1e6,
+    }
 
 
 def _rss() -> int:
@@ -195,12 +208,19 @@ def _client_figures(cfg: MetadataConfig, ns: Namespace) -> dict[str, Any]:
     tracemalloc.stop()
     cache.close()
     etcd.close()
-    return {"chunks": chunks, "snapshot_s": snapshot_s, "raw_range_s": raw_s,
-            "bytes_per_chunk_traced": traced / chunks, "bytes_per_chunk_rss": rss / chunks,
-            "etcd_bytes_per_chunk": raw_bytes / chunks}  # fmt: skip
+    return {
+        "chunks": chunks,
+        "snapshot_s": snapshot_s,
+        "raw_range_s": raw_s,
+        "bytes_per_chunk_traced": traced / chunks,
+        "bytes_per_chunk_rss": rss / chunks,
+        "etcd_bytes_per_chunk": raw_bytes / chunks,
+    }
 
 
-def run_scale(s: ScaleSettings, endpoint: str, etcd_pid: int | None, db_file: Path | None, console: Console) -> dict[str, Any]:  # fmt: skip
+def run_scale(
+    s: ScaleSettings, endpoint: str, etcd_pid: int | None, db_file: Path | None, console: Console
+) -> dict[str, Any]:
     """The whole simulation against the etcd at ``endpoint``; its figures as a JSON-able dict."""
     cfg = MetadataConfig(endpoints=(endpoint,), cluster=f"scale-{uuid.uuid4().hex[:8]}")
     ns, etcd, ctx = Namespace(cfg.cluster), EtcdClient(cfg), mp.get_context("spawn")
@@ -233,8 +253,12 @@ def run_scale(s: ScaleSettings, endpoint: str, etcd_pid: int | None, db_file: Pa
         revision, acked, count = _ask(pubs[:1], ("leave",))[0]
         t0 = time.monotonic()
         seen, resyncs = _collect(watchers, revision)
-        out["departure"] = {"placements": count, "lag": _lag_figures([(revision, acked)], seen),
-                            "all_seen_s": time.monotonic() - t0, "resyncs": resyncs}  # fmt: skip
+        out["departure"] = {
+            "placements": count,
+            "lag": _lag_figures([(revision, acked)], seen),
+            "all_seen_s": time.monotonic() - t0,
+            "resyncs": resyncs,
+        }
         pubs[0].send("done")
         for c in pubs[1:] + watchers:
             c.send(("stop",))
@@ -259,37 +283,62 @@ def _ms(lag: dict[str, dict[str, float]], kind: str) -> str:
 
 def render(out: dict[str, Any], console: Console) -> None:
     s, c = out["settings"], out["client"]
-    table = Table(title=f"kvpool metadata at scale: etcd {out['endpoint']}, {s['caches']} watch caches + "
-                        f"{s['watchers']} bare watches, {c['chunks']:,} chunks at the end")  # fmt: skip
-    for col in ("nodes", "placements/s", "raw txn puts/s (floor)", "lag p50 / p99 ms, caches",
-                "lag p50 / p99 ms, bare watches", "etcd CPU µs / placement"):  # fmt: skip
+    table = Table(
+        title=f"kvpool metadata at scale: etcd {out['endpoint']}, {s['caches']} watch caches + "
+        f"{s['watchers']} bare watches, {c['chunks']:,} chunks at the end"
+    )
+    for col in (
+        "nodes",
+        "placements/s",
+        "raw txn puts/s (floor)",
+        "lag p50 / p99 ms, caches",
+        "lag p50 / p99 ms, bare watches",
+        "etcd CPU µs / placement",
+    ):
         table.add_column(col, justify="right")
     for ph in out["phases"]:
         failed = f" ({ph['failed_txns']} txns failed)" if ph["failed_txns"] else ""
         raw_failed = f" ({ph['raw_failed_txns']} txns failed)" if ph["raw_failed_txns"] else ""
-        table.add_row(str(ph["nodes"]), f"{ph['placements_per_s']:,.0f}{failed}", f"{ph['raw_puts_per_s']:,.0f}{raw_failed}",
-                      _ms(ph["lag"], "cache"), _ms(ph["lag"], "bare"), f"{ph['etcd_cpu_us_per_placement']:.1f}")  # fmt: skip
+        table.add_row(
+            str(ph["nodes"]),
+            f"{ph['placements_per_s']:,.0f}{failed}",
+            f"{ph['raw_puts_per_s']:,.0f}{raw_failed}",
+            _ms(ph["lag"], "cache"),
+            _ms(ph["lag"], "bare"),
+            f"{ph['etcd_cpu_us_per_placement']:.1f}",
+        )
     console.print(table)
     dep, db = out["departure"], out["db_bytes"]
     final = Table(title="a new client, and the next limits")
     for col in ("measurement", "kvpool", "floor / limit"):
         final.add_column(col, justify="left" if col == "measurement" else "right")
-    final.add_row(f"snapshot of a new client ({c['chunks']:,} chunks)",
-                  f"{c['snapshot_s']:.2f} s ({c['chunks'] / c['snapshot_s']:,.0f} chunks/s)",
-                  f"{c['raw_range_s']:.2f} s (same pages, unsorted, not decoded)")  # fmt: skip
-    final.add_row("client cache memory per chunk (1 replica)",
-                  f"{c['bytes_per_chunk_traced']:.0f} B traced · {c['bytes_per_chunk_rss']:.0f} B RSS",
-                  f"{c['etcd_bytes_per_chunk']:.0f} B key + value in etcd")  # fmt: skip
+    final.add_row(
+        f"snapshot of a new client ({c['chunks']:,} chunks)",
+        f"{c['snapshot_s']:.2f} s ({c['chunks'] / c['snapshot_s']:,.0f} chunks/s)",
+        f"{c['raw_range_s']:.2f} s (same pages, unsorted, not decoded)",
+    )
+    final.add_row(
+        "client cache memory per chunk (1 replica)",
+        f"{c['bytes_per_chunk_traced']:.0f} B traced · {c['bytes_per_chunk_rss']:.0f} B RSS",
+        f"{c['etcd_bytes_per_chunk']:.0f} B key + value in etcd",
+    )
     if db is not None:
-        final.add_row("etcd db file per placement (history kept 1 h)", f"{db / c['chunks']:.0f} B",
-                      f"{2 * 2**30 / db * c['chunks']:,.0f} placements fill the 2 GiB default quota")  # fmt: skip
-    final.add_row(f"a node leaves with {dep['placements']:,} placements (one revision)",
-                  f"lag caches {_ms(dep['lag'], 'cache')} ms · bare {_ms(dep['lag'], 'bare')} ms",
-                  f"watch breaks: {dep['resyncs']['cache']} caches, {dep['resyncs']['bare']} bare")  # fmt: skip
+        final.add_row(
+            "etcd db file per placement (history kept 1 h)",
+            f"{db / c['chunks']:.0f} B",
+            f"{2 * 2**30 / db * c['chunks']:,.0f} placements fill the 2 GiB default quota",
+        )
+    final.add_row(
+        f"a node leaves with {dep['placements']:,} placements (one revision)",
+        f"lag caches {_ms(dep['lag'], 'cache')} ms · bare {_ms(dep['lag'], 'bare')} ms",
+        f"watch breaks: {dep['resyncs']['cache']} caches, {dep['resyncs']['bare']} bare",
+    )
     console.print(final)
-    console.print(f"nodes: threads of {s['publisher_procs']} spawned processes (one EtcdClient each); watches: "
-                  f"threads of {s['watch_procs']} spawned process(es), one gRPC channel per process; "
-                  f"{os.cpu_count()} cores shared with etcd")  # fmt: skip
+    console.print(
+        f"nodes: threads of {s['publisher_procs']} spawned processes (one EtcdClient each); watches: "
+        f"threads of {s['watch_procs']} spawned process(es), one gRPC channel per process; "
+        f"{os.cpu_count()} cores shared with etcd"
+    )
 
 
 def plot(out: dict[str, Any], path: Path) -> None:

@@ -52,8 +52,10 @@ class _Node:
         self.acked = self.failed = 0  #: placements acknowledged, transactions failed, in the current round
         keys = [hashlib.blake2b(f"{node_id}/{i}".encode(), digest_size=32).digest() for i in range(count)]
         self.items = [Placement(k, node_id, Tier.DRAM, i << 20, 1 << 20, 1 << 20, i) for i, k in enumerate(keys)]
-        self.raw = [(ns.root + b"raw/" + ns.replica(k, node_id)[len(ns.chunks) :], encode_placement(p))
-                    for k, p in zip(keys, self.items, strict=True)]  # fmt: skip
+        self.raw = [
+            (ns.root + b"raw/" + ns.replica(k, node_id)[len(ns.chunks) :], encode_placement(p))
+            for k, p in zip(keys, self.items, strict=True)
+        ]
 
     def publish(self, stamps: list[Stamp]) -> None:
         for batch in batches(self.items, self.store.max_ops):
@@ -96,8 +98,13 @@ def _round(nodes: list[_Node], what: str) -> dict[str, Any]:
     acked, failed = sum(n.acked for n in nodes), sum(n.failed for n in nodes)
     for n in nodes:
         n.acked = n.failed = 0
-    return {"start": start, "end": max((t for _, t in stamps), default=start), "stamps": stamps,
-            "acked": acked, "failed": failed}  # fmt: skip
+    return {
+        "start": start,
+        "end": max((t for _, t in stamps), default=start),
+        "stamps": stamps,
+        "acked": acked,
+        "failed": failed,
+    }
 
 
 def publisher(conn: Connection, endpoint: str, cluster: str, ttl_s: int) -> None:

@@ -126,11 +126,20 @@ def start_mooncake_master(stack: contextlib.ExitStack, log: Any, env: dict[str, 
     """``mooncake_master`` on ``MOONCAKE_MASTER`` (stopped when ``stack`` closes); returns its ``host:port``."""
     port = free_port(MOONCAKE_MASTER)
     master = subprocess.Popen(
-        [sys.executable, "-m", "mooncake.cli",  # execs the wheel's mooncake_master binary
-         f"--rpc_address={MOONCAKE_MASTER}", f"--rpc_port={port}",
-         f"--metrics_host={MOONCAKE_MASTER}", f"--metrics_port={free_port(MOONCAKE_MASTER)}"],
-        stdout=log, stderr=log, env=env, preexec_fn=die_with_parent,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mooncake.cli",  # execs the wheel's mooncake_master binary
+            f"--rpc_address={MOONCAKE_MASTER}",
+            f"--rpc_port={port}",
+            f"--metrics_host={MOONCAKE_MASTER}",
+            f"--metrics_port={free_port(MOONCAKE_MASTER)}",
+        ],
+        stdout=log,
+        stderr=log,
+        env=env,
+        preexec_fn=die_with_parent,
+    )
     stack.callback(stop_process, master)
     wait_listening(MOONCAKE_MASTER, port, master)
     return f"{MOONCAKE_MASTER}:{port}"
@@ -142,9 +151,13 @@ def start_mooncake_holder(
     """Client A, a process of this script (stopped when ``stack`` closes); returns it and its segment's name."""
     holder = subprocess.Popen(
         [sys.executable, SCRIPT, "--_mooncake_holder", address, str(capacity)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-        env={**env, "MC_TCP_BIND_ADDRESS": MOONCAKE_HOLDER}, preexec_fn=die_with_parent,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env={**env, "MC_TCP_BIND_ADDRESS": MOONCAKE_HOLDER},
+        preexec_fn=die_with_parent,
+    )
     stack.callback(stop_process, holder, quit_stdin=True)
     assert holder.stdout is not None
     segment = next((line.split()[1] for line in holder.stdout if line.startswith("SEGMENT ")), "")
@@ -265,12 +278,22 @@ def mooncake_figures(args: argparse.Namespace, console: Console) -> dict[str, An
             "status": f"Mooncake Store comparison skipped: the 'mooncake' module is not installed; {MOONCAKE_INSTALL}"
         }
     if shutil.which("unshare") is None:
-        return {"status": "Mooncake Store comparison skipped: it runs in a private network namespace and needs "
-                "`unshare` (util-linux)"}  # fmt: skip
+        return {
+            "status": "Mooncake Store comparison skipped: it runs in a private network namespace and needs "
+            "`unshare` (util-linux)"
+        }
     cmd = [
-        "unshare", "--net", *([] if os.geteuid() == 0 else ["--map-root-user"]),
-        sys.executable, SCRIPT, "--_mooncake", "--sizes", args.sizes, "--mib-per-size", str(args.mib_per_size),
-    ]  # fmt: skip
+        "unshare",
+        "--net",
+        *([] if os.geteuid() == 0 else ["--map-root-user"]),
+        sys.executable,
+        SCRIPT,
+        "--_mooncake",
+        "--sizes",
+        args.sizes,
+        "--mib-per-size",
+        str(args.mib_per_size),
+    ]
     try:
         result = run_child(cmd, dict(os.environ), "Mooncake Store", console)
     except RuntimeError as e:

@@ -135,9 +135,12 @@ def measure_all(sizes: list[int], total: int, console: Console) -> list[dict[str
         head, second = cluster.node_ids()
         nvme_dir = tempfile.mkdtemp(prefix="kvpool-bench-nvme-")
         config = PoolConfig(
-            metadata=MetadataConfig(endpoints=(etcd.endpoint,), cluster="bench"), dram_bytes=total + 256 * MiB,
-            nvme_bytes=total + 64 * MiB, nvme_dir=nvme_dir, namespace=f"bench-{uuid.uuid4().hex[:6]}",
-        )  # fmt: skip
+            metadata=MetadataConfig(endpoints=(etcd.endpoint,), cluster="bench"),
+            dram_bytes=total + 256 * MiB,
+            nvme_bytes=total + 64 * MiB,
+            nvme_dir=nvme_dir,
+            namespace=f"bench-{uuid.uuid4().hex[:6]}",
+        )
         start_pool(config)
         remote: list[Any] = []
         try:
@@ -159,16 +162,32 @@ def measure_all(sizes: list[int], total: int, console: Console) -> list[dict[str
 
 def render(rows: list[dict[str, Any]], mib_per_size: int, console: Console) -> None:
     table = Table(title=f"kvpool pool throughput, GB/s ({mib_per_size} MiB moved per cell; cross node = NIXL/UCX)")
-    for col in ("value", "put here", "get here", "get here 1 key/call", "get NVMe here / from peer (O_DIRECT same bytes)", "put to peer",
-                "get from peer", "put 2 replicas (in turn)", "memcpy", "disk O_DIRECT w / r"):  # fmt: skip
+    for col in (
+        "value",
+        "put here",
+        "get here",
+        "get here 1 key/call",
+        "get NVMe here / from peer (O_DIRECT same bytes)",
+        "put to peer",
+        "get from peer",
+        "put 2 replicas (in turn)",
+        "memcpy",
+        "disk O_DIRECT w / r",
+    ):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
-            f"{r['size_mib']} MiB", f"{r['put_same']:.2f}", f"{r['get_same']:.2f}", f"{r['get_one']:.2f}",
+            f"{r['size_mib']} MiB",
+            f"{r['put_same']:.2f}",
+            f"{r['get_same']:.2f}",
+            f"{r['get_one']:.2f}",
             f"{r['get_nvme']:.2f} / {r['get_nvme_peer']:.2f} ({r['nvme_raw']:.2f})",
-            f"{r['put_cross']:.2f}", f"{r['get_cross']:.2f}", f"{r['put_2']:.2f} ({r['put_2_sequential']:.2f})",
-            f"{r['memcpy']:.2f}", f"{r['disk_write']:.2f} / {r['disk_read']:.2f}",
-        )  # fmt: skip
+            f"{r['put_cross']:.2f}",
+            f"{r['get_cross']:.2f}",
+            f"{r['put_2']:.2f} ({r['put_2_sequential']:.2f})",
+            f"{r['memcpy']:.2f}",
+            f"{r['disk_write']:.2f} / {r['disk_read']:.2f}",
+        )
     console.print(table)
 
 

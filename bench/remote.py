@@ -72,9 +72,12 @@ def s3_target(args: argparse.Namespace) -> Iterator[tuple[RemoteConfig, dict[str
     with SeaweedServer(access_key_id=key_id, secret_access_key=secret, volume_size_limit_mb=VOLUME_MIB) as server:
         server.create_bucket(BUCKET)
         config = RemoteConfig(
-            bucket=BUCKET, endpoint_url=server.endpoint_url, prefix=PREFIX, access_key_id=key_id,
+            bucket=BUCKET,
+            endpoint_url=server.endpoint_url,
+            prefix=PREFIX,
+            access_key_id=key_id,
             secret_access_key=secret,
-        )  # fmt: skip
+        )
         yield config, {"server": f"SeaweedFS ({version.strip()}) on loopback, started here", "pid": server.pid}
 
 
@@ -99,12 +102,18 @@ def run(args: argparse.Namespace, bar: Progress) -> dict[str, Any]:
         results: dict[str, Any] = {
             "server": {**server, "endpoint": store.endpoint, "bucket": config.bucket, "root": store.root},
             "settings": {
-                "sizes": sizes, "threads": thread_counts, "bytes_per_cell": total, "codecs": codecs,
-                "kv_shape": [args.kv_shape[0], 2, *args.kv_shape[1:]], "kv_chunk_bytes": kv_bytes,
+                "sizes": sizes,
+                "threads": thread_counts,
+                "bytes_per_cell": total,
+                "codecs": codecs,
+                "kv_shape": [args.kv_shape[0], 2, *args.kv_shape[1:]],
+                "kv_chunk_bytes": kv_bytes,
                 "torch_threads": torch.get_num_threads(),
             },
-            "limits": {"tcp": []}, "requests": [], "codecs": [],
-        }  # fmt: skip
+            "limits": {"tcp": []},
+            "requests": [],
+            "codecs": [],
+        }
         try:
             store.check()
             step("warm-up: connections and the bucket's first volume")
@@ -152,9 +161,11 @@ def main() -> None:
         "--codecs", default="raw,fp8-e4m3,int4+zstd", help="codec specs (default raw,fp8-e4m3,int4+zstd); '' skips them"
     )
     ap.add_argument(
-        "--kv-shape", type=int_list, default="256,8,64",
+        "--kv-shape",
+        type=int_list,
+        default="256,8,64",
         help="tokens,heads,head_dim of one KV chunk [tokens, 2, heads, head_dim], float32 (default 256,8,64: 1 MiB)",
-    )  # fmt: skip
+    )
     ap.add_argument("--torch-threads", type=int, default=1, help="torch threads of each codec call (default 1)")
     ap.add_argument("--endpoint", default="", help="an S3 endpoint to use instead of starting SeaweedFS")
     ap.add_argument("--bucket", default="", help="with --endpoint: an existing bucket (credentials: AWS_* / ~/.aws)")

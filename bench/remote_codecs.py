@@ -40,9 +40,14 @@ def codec_alone(codec: Codec, tensors: list[torch.Tensor]) -> tuple[float, float
 
 
 def bench_codec(
-    store: RemoteStore, spec: str, tensors: list[torch.Tensor], threads: int, n: int, run: str,
+    store: RemoteStore,
+    spec: str,
+    tensors: list[torch.Tensor],
+    threads: int,
+    n: int,
+    run: str,
     pool: ThreadPoolExecutor,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Encode+put then get+decode ``n`` KV chunks (``tensors``, cycled) with ``spec``; objects deleted after."""
     codec = parse_codec(spec)
     kv_bytes = tensors[0].nbytes
@@ -70,18 +75,34 @@ def bench_codec(
         raise RuntimeError(f"{codec.name} is lossless but a chunk came back different (relative error {err:.2e})")
     put, get = figures(n * kv_bytes, put_wall, put_lat), figures(n * kv_bytes, get_wall, get_lat)
     return {
-        "codec": codec.name, "threads": threads, "chunks": n, "kv_bytes": n * kv_bytes, "stored_bytes": sum(stored),
-        "ratio": n * kv_bytes / sum(stored), "kv_rel_err": err,
-        "put_kv_gbps": put["gbps"], "put_stored_gbps": gbps(sum(stored), put_wall), "put_p50_ms": put["p50_ms"],
-        "put_p99_ms": put["p99_ms"], "get_kv_gbps": get["gbps"], "get_stored_gbps": gbps(sum(stored), get_wall),
-        "get_p50_ms": get["p50_ms"], "get_p99_ms": get["p99_ms"],
-    }  # fmt: skip
+        "codec": codec.name,
+        "threads": threads,
+        "chunks": n,
+        "kv_bytes": n * kv_bytes,
+        "stored_bytes": sum(stored),
+        "ratio": n * kv_bytes / sum(stored),
+        "kv_rel_err": err,
+        "put_kv_gbps": put["gbps"],
+        "put_stored_gbps": gbps(sum(stored), put_wall),
+        "put_p50_ms": put["p50_ms"],
+        "put_p99_ms": put["p99_ms"],
+        "get_kv_gbps": get["gbps"],
+        "get_stored_gbps": gbps(sum(stored), get_wall),
+        "get_p50_ms": get["p50_ms"],
+        "get_p99_ms": get["p99_ms"],
+    }
 
 
 def codec_rows(
-    store: RemoteStore, spec: str, kv_tensors: list[torch.Tensor], total: int, thread_counts: list[int], run: str,
-    pool: ThreadPoolExecutor, step: Callable[[str], None],
-) -> list[dict[str, Any]]:  # fmt: skip
+    store: RemoteStore,
+    spec: str,
+    kv_tensors: list[torch.Tensor],
+    total: int,
+    thread_counts: list[int],
+    run: str,
+    pool: ThreadPoolExecutor,
+    step: Callable[[str], None],
+) -> list[dict[str, Any]]:
     """The codec alone, then :func:`bench_codec` on ``total`` bytes of KV for each number of threads."""
     n = max(1, total // kv_tensors[0].nbytes)
     step(f"{spec}: the codec alone")

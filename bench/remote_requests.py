@@ -91,18 +91,26 @@ def timed(
 def figures(nbytes: int, wall: float, latencies: list[float]) -> dict[str, float]:
     p50, p99 = np.percentile(latencies, [50, 99])
     return {
-        "seconds": wall, "gbps": gbps(nbytes, wall), "ops_per_s": len(latencies) / wall,
-        "p50_ms": float(p50) * 1e3, "p99_ms": float(p99) * 1e3,
-    }  # fmt: skip
+        "seconds": wall,
+        "gbps": gbps(nbytes, wall),
+        "ops_per_s": len(latencies) / wall,
+        "p50_ms": float(p50) * 1e3,
+        "p99_ms": float(p99) * 1e3,
+    }
 
 
 # -- the benchmark ---------------------------------------------------------------------------------------
 
 
 def bench_requests(
-    clients: dict[str, tuple[Put, Get]], store: RemoteStore, size: int, threads: int, n: int, run: str,
+    clients: dict[str, tuple[Put, Get]],
+    store: RemoteStore,
+    size: int,
+    threads: int,
+    n: int,
+    run: str,
     pool: ThreadPoolExecutor,
-) -> list[dict[str, Any]]:  # fmt: skip
+) -> list[dict[str, Any]]:
     """Put then get ``n`` chunks of ``size`` bytes with each client; rows of figures, objects deleted after.
 
     Each op runs in up to ``ROUNDS`` rounds of ``n / rounds`` chunks (at least ``threads`` a round), the clients
@@ -131,10 +139,18 @@ def bench_requests(
         for name in names:
             if op == "get" and got[name] != n * size:
                 raise RuntimeError(f"{name} read {got[name]} bytes back, {n * size} were put")
-            rows.append({
-                "op": op, "client": name, "size": size, "threads": threads, "requests": n, "bytes": n * size,
-                "rounds": rounds, **figures(n * size, walls[name], latencies[name]),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "op": op,
+                    "client": name,
+                    "size": size,
+                    "threads": threads,
+                    "requests": n,
+                    "bytes": n * size,
+                    "rounds": rounds,
+                    **figures(n * size, walls[name], latencies[name]),
+                }
+            )
     # the peer's objects have the names RemoteStore gives raw chunks: RemoteStore deletes them all
     store.delete([(k, "raw") for ks in chunk_keys.values() for k in ks])
     return rows

@@ -36,9 +36,20 @@ def render_requests(results: dict[str, Any], index: Index) -> None:
     for op in ("put", "get"):
         table = Table(title=f"remote tier {op}: RemoteStore vs raw boto3 on the same server ({per_cell} MiB per cell)")
         cols = (
-            "chunk x requests", "threads", "RemoteStore GB/s", "req/s", "p50 ms", "p99 ms", "boto3 GB/s", "req/s ",
-            "p50 ms ", "p99 ms ", "vs boto3", "TCP loopback GB/s", "memcpy GB/s",
-        )  # fmt: skip
+            "chunk x requests",
+            "threads",
+            "RemoteStore GB/s",
+            "req/s",
+            "p50 ms",
+            "p99 ms",
+            "boto3 GB/s",
+            "req/s ",
+            "p50 ms ",
+            "p99 ms ",
+            "vs boto3",
+            "TCP loopback GB/s",
+            "memcpy GB/s",
+        )
         for col in cols:
             table.add_column(col, justify="left" if col == "chunk x requests" else "right")
         sizes = sorted({r["size"] for r in rows})
@@ -47,13 +58,21 @@ def render_requests(results: dict[str, Any], index: Index) -> None:
             for t in threads:
                 s, b = index[(op, "RemoteStore", size, t)], index[(op, "boto3", size, t)]
                 table.add_row(
-                    f"{size_label(size)} x {s['requests']}", str(t),
-                    f"{s['gbps']:.3f}", f"{s['ops_per_s']:.0f}", f"{s['p50_ms']:.1f}", f"{s['p99_ms']:.1f}",
-                    f"{b['gbps']:.3f}", f"{b['ops_per_s']:.0f}", f"{b['p50_ms']:.1f}", f"{b['p99_ms']:.1f}",
+                    f"{size_label(size)} x {s['requests']}",
+                    str(t),
+                    f"{s['gbps']:.3f}",
+                    f"{s['ops_per_s']:.0f}",
+                    f"{s['p50_ms']:.1f}",
+                    f"{s['p99_ms']:.1f}",
+                    f"{b['gbps']:.3f}",
+                    f"{b['ops_per_s']:.0f}",
+                    f"{b['p50_ms']:.1f}",
+                    f"{b['p99_ms']:.1f}",
                     f"{s['gbps'] / b['gbps'] - 1:+.0%}",
-                    f"{tcp[size]:.2f}", f"{memcpy:.2f}",
+                    f"{tcp[size]:.2f}",
+                    f"{memcpy:.2f}",
                     end_section=t == threads[-1] and size != sizes[-1],
-                )  # fmt: skip
+                )
         console.print(table)
     console.print(
         "GB/s: bytes of the chunks as stored per second (all threads together); req/s: requests per second; p50/p99: "
@@ -75,10 +94,19 @@ def render_codecs(results: dict[str, Any], index: Index) -> None:
         f"{per_cell} MiB of KV per cell; GB/s of KV delivered"
     )
     kv_cols = (
-        "codec", "threads", "ratio", "encode+put GB/s", "p50/p99 ms", "get+decode GB/s", "p50/p99 ms ",
-        "stored GB/s put / get", "codec alone enc / dec GB/s", "KV rel err",
-        f"raw {size_label(kv)} put / get GB/s", "TCP / memcpy GB/s",
-    )  # fmt: skip
+        "codec",
+        "threads",
+        "ratio",
+        "encode+put GB/s",
+        "p50/p99 ms",
+        "get+decode GB/s",
+        "p50/p99 ms ",
+        "stored GB/s put / get",
+        "codec alone enc / dec GB/s",
+        "KV rel err",
+        f"raw {size_label(kv)} put / get GB/s",
+        "TCP / memcpy GB/s",
+    )
     for col in kv_cols:
         table.add_column(col, justify="left" if col == "codec" else "right")
     codecs = list(dict.fromkeys(r["codec"] for r in results["codecs"]))
@@ -88,15 +116,20 @@ def render_codecs(results: dict[str, Any], index: Index) -> None:
             index.get(("get", "RemoteStore", kv, r["threads"])),
         )
         table.add_row(
-            r["codec"], str(r["threads"]), f"{r['ratio']:.2f}x",
-            f"{r['put_kv_gbps']:.3f}", f"{r['put_p50_ms']:.1f} / {r['put_p99_ms']:.1f}",
-            f"{r['get_kv_gbps']:.3f}", f"{r['get_p50_ms']:.1f} / {r['get_p99_ms']:.1f}",
+            r["codec"],
+            str(r["threads"]),
+            f"{r['ratio']:.2f}x",
+            f"{r['put_kv_gbps']:.3f}",
+            f"{r['put_p50_ms']:.1f} / {r['put_p99_ms']:.1f}",
+            f"{r['get_kv_gbps']:.3f}",
+            f"{r['get_p50_ms']:.1f} / {r['get_p99_ms']:.1f}",
             f"{r['put_stored_gbps']:.3f} / {r['get_stored_gbps']:.3f}",
-            f"{r['encode_gbps']:.2f} / {r['decode_gbps']:.2f}", f"{r['kv_rel_err']:.4f}",
+            f"{r['encode_gbps']:.2f} / {r['decode_gbps']:.2f}",
+            f"{r['kv_rel_err']:.4f}",
             f"{put['gbps']:.3f} / {get['gbps']:.3f}" if put and get else "-",
             f"{tcp[kv]:.2f} / {memcpy:.2f}",
             end_section=r["threads"] == s["threads"][-1] and r["codec"] != codecs[-1],
-        )  # fmt: skip
+        )
     console.print(table)
     console.print(
         "ratio: KV bytes / bytes stored (headers included); encode+put, get+decode: float32 KV bytes per second "

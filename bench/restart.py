@@ -76,10 +76,15 @@ def restart(directory: str, nvme_bytes: int) -> dict[str, float]:
     nvme.close()
     dram.close()
     return {
-        "chunks": len(recovery.adopted), "dropped": len(recovery.dropped), "bytes": recovery.bytes_read,
-        "replay_s": t1 - t0, "verify_s": t2 - t1, "adopt_s": t3 - t2, "total_s": t3 - t0,
+        "chunks": len(recovery.adopted),
+        "dropped": len(recovery.dropped),
+        "bytes": recovery.bytes_read,
+        "replay_s": t1 - t0,
+        "verify_s": t2 - t1,
+        "adopt_s": t3 - t2,
+        "total_s": t3 - t0,
         "journal_bytes_per_chunk": journal_bytes / max(len(recovery.adopted), 1),
-    }  # fmt: skip
+    }
 
 
 def crc_gbps(size: int) -> float:
@@ -104,17 +109,36 @@ def main() -> None:
         with console.status("restarting on the same segment"):
             row = restart(directory, nvme_bytes)
         _, disk_read = disk_gbps(directory, min(nvme_bytes, 256 * MiB))
-    row |= {"verify_gbps": gbps(int(row["bytes"]), row["verify_s"]), "disk_read_gbps": disk_read,
-            "crc32c_gbps": crc_gbps(64 * MiB), "filled": n}  # fmt: skip
+    row |= {
+        "verify_gbps": gbps(int(row["bytes"]), row["verify_s"]),
+        "disk_read_gbps": disk_read,
+        "crc32c_gbps": crc_gbps(64 * MiB),
+        "filled": n,
+    }
     table = Table(title=f"warm restart: {n} chunks of {args.chunk_kib} KiB on {args.nvme_mib} MiB of NVMe")
-    for col in ("taken back", "replay", "read+verify", "adopt", "total", "GB/s", "limit: disk GB/s", "crc GB/s",
-                "B/chunk"):  # fmt: skip
+    for col in (
+        "taken back",
+        "replay",
+        "read+verify",
+        "adopt",
+        "total",
+        "GB/s",
+        "limit: disk GB/s",
+        "crc GB/s",
+        "B/chunk",
+    ):
         table.add_column(col, justify="right")
     table.add_row(
-        f"{row['chunks']}/{n}", f"{row['replay_s'] * 1e3:.1f} ms", f"{row['verify_s']:.2f} s",
-        f"{row['adopt_s'] * 1e3:.1f} ms", f"{row['total_s']:.2f} s", f"{row['verify_gbps']:.2f}",
-        f"{disk_read:.2f}", f"{row['crc32c_gbps']:.2f}", f"{row['journal_bytes_per_chunk']:.0f}",
-    )  # fmt: skip
+        f"{row['chunks']}/{n}",
+        f"{row['replay_s'] * 1e3:.1f} ms",
+        f"{row['verify_s']:.2f} s",
+        f"{row['adopt_s'] * 1e3:.1f} ms",
+        f"{row['total_s']:.2f} s",
+        f"{row['verify_gbps']:.2f}",
+        f"{disk_read:.2f}",
+        f"{row['crc32c_gbps']:.2f}",
+        f"{row['journal_bytes_per_chunk']:.0f}",
+    )
     console.print(table)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(row, indent=2))

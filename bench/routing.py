@@ -96,11 +96,18 @@ class Replay:
     def row(self) -> dict[str, Any]:
         t = sorted(self.ttft_s)
         return {
-            "policy": self.policy, "dram_mib": self.dram_mib, "nvme_mib": self.nvme_mib, "requests": len(t),
-            "hit_rate": self.hit_rate, "lookup_hit_ratio": self.lookup_hit_ratio,
-            "ttft_p50_s": statistics.median(t), "ttft_p99_s": float(np.percentile(t, 99)),
-            "throughput_rps": len(t) / self.wall_s, "lanes": self.lanes, "events": self.events,
-        }  # fmt: skip
+            "policy": self.policy,
+            "dram_mib": self.dram_mib,
+            "nvme_mib": self.nvme_mib,
+            "requests": len(t),
+            "hit_rate": self.hit_rate,
+            "lookup_hit_ratio": self.lookup_hit_ratio,
+            "ttft_p50_s": statistics.median(t),
+            "ttft_p99_s": float(np.percentile(t, 99)),
+            "throughput_rps": len(t) / self.wall_s,
+            "lanes": self.lanes,
+            "events": self.events,
+        }
 
 
 @dataclass
@@ -120,9 +127,12 @@ def lanes_on(bench: Bench, tag: str, dram_mib: int, nvme_mib: int, policy: str) 
     """A fresh pool of the given capacities (its own cluster name and actors) and a lane per node over it."""
     name = f"routing-{tag}-{uuid.uuid4().hex[:6]}"
     pool = replace(
-        bench.base, dram_bytes=dram_mib * MiB, nvme_bytes=nvme_mib * MiB or -1, namespace=name,
+        bench.base,
+        dram_bytes=dram_mib * MiB,
+        nvme_bytes=nvme_mib * MiB or -1,
+        namespace=name,
         metadata=replace(bench.base.metadata, cluster=name),
-    )  # fmt: skip
+    )
     n = len(bench.nodes)
     with ExitStack() as stack:
         start_pool(pool)
@@ -145,8 +155,9 @@ def lanes_on(bench: Bench, tag: str, dram_mib: int, nvme_mib: int, policy: str) 
         yield Service(lanes, model=bench.worker.model, router=lane_router(lanes, cache.replicas, policy)), pool
 
 
-async def _replay(service: Service, trace: list[Request], concurrency: int, max_tokens: int,
-                  halfway: threading.Event) -> tuple[list[Completion], float]:  # fmt: skip
+async def _replay(
+    service: Service, trace: list[Request], concurrency: int, max_tokens: int, halfway: threading.Event
+) -> tuple[list[Completion], float]:
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(len(trace)):
         queue.put_nowait(i)
@@ -206,8 +217,9 @@ def _rebuild_with_a_disconnect(pool: PoolConfig, halfway: threading.Event, finis
         etcd.close()
 
 
-def run_replay(bench: Bench, trace: list[Request], policy: str, dram_mib: int, nvme_mib: int,
-               follow_events: bool = False) -> Replay:  # fmt: skip
+def run_replay(
+    bench: Bench, trace: list[Request], policy: str, dram_mib: int, nvme_mib: int, follow_events: bool = False
+) -> Replay:
     out = Replay(policy, dram_mib, nvme_mib)
     before = set(os.listdir(bench.log_dir))
     halfway, finished = threading.Event(), threading.Event()
@@ -250,8 +262,10 @@ def probe(bench: Bench, prompt: list[int]) -> tuple[Hardware, float, float]:
 
 def render(out: dict[str, Any]) -> None:
     lim = out["limits"]
-    table = Table(title=f"routing: {out['requests']} requests, {out['nodes']} lanes (one per node), "
-                        f"{out['concurrency']} in flight, {out['dram_mib']} + {out['nvme_mib']} MiB DRAM + NVMe per node")  # fmt: skip
+    table = Table(
+        title=f"routing: {out['requests']} requests, {out['nodes']} lanes (one per node), "
+        f"{out['concurrency']} in flight, {out['dram_mib']} + {out['nvme_mib']} MiB DRAM + NVMe per node"
+    )
     for col in (
         "policy",
         "hit rate",
@@ -266,23 +280,37 @@ def render(out: dict[str, Any]) -> None:
     robin = next((r for r in out["policies"] if r["policy"] == "round-robin"), out["policies"][0])
     for r in out["policies"]:
         table.add_row(
-            r["policy"], f"{r['hit_rate']:.1%}", f"{r['hit_rate'] / out['ceiling']:.0%}", f"{r['ttft_p50_s'] * 1e3:.0f}",
-            f"{r['ttft_p99_s'] * 1e3:.0f}", f"{robin['ttft_p50_s'] / r['ttft_p50_s']:.2f}x",
-            f"{r['throughput_rps']:.2f}", " / ".join(map(str, r["lanes"])),
-        )  # fmt: skip
+            r["policy"],
+            f"{r['hit_rate']:.1%}",
+            f"{r['hit_rate'] / out['ceiling']:.0%}",
+            f"{r['ttft_p50_s'] * 1e3:.0f}",
+            f"{r['ttft_p99_s'] * 1e3:.0f}",
+            f"{robin['ttft_p50_s'] / r['ttft_p50_s']:.2f}x",
+            f"{r['throughput_rps']:.2f}",
+            " / ".join(map(str, r["lanes"])),
+        )
     table.add_row(
-        "limit", f"{out['ceiling']:.1%}", "ceiling", f"{lim['warm_ttft_s'] * 1e3:.0f} warm",
-        f"{lim['cold_ttft_s'] * 1e3:.0f} cold", "", "", "one request alone",
-    )  # fmt: skip
+        "limit",
+        f"{out['ceiling']:.1%}",
+        "ceiling",
+        f"{lim['warm_ttft_s'] * 1e3:.0f} warm",
+        f"{lim['cold_ttft_s'] * 1e3:.0f} cold",
+        "",
+        "",
+        "one request alone",
+    )
     console.print(table)
     adv = Table(title="capacity advisor: predicted from the first replay's access log vs replayed (prefix lookups)")
     for col in ("DRAM + NVMe per node", "pool", "measured", "objects held at lookup", *MODELS):
         adv.add_column(col, justify="right")
     for a in out["advisor"]:
         adv.add_row(
-            f"{a['dram_mib']} + {a['nvme_mib']} MiB", f"{a['pool_mib']} MiB", f"{a['measured']:.1%}", f"{a['held']:.1%}",
+            f"{a['dram_mib']} + {a['nvme_mib']} MiB",
+            f"{a['pool_mib']} MiB",
+            f"{a['measured']:.1%}",
+            f"{a['held']:.1%}",
             *(f"{p:.1%} ({(p - a['measured']) * 100:+.1f})" for p in a["models"].values()),
-        )  # fmt: skip
+        )
     console.print(adv)
     console.print(f"kvpool advise uses the last model ({ADVISED}); each column adds one cause to the one before")
     ev = out["events"]
@@ -314,10 +342,21 @@ def plot(out: dict[str, Any], path: Path) -> None:
     a.set_title(f"TTFT by routing policy (reuse ceiling {out['ceiling']:.0%})")
     pts = out["advisor"]
     b.plot([p["pool_mib"] for p in out["curve"]], [p["hit"] for p in out["curve"]], label="advisor: predicted")
-    b.scatter([p["pool_mib"] for p in pts], [p["measured"] for p in pts], color="C3", zorder=3,
-              label="replayed: prefix lookups")  # fmt: skip
-    b.scatter([p["pool_mib"] for p in pts], [p["held"] for p in pts], color="C2", marker="x", zorder=3,
-              label="replayed: objects held at lookup")  # fmt: skip
+    b.scatter(
+        [p["pool_mib"] for p in pts],
+        [p["measured"] for p in pts],
+        color="C3",
+        zorder=3,
+        label="replayed: prefix lookups",
+    )
+    b.scatter(
+        [p["pool_mib"] for p in pts],
+        [p["held"] for p in pts],
+        color="C2",
+        marker="x",
+        zorder=3,
+        label="replayed: objects held at lookup",
+    )
     b.set_xlabel("pool capacity, MiB (DRAM + NVMe, all nodes)")
     b.set_ylabel("chunk lookup hit ratio")
     b.set_ylim(0, 1)
@@ -376,8 +415,14 @@ def main() -> None:
         )
         for policy in policies:
             with console.status(f"replaying {len(trace)} requests, {policy.value}"):
-                r = run_replay(bench, trace, policy.value, args.dram_mib, args.nvme_mib,
-                               policy is Policy.CACHE_AWARE and not args.advisor_only)  # fmt: skip
+                r = run_replay(
+                    bench,
+                    trace,
+                    policy.value,
+                    args.dram_mib,
+                    args.nvme_mib,
+                    policy is Policy.CACHE_AWARE and not args.advisor_only,
+                )
             replays[policy] = r
             rows.append(r.row())
             console.print(f"{policy.value}: hit rate {r.hit_rate:.1%}, TTFT p50 {rows[-1]['ttft_p50_s'] * 1e3:.0f} ms")
@@ -395,10 +440,18 @@ def main() -> None:
                     shutil.copy(path, kept)
         at = (n * args.dram_mib * MiB, n * args.nvme_mib * MiB)
         models = predicted_hit_ratios(logged.log_paths, [(n * d * MiB, n * v * MiB) for d, v, _ in measured], at)
-        advisor = [{"dram_mib": d, "nvme_mib": v, "pool_mib": n * (d + v), "measured": r.lookup_hit_ratio,
-                    "held": held_at_lookup(r.log_paths), "predicted": models[ADVISED][i],
-                    "models": {name: ratios[i] for name, ratios in models.items()}}
-                   for i, (d, v, r) in enumerate(measured)]  # fmt: skip
+        advisor = [
+            {
+                "dram_mib": d,
+                "nvme_mib": v,
+                "pool_mib": n * (d + v),
+                "measured": r.lookup_hit_ratio,
+                "held": held_at_lookup(r.log_paths),
+                "predicted": models[ADVISED][i],
+                "models": {name: ratios[i] for name, ratios in models.items()},
+            }
+            for i, (d, v, r) in enumerate(measured)
+        ]
         top = max(a["pool_mib"] for a in advisor) * 1.5
         share = args.dram_mib / (args.dram_mib + args.nvme_mib)
         sizes = list(np.linspace(1, top, 40))
@@ -406,13 +459,29 @@ def main() -> None:
         along = predicted_hit_ratios(logged.log_paths, pools, at)[ADVISED]
         curve = [{"pool_mib": m, "hit": h} for m, h in zip(sizes, along, strict=True)]
     out = {
-        "requests": len(trace), "nodes": args.nodes, "concurrency": bench.concurrency, "dram_mib": args.dram_mib,
-        "nvme_mib": args.nvme_mib, "chunk": args.chunk, "seed": args.seed, "ceiling": ceiling,
-        "limits": {"cold_ttft_s": cold, "warm_ttft_s": warm, "hardware": {"flops": hardware.flops, **hardware.bandwidth}},
-        "policies": rows, "advisor": advisor, "curve": curve, "events": replays[Policy.CACHE_AWARE].events,
-        "trace": {"documents": args.documents, "conversations": args.conversations,
-                  "prompt_tokens": sum(len(r.tokens) for r in trace)},
-    }  # fmt: skip
+        "requests": len(trace),
+        "nodes": args.nodes,
+        "concurrency": bench.concurrency,
+        "dram_mib": args.dram_mib,
+        "nvme_mib": args.nvme_mib,
+        "chunk": args.chunk,
+        "seed": args.seed,
+        "ceiling": ceiling,
+        "limits": {
+            "cold_ttft_s": cold,
+            "warm_ttft_s": warm,
+            "hardware": {"flops": hardware.flops, **hardware.bandwidth},
+        },
+        "policies": rows,
+        "advisor": advisor,
+        "curve": curve,
+        "events": replays[Policy.CACHE_AWARE].events,
+        "trace": {
+            "documents": args.documents,
+            "conversations": args.conversations,
+            "prompt_tokens": sum(len(r.tokens) for r in trace),
+        },
+    }
     render(out)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2, default=str))

@@ -72,8 +72,10 @@ def pool_rows(sizes: list[int], total: int) -> list[dict[str, Any]]:
         head, second = cluster.node_ids()
         config = PoolConfig(
             metadata=MetadataConfig(endpoints=(etcd.endpoint,), cluster="bench-transfer"),
-            dram_bytes=total + 256 * MiB, nvme_bytes=-1, namespace=f"bench-{uuid.uuid4().hex[:6]}",
-        )  # fmt: skip
+            dram_bytes=total + 256 * MiB,
+            nvme_bytes=-1,
+            namespace=f"bench-{uuid.uuid4().hex[:6]}",
+        )
         remote: list[Any] = []
         try:
             start_pool(config)
@@ -170,9 +172,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def render(
-    floor: dict[str, list[dict[str, Any]]], workers: dict[str, dict[str, Any]], mooncake: dict[str, Any],
-    sizes: list[int], mib_per_size: int,
-) -> Table:  # fmt: skip
+    floor: dict[str, list[dict[str, Any]]],
+    workers: dict[str, dict[str, Any]],
+    mooncake: dict[str, Any],
+    sizes: list[int],
+    mib_per_size: int,
+) -> Table:
     """One table: a row per path (and UCX setting), a column per value size."""
     table = Table(
         title=f"kvpool transfers, GB/s ({mib_per_size} MiB moved per cell, median of {REPEAT} passes)",

@@ -62,9 +62,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     with EmbeddedEtcd() as etcd, LocalRayCluster(nodes=1), tempfile.TemporaryDirectory() as nvme_dir:
         meta = MetadataConfig(endpoints=(etcd.endpoint,), cluster=f"ttft-{uuid.uuid4().hex[:8]}")
         pool = PoolConfig(
-            metadata=meta, dram_bytes=max(4 * kv_max, 256 * MiB), nvme_bytes=max(4 * kv_max, 512 * MiB),
-            nvme_dir=nvme_dir, metrics_port=-1,
-        )  # fmt: skip
+            metadata=meta,
+            dram_bytes=max(4 * kv_max, 256 * MiB),
+            nvme_bytes=max(4 * kv_max, 512 * MiB),
+            nvme_dir=nvme_dir,
+            metrics_port=-1,
+        )
         start_pool(pool)
         try:
             with PoolClient(pool) as client:
@@ -92,9 +95,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def bench_length(
-    args: argparse.Namespace, n: int, runner: ModelRunner, router: Router, client: PoolClient, cost: CostModel,
-    copy_gbps: float, disk_gbps: float,
-) -> list[dict[str, Any]]:  # fmt: skip
+    args: argparse.Namespace,
+    n: int,
+    runner: ModelRunner,
+    router: Router,
+    client: PoolClient,
+    cost: CostModel,
+    copy_gbps: float,
+    disk_gbps: float,
+) -> list[dict[str, Any]]:
     vocab = runner.model.config.vocab_size
     tokens = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
     assert runner.connector is not None
@@ -140,12 +149,21 @@ def bench_length(
         floor = reused * runner.connector.layout.token_bytes / ((disk_gbps if tier == "nvme" else copy_gbps) * 1e9)
         out.append(
             {
-                "tokens": n, "tier": tier, "kv_bytes": kv_bytes, "cold_s": cold, "warm_s": warm,
-                "speedup": cold / warm, "predicted_cold_s": predicted_cold, "predicted_warm_s": predicted_warm,
-                "predicted_speedup": predicted_cold / predicted_warm, "floor_s": floor,
-                "overlap": median(overlaps), "cold_runs": cold_runs, "warm_runs": runs,
+                "tokens": n,
+                "tier": tier,
+                "kv_bytes": kv_bytes,
+                "cold_s": cold,
+                "warm_s": warm,
+                "speedup": cold / warm,
+                "predicted_cold_s": predicted_cold,
+                "predicted_warm_s": predicted_warm,
+                "predicted_speedup": predicted_cold / predicted_warm,
+                "floor_s": floor,
+                "overlap": median(overlaps),
+                "cold_runs": cold_runs,
+                "warm_runs": runs,
             }
-        )  # fmt: skip
+        )
         console.print(f"  {n:>6} tokens from {tier}: cold {cold:.3f} s, warm {warm:.4f} s ({cold / warm:.1f}x)")
     return out
 
@@ -153,17 +171,36 @@ def bench_length(
 def render(rows: list[dict[str, Any]]) -> None:
     table = Table(title="time to first token: recompute vs reload (medians)")
     cols = (
-        "tokens", "KV MiB", "tier", "cold s", "pred cold s", "warm s", "pred warm s", "speedup", "predicted",
-        "pred/meas", "copy floor s", "overlap",
-    )  # fmt: skip
+        "tokens",
+        "KV MiB",
+        "tier",
+        "cold s",
+        "pred cold s",
+        "warm s",
+        "pred warm s",
+        "speedup",
+        "predicted",
+        "pred/meas",
+        "copy floor s",
+        "overlap",
+    )
     for col in cols:
         table.add_column(col, justify="left" if col == "tier" else "right")
     for r in rows:
         table.add_row(
-            f"{r['tokens']:,}", f"{r['kv_bytes'] / MiB:.1f}", r["tier"], f"{r['cold_s']:.3f}",
-            f"{r['predicted_cold_s']:.3f}", f"{r['warm_s']:.4f}", f"{r['predicted_warm_s']:.4f}", f"{r['speedup']:.1f}x", f"{r['predicted_speedup']:.1f}x", f"{r['predicted_speedup'] / r['speedup']:.2f}",
-            f"{r['floor_s']:.4f}", f"{r['overlap']:.0%}",
-        )  # fmt: skip
+            f"{r['tokens']:,}",
+            f"{r['kv_bytes'] / MiB:.1f}",
+            r["tier"],
+            f"{r['cold_s']:.3f}",
+            f"{r['predicted_cold_s']:.3f}",
+            f"{r['warm_s']:.4f}",
+            f"{r['predicted_warm_s']:.4f}",
+            f"{r['speedup']:.1f}x",
+            f"{r['predicted_speedup']:.1f}x",
+            f"{r['predicted_speedup'] / r['speedup']:.2f}",
+            f"{r['floor_s']:.4f}",
+            f"{r['overlap']:.0%}",
+        )
     console.print(table)
     console.print(
         "copy floor: the KV bytes at this run's memcpy (DRAM) or O_DIRECT read (NVMe) bandwidth; "
@@ -185,11 +222,19 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         sel = [r for r in rows if r["tier"] == tier]
         ax.plot([r["tokens"] for r in sel], [r["warm_s"] for r in sel], marker + "-", label=f"warm from {tier}")
         ax.plot(
-            [r["tokens"] for r in sel], [r["predicted_warm_s"] for r in sel], marker + ":", alpha=0.6,
+            [r["tokens"] for r in sel],
+            [r["predicted_warm_s"] for r in sel],
+            marker + ":",
+            alpha=0.6,
             label=f"{tier}, predicted",
-        )  # fmt: skip
-    ax.plot(lengths, [next(r["predicted_cold_s"] for r in rows if r["tokens"] == n) for n in lengths], "o:",
-            alpha=0.6, label="cold, predicted")  # fmt: skip
+        )
+    ax.plot(
+        lengths,
+        [next(r["predicted_cold_s"] for r in rows if r["tokens"] == n) for n in lengths],
+        "o:",
+        alpha=0.6,
+        label="cold, predicted",
+    )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("prompt tokens")

@@ -59,9 +59,10 @@ def model_dir(name: str, work: Path) -> tuple[Path, int, dict[str, int]]:
     cfg = json.loads((path / "config.json").read_text())
     heads = cfg["num_attention_heads"]
     shape = {
-        "layers": cfg["num_hidden_layers"], "kv_heads": cfg.get("num_key_value_heads") or heads,
+        "layers": cfg["num_hidden_layers"],
+        "kv_heads": cfg.get("num_key_value_heads") or heads,
         "head_size": cfg.get("head_dim") or cfg["hidden_size"] // heads,
-    }  # fmt: skip
+    }
     return path, int(cfg["max_position_embeddings"]), shape
 
 
@@ -113,9 +114,13 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         pool = PoolConfig(metadata=metadata, dram_bytes=args.dram_mib * MiB, nvme_bytes=args.dram_mib * MiB)
         start_pool(pool)
         extra = {
-            "etcd": [etcd.endpoint], "cluster": metadata.cluster, "namespace": pool.namespace,
-            "ray_address": cluster.address, "model_id": f"bench-{args.model}", "chunk_size": args.chunk_size,
-        }  # fmt: skip
+            "etcd": [etcd.endpoint],
+            "cluster": metadata.cluster,
+            "namespace": pool.namespace,
+            "ray_address": cluster.address,
+            "model_id": f"bench-{args.model}",
+            "chunk_size": args.chunk_size,
+        }
         try:
             plain_cases(settings, work, cases)
             kvpool_cases(settings, extra, cluster.node_ids(), work, cases)
@@ -182,18 +187,21 @@ def vllm_connectors(work: Path, kv_bytes: int, repeat: int) -> dict[str, dict[st
     store = (repeat + 2) * kv_bytes  # room for every prompt a case stores
     return {
         "OffloadingConnector (CPU)": {
-            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
             "kv_connector_extra_config": {"cpu_bytes_to_use": store},
         },
         "SimpleCPUOffloadConnector": {
-            "kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
+            "kv_connector": "SimpleCPUOffloadConnector",
+            "kv_role": "kv_both",
             "kv_connector_extra_config": {"cpu_bytes_to_use": store},
         },
         "ExampleConnector (disk)": {
-            "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
             "kv_connector_extra_config": {"shared_storage_path": str(work / "example-connector")},
         },
-    }  # fmt: skip
+    }
 
 
 def show(result: dict[str, Any]) -> None:
@@ -216,9 +224,13 @@ def show(result: dict[str, Any]) -> None:
             r["case"], f"{s * 1e3:.0f} ms", f"{cold / s:.1f}x", f"{s / hit:.2f}", str(r["cached_tokens"]), r["note"]
         )
     table.add_row(
-        "limit: move the KV at memcpy speed", f"{floor * 1e3:.0f} ms", "", "", "",
+        "limit: move the KV at memcpy speed",
+        f"{floor * 1e3:.0f} ms",
+        "",
+        "",
+        "",
         f"{result['kv_bytes'] / MiB:.0f} MiB at {result['limits']['memcpy_gbps']:.1f} GB/s (+ one step: the prefix hit)",
-    )  # fmt: skip
+    )
     console.print(table)
 
 

@@ -228,9 +228,13 @@ class EngineService:
 
 @contextmanager
 def engine_service(
-    pool: PoolConfig, model: str, report: Report | None = None, engines: int = 1, policy: str = "cache-aware",
+    pool: PoolConfig,
+    model: str,
+    report: Report | None = None,
+    engines: int = 1,
+    policy: str = "cache-aware",
     chunk_size: int = 256,
-) -> "Iterator[EngineService]":  # fmt: skip
+) -> "Iterator[EngineService]":
     """One vLLM engine (CPU) with kvpool's connector per Ray node, ``engines`` of them, on this machine, their KV
     events to a socket on the first node's address, their cost models measured, and the router over them."""
     import json
@@ -257,9 +261,13 @@ def engine_service(
     directory = converted_smollm2()
     vocab = int(json.loads((directory / "config.json").read_text())["vocab_size"])
     connector = {
-        "etcd": list(pool.metadata.endpoints), "cluster": pool.metadata.cluster, "namespace": pool.namespace,
-        "ray_address": ray.get_runtime_context().gcs_address, "model_id": model, "chunk_size": chunk_size,
-    }  # fmt: skip
+        "etcd": list(pool.metadata.endpoints),
+        "cluster": pool.metadata.cluster,
+        "namespace": pool.namespace,
+        "ray_address": ray.get_runtime_context().gcs_address,
+        "model_id": model,
+        "chunk_size": chunk_size,
+    }
     with ExitStack() as stack:
         events = EngineEvents(f"tcp://{ips[0]}:*", [f"engine{i}" for i in range(engines)])
         stack.callback(events.close)

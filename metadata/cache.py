@@ -25,7 +25,7 @@ from kvpool.metadata.records import (
     decode_node,
     decode_placement,
     decode_tombstone,
-)  # fmt: skip
+)
 
 log = logging.getLogger(__name__)
 

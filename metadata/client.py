@@ -123,18 +123,23 @@ class EtcdClient:
         creds, opts = None, list[tuple[str, int | str]](_CHANNEL_OPTIONS)
         if config.tls:
             creds = grpc.ssl_channel_credentials(
-                _read(config.tls_ca), _read(config.tls_key) if config.tls_key else None,
+                _read(config.tls_ca),
+                _read(config.tls_key) if config.tls_key else None,
                 _read(config.tls_cert) if config.tls_cert else None,
-            )  # fmt: skip
+            )
             if config.tls_server_name:
                 opts.append(("grpc.ssl_target_name_override", config.tls_server_name))
         endpoints = [
             pyetcd.Endpoint(
-                host, port, secure=config.tls, creds=creds, time_retry=FAILED_MEMBER_S if self.several else 0.0,
+                host,
+                port,
+                secure=config.tls,
+                creds=creds,
+                time_retry=FAILED_MEMBER_S if self.several else 0.0,
                 opts=opts,
             )
             for host, port in map(parse_endpoint, config.endpoints)
-        ]  # fmt: skip
+        ]
         self._client = pyetcd.MultiEndpointEtcd3Client(
             endpoints=endpoints, timeout=config.request_timeout_s, failover=self.several
         )

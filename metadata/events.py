@@ -49,9 +49,14 @@ class ChunkEvent:
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "kind": self.kind.value, "revision": self.revision, "key": self.key.hex(), "node": self.node,
-            "tier": self.tier.value if self.tier else None, "size": self.size, "identity": self.identity,
-        }  # fmt: skip
+            "kind": self.kind.value,
+            "revision": self.revision,
+            "key": self.key.hex(),
+            "node": self.node,
+            "tier": self.tier.value if self.tier else None,
+            "size": self.size,
+            "identity": self.identity,
+        }
         if self.was is not None:
             out["was"] = self.was.value
         return out

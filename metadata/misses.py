@@ -122,8 +122,9 @@ def explain(
     """Every full chunk of ``tokens`` under ``identity``: where it is, or why not (see the module)."""
     chain = chunk_keys(identity, tokens)
     size = identity.chunk_size
-    others = [r.identity for r in cache.identities().values()
-              if r.identity.model == identity.model and r.identity != identity]  # fmt: skip
+    others = [
+        r.identity for r in cache.identities().values() if r.identity.model == identity.model and r.identity != identity
+    ]
     other_chains = {fingerprint(o): (o, chunk_keys(o, tokens)) for o in others if o.chunk_size == size}
     out = []
     for i, key in enumerate(chain):
@@ -177,8 +178,10 @@ def _other_identity(
     """Another registered identity of the model under which this chunk of the prompt is held."""
     for name, (other, chain) in sorted(others.items()):
         if index < len(chain) and all(cache.replicas(k) for k in object_keys(other, chain[index])):
-            differ = [f"{f}: {getattr(other, f)} here vs {getattr(identity, f)} asked"
-                      for f in ("kv_dtype", "layout", "chunk_size", "tp_size", "tp_rank", "codec")
-                      if getattr(other, f) != getattr(identity, f)]  # fmt: skip
+            differ = [
+                f"{f}: {getattr(other, f)} here vs {getattr(identity, f)} asked"
+                for f in ("kv_dtype", "layout", "chunk_size", "tp_size", "tp_rank", "codec")
+                if getattr(other, f) != getattr(identity, f)
+            ]
             return MissCause.OTHER_IDENTITY, f"held under identity {name}, which differs in {'; '.join(differ)}"
     return None

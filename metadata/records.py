@@ -24,14 +24,23 @@ from kvpool.core.types import (
     SegmentInfo,
     Tier,
     Tombstone,
-)  # fmt: skip
+)
 from kvpool.errors import ConfigError, MalformedRecord
 from kvpool.metadata.namespace import FINGERPRINT_HEX
 
 __all__ = [
-    "SCHEMA_VERSION", "decode_departure", "decode_identity", "decode_node", "decode_placement", "decode_tombstone",
-    "encode_departure", "encode_identity", "encode_node", "encode_placement", "encode_tombstone",
-]  # fmt: skip
+    "SCHEMA_VERSION",
+    "decode_departure",
+    "decode_identity",
+    "decode_node",
+    "decode_placement",
+    "decode_tombstone",
+    "encode_departure",
+    "encode_identity",
+    "encode_node",
+    "encode_placement",
+    "encode_tombstone",
+]
 
 #: 2: placements carry ``stored`` and ``size`` (no 0-sentinel); write-only fields gone.  3: placements carry the
 #: fingerprint of the cache identity their chunk was put under (chunk events report it)
@@ -155,8 +164,9 @@ def decode_placement(key: bytes, node: str, raw: bytes) -> Placement:
         w = _PLACEMENT_DECODER.decode(raw)
     except (msgspec.DecodeError, TypeError) as exc:
         raise _malformed("placement", raw, exc) from None
-    return Placement(key, node, w.tier, w.offset, w.stored, w.size, w.checksum, sys.intern(w.codec),
-                     sys.intern(w.identity))  # fmt: skip
+    return Placement(
+        key, node, w.tier, w.offset, w.stored, w.size, w.checksum, sys.intern(w.codec), sys.intern(w.identity)
+    )
 
 
 def encode_node(r: NodeRecord) -> bytes:

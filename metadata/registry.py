@@ -91,6 +91,11 @@ class NodeRegistry:
         keep_alive: bool = True,
     ) -> NodeRegistration:
         return NodeRegistration(
-            self.etcd, self.namespace, record, self.ttl_s,
-            clock=self.clock, on_new_lease=on_new_lease, keep_alive=keep_alive,
-        )  # fmt: skip
+            self.etcd,
+            self.namespace,
+            record,
+            self.ttl_s,
+            clock=self.clock,
+            on_new_lease=on_new_lease,
+            keep_alive=keep_alive,
+        )

@@ -34,9 +34,15 @@ class TombstoneWriter:
     """Node ``node_id``'s tombstones and the departures it sees, on a rolling lease."""
 
     def __init__(
-        self, etcd: EtcdClient, namespace: Namespace, node_id: str, *, ttl_s: int = TTL_S,
-        per_window: int = PER_WINDOW, clock: Callable[[], float] = time.time,
-    ) -> None:  # fmt: skip
+        self,
+        etcd: EtcdClient,
+        namespace: Namespace,
+        node_id: str,
+        *,
+        ttl_s: int = TTL_S,
+        per_window: int = PER_WINDOW,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.etcd, self.namespace, self.node_id = etcd, namespace, node_id
         self.ttl_s, self.per_window, self.clock = ttl_s, per_window, clock
         self.unrecorded = 0  #: drops past a window's budget

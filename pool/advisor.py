@@ -29,10 +29,20 @@ from kvpool.pool.reuse import (
 )
 
 __all__ = [
-    "ACCESS_LOG_ENV", "ACCESS_RATE_ENV", "AccessLog", "AccessSample", "MissRatioCurve", "ReuseSampler", "TierHits",
-    "curve_of_log", "lru_hit_ratio", "prefix_lru_hit_ratio", "read_access_logs", "tier_hits",
+    "ACCESS_LOG_ENV",
+    "ACCESS_RATE_ENV",
+    "AccessLog",
+    "AccessSample",
+    "MissRatioCurve",
+    "ReuseSampler",
+    "TierHits",
+    "curve_of_log",
+    "lru_hit_ratio",
+    "prefix_lru_hit_ratio",
+    "read_access_logs",
+    "tier_hits",
     "usable_bytes",
-]  # fmt: skip
+]
 
 ACCESS_LOG_ENV = "KVPOOL_ACCESS_LOG"  #: a directory: each process appends its sampled chunk lookups there
 ACCESS_RATE_ENV = "KVPOOL_ACCESS_RATE"  #: the sampling rate (default 0.01)
@@ -100,8 +110,11 @@ class AccessLog:
                 self._flush(now)
 
     def _flush(self, now: float) -> None:
-        self._lines.append(json.dumps({"t": now, "accesses": self._accesses, "lookups": self._lookups,
-                                       "rate": self.rate, "node": self.node}))  # fmt: skip
+        self._lines.append(
+            json.dumps(
+                {"t": now, "accesses": self._accesses, "lookups": self._lookups, "rate": self.rate, "node": self.node}
+            )
+        )
         with open(self.path, "a") as f:
             f.write("\n".join(self._lines) + "\n")
         self._lines, self._buffered = [], 0

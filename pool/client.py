@@ -93,8 +93,9 @@ class PoolClient:
         self.peers = Peers(self.cache, scope=config.metadata.cluster)
         self.rooms = Rooms()  #: DRAM each node holds for this client's next batch
         self._wait_s = config.metadata.retry_deadline_s  #: how long a call waits for the watch cache to catch up
-        self.s3 = S3Reads(config.remote, config.metadata.cluster, self.cache, self.placements,
-                          self.put_batch, self._wait_s)  # fmt: skip
+        self.s3 = S3Reads(
+            config.remote, config.metadata.cluster, self.cache, self.placements, self.put_batch, self._wait_s
+        )
         self._segment: DramSegment | None = None
         self._local: Any = None
         info: NodeInfo | None = None
@@ -106,8 +107,9 @@ class PoolClient:
             log.info("no pool node on this Ray node (%s): every transfer goes to peers", self.node_id[:12])
         self._stats = StatsReporter(self._local)  #: what this client saw, for its node's metrics
         self.info = info  #: what the pool node on this Ray node told of itself (None: there is none)
-        self.reads = NodeReads(self.node_id, self.nodes, self.peers, self._segment, self._local, info,
-                               config.encryption.keyring())  # fmt: skip
+        self.reads = NodeReads(
+            self.node_id, self.nodes, self.peers, self._segment, self._local, info, config.encryption.keyring()
+        )
         self.device = DeviceReads(self.node_id, info, self._local)
 
     def close(self) -> None:
@@ -139,9 +141,13 @@ class PoolClient:
         self.put_batch([(key, data)], replicas=replicas)
 
     def put_batch(
-        self, items: Sequence[tuple[bytes, Any]], replicas: int = 1, nodes: Sequence[str] = (), tenant: str = "",
+        self,
+        items: Sequence[tuple[bytes, Any]],
+        replicas: int = 1,
+        nodes: Sequence[str] = (),
+        tenant: str = "",
         identity: str = "",
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Store each ``(key, data)`` on ``replicas`` distinct nodes: this node first when it has a pool
         node, then those with the most free space; or exactly on ``nodes`` when given.  Keys name
         content: a key already held by a target is not written again.  A chunk given as a float tensor
@@ -265,8 +271,9 @@ class PoolClient:
         for node_id, idx in by_node.items():
             with contextlib.suppress(NodeUnreachable):  # the holder is gone: get_into tries the next replica
                 notify = None if on_done is None else partial(_at, on_done, idx)
-                self._settle(idx, self.reads.pinned(node_id, [keys[i] for i in idx], [dests[i] for i in idx], notify),
-                             done, None)  # fmt: skip
+                self._settle(
+                    idx, self.reads.pinned(node_id, [keys[i] for i in idx], [dests[i] for i in idx], notify), done, None
+                )
         for i, key in enumerate(keys):
             if not done[i]:
                 self._read_any_replica(key, dests[i])

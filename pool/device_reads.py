@@ -53,14 +53,18 @@ class DeviceReads:
         return self._io
 
     def get_into(
-        self, keys: Sequence[bytes], flats: list[torch.Tensor], nearest: list[Placement],
+        self,
+        keys: Sequence[bytes],
+        flats: list[torch.Tensor],
+        nearest: list[Placement],
         via_host: Callable[[list[bytes], list[Any]], object],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Read ``keys`` into the flat device views ``flats``; ``via_host`` is the client's ``get_into_batch``."""
         direct = [
-            i for i, p in enumerate(nearest)
+            i
+            for i, p in enumerate(nearest)
             if p.node == self.node_id and p.tier is Tier.NVME and p.codec == "raw" and p.stored == flats[i].numel()
-        ]  # fmt: skip
+        ]
         landed = self._direct(keys, flats, direct) if direct else set()
         rest = [i for i in range(len(keys)) if i not in landed]
         if not rest:

@@ -48,8 +48,9 @@ class EvictionPolicy:
     def add(self, key: bytes, tier: Tier, size: int, *, replicated: bool = False, tenant: str = "") -> None:
         if key in self._chunks:
             raise ConfigError(f"chunk {key.hex()[:16]} is already tracked")
-        st = self._chunks[key] = ChunkState(tier, size, self.clock.time(), next(self._seq), replicated=replicated,
-                                            tenant=tenant)  # fmt: skip
+        st = self._chunks[key] = ChunkState(
+            tier, size, self.clock.time(), next(self._seq), replicated=replicated, tenant=tenant
+        )
         self._used[(tenant, tier)] += size
         self._counts[tier] += 1
         self._place(key, st)

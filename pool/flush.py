@@ -66,8 +66,9 @@ class Flusher:
                 encoded = list(pool.map(self._encoded, chunks))
                 uploads = [
                     (c, r, pool.submit(self.s3.put, c.key, r.codec, r.data))
-                    for c, r in zip(chunks, encoded, strict=True) if r is not None
-                ]  # fmt: skip
+                    for c, r in zip(chunks, encoded, strict=True)
+                    if r is not None
+                ]
         finally:
             with lock:
                 for chunk in chunks:
@@ -85,18 +86,27 @@ class Flusher:
                 continue
             placements.append(
                 Placement(
-                    key=chunk.key, node=self.config.name, tier=Tier.REMOTE, offset=0, stored=len(recoded.data),
-                    size=chunk.size, checksum=recoded.checksum, codec=recoded.codec, identity=chunk.origin.identity,
+                    key=chunk.key,
+                    node=self.config.name,
+                    tier=Tier.REMOTE,
+                    offset=0,
+                    stored=len(recoded.data),
+                    size=chunk.size,
+                    checksum=recoded.checksum,
+                    codec=recoded.codec,
+                    identity=chunk.origin.identity,
                 )
-            )  # fmt: skip
+            )
         self.pause_s = 0.0 if error is None else min(max(2 * self.pause_s, MIN_PAUSE_S), MAX_PAUSE_S)
         self.not_before = self.clock.monotonic() + self.pause_s
         if error is not None:
             self.store.counters["remote_errors"] += 1
             log.warning(
-                "flush to the S3 tier: %d of %d chunks not uploaded: %s", len(uploads) - len(placements), len(uploads),
+                "flush to the S3 tier: %d of %d chunks not uploaded: %s",
+                len(uploads) - len(placements),
+                len(uploads),
                 error,
-            )  # fmt: skip
+            )
         return placements
 
     def _encoded(self, chunk: StoredChunk) -> Recoded | None:

@@ -53,8 +53,9 @@ class Holds:
     def open_room(self, offset: int, ttl_s: float) -> Room:
         """A room over the allocation at ``offset``, reclaimed by :meth:`reap` ``ttl_s`` after this unless filled."""
         room_id = secrets.randbits(63)  # random: a room of a node's earlier life is never taken for one of this
-        room = Room(room_id, offset, self.allocator.size_of(offset), self.allocator.alignment, ttl_s,
-                    at=self.clock.monotonic())  # fmt: skip
+        room = Room(
+            room_id, offset, self.allocator.size_of(offset), self.allocator.alignment, ttl_s, at=self.clock.monotonic()
+        )
         self._rooms[room.id] = room
         return room
 

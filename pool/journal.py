@@ -72,8 +72,12 @@ class Recovery:
     bytes_read: int
 
     def figures(self) -> dict[str, float]:
-        return {"adopted": len(self.adopted), "dropped": len(self.dropped), "bytes": self.bytes_read,
-                "seconds": self.seconds}  # fmt: skip
+        return {
+            "adopted": len(self.adopted),
+            "dropped": len(self.dropped),
+            "bytes": self.bytes_read,
+            "seconds": self.seconds,
+        }
 
     def summary(self) -> str:
         """One line for a person ("" when there was nothing to take back)."""
@@ -232,8 +236,9 @@ def recover(segment: NvmeSegment, named: Sequence[StoredChunk], io: Executor) ->
     return Recovery(adopted, dropped, time.monotonic() - began, sum(c.stored for c in placed))
 
 
-def take_back(store: "ChunkStore", journal: NvmeJournal, segment: NvmeSegment, named: Sequence[StoredChunk],
-              io: Executor) -> Recovery:  # fmt: skip
+def take_back(
+    store: "ChunkStore", journal: NvmeJournal, segment: NvmeSegment, named: Sequence[StoredChunk], io: Executor
+) -> Recovery:
     """Have ``store`` adopt the chunks ``named`` by the journal of an earlier node on ``segment`` that verify
     (:func:`recover`); the journal starts afresh with them."""
     recovery = recover(segment, named, io)
@@ -269,8 +274,18 @@ def _lock(path: str) -> int:
 
 def _put(chunk: StoredChunk) -> list[Any]:
     fmt, origin = chunk.fmt, chunk.origin
-    return ["put", chunk.key, chunk.offset, chunk.stored, chunk.size, chunk.checksum, chunk.codec,
-            None if fmt is None else [fmt.dtype, list(fmt.shape)], origin.tenant, origin.identity]  # fmt: skip
+    return [
+        "put",
+        chunk.key,
+        chunk.offset,
+        chunk.stored,
+        chunk.size,
+        chunk.checksum,
+        chunk.codec,
+        None if fmt is None else [fmt.dtype, list(fmt.shape)],
+        origin.tenant,
+        origin.identity,
+    ]
 
 
 def _chunk(record: list[Any]) -> StoredChunk:

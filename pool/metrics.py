@@ -151,20 +151,27 @@ class ClientStats:
 
     def _engine_metrics(self, node_id: str) -> Iterator[Metric]:
         tokens = CounterMetricFamily(
-            "kvpool_engine_tokens", "Prompt tokens an engine's KV connector on this node looked up, hit, loaded or saved",
+            "kvpool_engine_tokens",
+            "Prompt tokens an engine's KV connector on this node looked up, hit, loaded or saved",
             labels=["node", "kind"],
-        )  # fmt: skip
+        )
         for kind in ("lookup", "hit", "loaded", "saved"):
             tokens.add_metric([node_id, kind], self.engine.get(f"{kind}_tokens", 0))
         moved = CounterMetricFamily(
-            "kvpool_engine_bytes", "KV bytes an engine's connector moved into or out of its paged cache", labels=["node", "direction"]
-        )  # fmt: skip
+            "kvpool_engine_bytes",
+            "KV bytes an engine's connector moved into or out of its paged cache",
+            labels=["node", "direction"],
+        )
         seconds = CounterMetricFamily(
-            "kvpool_engine_seconds", "Seconds an engine's connector spent loading or saving (its I/O thread)", labels=["node", "direction"]
-        )  # fmt: skip
+            "kvpool_engine_seconds",
+            "Seconds an engine's connector spent loading or saving (its I/O thread)",
+            labels=["node", "direction"],
+        )
         errors = CounterMetricFamily(
-            "kvpool_engine_errors", "Chunks an engine's connector could not load (recomputed) or save batches it dropped", labels=["node", "direction"]
-        )  # fmt: skip
+            "kvpool_engine_errors",
+            "Chunks an engine's connector could not load (recomputed) or save batches it dropped",
+            labels=["node", "direction"],
+        )
         for direction, past in (("load", "loaded"), ("save", "saved")):
             moved.add_metric([node_id, direction], self.engine.get(f"{past}_bytes", 0))
             seconds.add_metric([node_id, direction], self.engine.get(f"{direction}_seconds", 0))
@@ -192,8 +199,12 @@ class StoreCollector(Collector):
     after retries; ``tombstones_unrecorded``, drops past the tombstone budget) and what its clients reported."""
 
     def __init__(
-        self, node_id: str, store: ChunkStore, published: Callable[[], dict[str, int]], clients: ClientStats | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        node_id: str,
+        store: ChunkStore,
+        published: Callable[[], dict[str, int]],
+        clients: ClientStats | None = None,
+    ) -> None:
         self.node_id, self.store, self.published = node_id, store, published
         self.clients = clients if clients is not None else ClientStats()
 
@@ -203,7 +214,9 @@ class StoreCollector(Collector):
         )
         cap = GaugeMetricFamily("kvpool_tier_capacity_bytes", "Capacity of a tier's segment", labels=["node", "tier"])
         chunks = GaugeMetricFamily("kvpool_tier_chunks", "Chunks held in a tier", labels=["node", "tier"])
-        frag = GaugeMetricFamily("kvpool_tier_fragmentation_ratio", "1 - largest free extent / free bytes", labels=["node", "tier"])  # fmt: skip
+        frag = GaugeMetricFamily(
+            "kvpool_tier_fragmentation_ratio", "1 - largest free extent / free bytes", labels=["node", "tier"]
+        )
         for tier, alloc in self.store.allocators.items():
             where = [self.node_id, tier.value]
             used.add_metric(where, alloc.used)
@@ -224,11 +237,14 @@ class StoreCollector(Collector):
         errors = CounterMetricFamily("kvpool_etcd_errors", "etcd requests that failed after retries", labels=["node"])
         errors.add_metric([self.node_id], published.get("etcd_errors", 0))
         stones = CounterMetricFamily(
-            "kvpool_tombstones_unrecorded", "Chunks dropped past this node's tombstone budget: why they went is not kept",
+            "kvpool_tombstones_unrecorded",
+            "Chunks dropped past this node's tombstone budget: why they went is not kept",
             labels=["node"],
-        )  # fmt: skip
+        )
         stones.add_metric([self.node_id], published.get("tombstones_unrecorded", 0))
-        io = GaugeMetricFamily("kvpool_nvme_io_path", "How NVMe reaches GPU memory (1 on the path in use)", labels=["node", "path"])  # fmt: skip
+        io = GaugeMetricFamily(
+            "kvpool_nvme_io_path", "How NVMe reaches GPU memory (1 on the path in use)", labels=["node", "path"]
+        )
         io.add_metric([self.node_id, nvme_io_path().name], 1)
         auth = GaugeMetricFamily(
             "kvpool_ray_auth_mode",
@@ -241,8 +257,14 @@ class StoreCollector(Collector):
 
     def _tenants(self) -> Iterator[Metric]:
         """Bytes each tenant holds per tier, and its quota (pool/tenants.py); chunks put by no tenant: tenant=""."""
-        used = GaugeMetricFamily("kvpool_tenant_used_bytes", "Bytes a tenant's chunks take in a tier", labels=["node", "tenant", "tier"])  # fmt: skip
-        quota = GaugeMetricFamily("kvpool_tenant_quota_bytes", "Bytes a tenant may hold in a tier (0: no quota)", labels=["node", "tenant", "tier"])  # fmt: skip
+        used = GaugeMetricFamily(
+            "kvpool_tenant_used_bytes", "Bytes a tenant's chunks take in a tier", labels=["node", "tenant", "tier"]
+        )
+        quota = GaugeMetricFamily(
+            "kvpool_tenant_quota_bytes",
+            "Bytes a tenant may hold in a tier (0: no quota)",
+            labels=["node", "tenant", "tier"],
+        )
         for tenant, tiers in self.store.policy.used().items():
             for tier, n in tiers.items():
                 used.add_metric([self.node_id, tenant, tier.value], n)

@@ -309,9 +309,11 @@ class MoveBooks:
         self.run(self.demotions())
 
     def run(
-        self, moves: Sequence[Move], lock: contextlib.AbstractContextManager[object] | None = None,
+        self,
+        moves: Sequence[Move],
+        lock: contextlib.AbstractContextManager[object] | None = None,
         executor: Executor | None = None,
-    ) -> list[StoredChunk | None]:  # fmt: skip
+    ) -> list[StoredChunk | None]:
         """Do begun moves: their I/O without ``lock`` (in ``executor``'s threads, if given), the books with it.
         What each chunk is now (None: dropped as corrupt)."""
         held = lock if lock is not None else contextlib.nullcontext()
@@ -324,8 +326,9 @@ class MoveBooks:
             return [self.finish(m) for m in moves]
 
 
-def _each(step: Callable[[Move, Segments], None], moves: Sequence[Move], segments: Segments,
-          executor: Executor | None) -> None:  # fmt: skip
+def _each(
+    step: Callable[[Move, Segments], None], moves: Sequence[Move], segments: Segments, executor: Executor | None
+) -> None:
     if executor is None or len(moves) < 2:
         for m in moves:
             step(m, segments)

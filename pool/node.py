@@ -76,11 +76,16 @@ class PoolNode:
         self.transport = NixlTransport(f"kvpool-node-{tag}", serve=True, scope=config.metadata.cluster)
         self.transport.register(SEGMENT_NAMES[Tier.DRAM], self.dram.base_address, self.dram.capacity)
         self.store = ChunkStore(
-            self.dram, self.nvme, watermarks=config.watermarks, promote_on_hit=config.promote_on_hit,
-            alignment=config.alignment, codecs={Tier.NVME: config.nvme_codec}, demote_inline=False,
+            self.dram,
+            self.nvme,
+            watermarks=config.watermarks,
+            promote_on_hit=config.promote_on_hit,
+            alignment=config.alignment,
+            codecs={Tier.NVME: config.nvme_codec},
+            demote_inline=False,
             keyring=config.encryption.keyring(),
             quotas=config.quotas,
-        )  # fmt: skip
+        )
         self._lock = threading.Lock()  #: the store's books: held only between I/O steps
         self._closing = threading.Event()
         self._flush_lock = threading.Lock()
@@ -126,9 +131,13 @@ class PoolNode:
             usage = self.store.usage()
         segments = tuple(SegmentInfo(SEGMENT_NAMES[t], t, cap, used) for t, (used, cap) in usage.items())
         return NodeRecord(
-            node_id=self.node_id, host=socket.gethostname(), pid=os.getpid(),
-            address=self.transport.descriptor(), segments=segments, metrics=self.metrics_address,
-        )  # fmt: skip
+            node_id=self.node_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            address=self.transport.descriptor(),
+            segments=segments,
+            metrics=self.metrics_address,
+        )
 
     def _timer(self) -> None:
         """Thread: reclaim expired reservations every half TTL, and flush idle NVMe chunks to the remote tier every
@@ -179,10 +188,15 @@ class PoolNode:
 
     def info(self) -> NodeInfo:
         return NodeInfo(
-            self.node_id, self.dram.path, self.dram.capacity, self.nvme.capacity if self.nvme else 0,
-            bool(self.nvme and self.nvme.direct), self.nvme.path if self.nvme else "", self.metrics_address,
+            self.node_id,
+            self.dram.path,
+            self.dram.capacity,
+            self.nvme.capacity if self.nvme else 0,
+            bool(self.nvme and self.nvme.direct),
+            self.nvme.path if self.nvme else "",
+            self.metrics_address,
             self.recovery.summary() if self.recovery else "",
-        )  # fmt: skip
+        )
 
     def open_room(self, length: int) -> Room:
         """DRAM room for a writer's next batch (see :class:`~kvpool.pool.chunks.Room`).  When DRAM has no free extent
@@ -200,9 +214,13 @@ class PoolNode:
             self.publisher.publish()  # what moved to make room
 
     def fill_room(
-        self, room_id: int, items: Sequence[tuple[bytes, int, int, int, TensorFormat | None]], replicated: bool,
-        next_length: int, origin: Origin = Origin(),
-    ) -> tuple[int, Room | None]:  # fmt: skip
+        self,
+        room_id: int,
+        items: Sequence[tuple[bytes, int, int, int, TensorFormat | None]],
+        replicated: bool,
+        next_length: int,
+        origin: Origin = Origin(),
+    ) -> tuple[int, Room | None]:
         """Make the chunks written into room ``room_id`` visible as ``origin``'s (see ``ChunkStore.fill_room``) and open
         the writer's next room of ``next_length`` bytes (none if 0, above an eighth of DRAM, or if DRAM has no room for
         it): one call per batch.  Returns the etcd revision that shows the chunks, and the next room."""

@@ -33,9 +33,14 @@ class Publisher:
     """Publishes ``store`` (whose books ``lock`` guards) as node ``node_id``; ``record()`` is the node's record now."""
 
     def __init__(
-        self, config: PoolConfig, node_id: str, store: ChunkStore, lock: AbstractContextManager[object],
-        record: Callable[[], NodeRecord], journal: NvmeJournal | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        config: PoolConfig,
+        node_id: str,
+        store: ChunkStore,
+        lock: AbstractContextManager[object],
+        record: Callable[[], NodeRecord],
+        journal: NvmeJournal | None = None,
+    ) -> None:
         self.node_id, self.store, self._lock, self._record = node_id, store, lock, record
         self.journal = journal  #: told every change first, when the NVMe segment outlives the node
         self.errors = 0  #: etcd requests that failed after their retries
@@ -58,9 +63,16 @@ class Publisher:
 
     def placement(self, chunk: StoredChunk) -> Placement:
         return Placement(
-            key=chunk.key, node=self.node_id, tier=chunk.tier, offset=chunk.offset, stored=chunk.stored,
-            size=chunk.size, checksum=chunk.checksum, codec=chunk.codec, identity=chunk.origin.identity,
-        )  # fmt: skip
+            key=chunk.key,
+            node=self.node_id,
+            tier=chunk.tier,
+            offset=chunk.offset,
+            stored=chunk.stored,
+            size=chunk.size,
+            checksum=chunk.checksum,
+            codec=chunk.codec,
+            identity=chunk.origin.identity,
+        )
 
     def publish(self) -> int:
         """Publish what the store changed (and what an earlier publish failed to); returns the etcd revision a
@@ -75,8 +87,11 @@ class Publisher:
             changes, self._unpublished = [*self._unpublished, *fresh], []
             final = {change.chunk.key: change for change in changes}
             puts = [self.placement(c.chunk) for c in final.values() if c.kind is not ChangeKind.DROPPED]
-            drops = [(self.placement(c.chunk), c.cause or DropCause.REMOVED) for c in final.values()
-                     if c.kind is ChangeKind.DROPPED]  # fmt: skip
+            drops = [
+                (self.placement(c.chunk), c.cause or DropCause.REMOVED)
+                for c in final.values()
+                if c.kind is ChangeKind.DROPPED
+            ]
             try:
                 stones = self.tombstones.ops(drops, self.store.policy.name)
                 revision = max(
@@ -107,8 +122,13 @@ class Publisher:
         for key in held.keys() & published.keys():
             c, p = held[key], published[key]
             if (c.tier, c.offset, c.stored, c.checksum, c.codec, c.origin.identity) != (
-                p.tier, p.offset, p.stored, p.checksum, p.codec, p.identity
-            ):  # fmt: skip
+                p.tier,
+                p.offset,
+                p.stored,
+                p.checksum,
+                p.codec,
+                p.identity,
+            ):
                 problems.append(f"chunk {short(key)}: held as {c}, published as {p}")
         return problems
 

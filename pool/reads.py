@@ -51,9 +51,15 @@ class NodeReads:
     actor of the pool node there (None when the Ray node has none), ``info`` what that node told of itself."""
 
     def __init__(
-        self, node_id: str, handles: NodeHandles, peers: Peers, segment: DramSegment | None, local: Any,
-        info: NodeInfo | None = None, keys: Keyring | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        node_id: str,
+        handles: NodeHandles,
+        peers: Peers,
+        segment: DramSegment | None,
+        local: Any,
+        info: NodeInfo | None = None,
+        keys: Keyring | None = None,
+    ) -> None:
         self.node_id, self.handles, self.peers, self.segment, self.local = node_id, handles, peers, segment, local
         self.keys = keys  #: opens chunks left on an encrypted NVMe tier
         self._nvme_file = (info.nvme_path, info.nvme_capacity) if info is not None and info.nvme_path else None
@@ -132,9 +138,13 @@ class NodeReads:
         )
 
     def _from_peer(
-        self, node_id: str, node: Any, usable: list[tuple[int, StoredChunk]], dests: list[memoryview],
+        self,
+        node_id: str,
+        node: Any,
+        usable: list[tuple[int, StoredChunk]],
+        dests: list[memoryview],
         mark: Callable[[int, bool], None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Chunks left on the peer's NVMe come back as call results (the transport reaches DRAM only); DRAM chunks
         by READs straight into the caller's registered buffers, the rest through the staging buffer."""
         on_nvme = [(j, c) for j, c in usable if c.tier is not Tier.DRAM]

@@ -89,9 +89,14 @@ class ReuseSampler:
     counts as a miss at every capacity."""
 
     def __init__(
-        self, rate: float = 0.01, max_keys: int = 100_000, *, per_node: bool = True,
-        shares: Mapping[str, float] | None = None, logged_at: float = 0.0,
-    ) -> None:  # fmt: skip
+        self,
+        rate: float = 0.01,
+        max_keys: int = 100_000,
+        *,
+        per_node: bool = True,
+        shares: Mapping[str, float] | None = None,
+        logged_at: float = 0.0,
+    ) -> None:
         if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 < rate <= 1:
             raise ConfigError(f"sampling rate must be in (0, 1], got {rate!r}")
         if not isinstance(max_keys, int) or isinstance(max_keys, bool) or max_keys < 1:

@@ -92,12 +92,20 @@ class ChunkStore:
         self.holds = Holds(self.allocators[Tier.DRAM], clock)  #: DRAM given to writers, not yet chunks
         self._changes: list[Change] = []  #: since the last take_changes()
         self.counters = {
-            "puts": 0, "gets": 0, "misses": 0, "migrations": 0, "promotions": 0, "drops": 0, "corrupt": 0, "reaped": 0,
+            "puts": 0,
+            "gets": 0,
+            "misses": 0,
+            "migrations": 0,
+            "promotions": 0,
+            "drops": 0,
+            "corrupt": 0,
+            "reaped": 0,
             "busy": 0,  #: moves and removes refused because a reader had the chunk pinned
             "quota_drops": 0,  #: chunks dropped because their tenant was over its quota
-            "encoded": 0, "decoded": 0,  #: chunks re-stored with another codec on a move (down, up)
+            "encoded": 0,
+            "decoded": 0,  #: chunks re-stored with another codec on a move (down, up)
             "bytes_via_ray": 0,  #: KV bytes that came or went as Ray call arguments/results, not one-sided
-        }  # fmt: skip
+        }
         #: moves between tiers, the room a full tier makes, tenants' quotas: all kept in step with the above
         self.moves = MoveBooks(
             self.segments,
@@ -168,9 +176,14 @@ class ChunkStore:
             self.commit(key, checksum, replicated=replicated, fmt=fmt, origin=origin)
 
     def commit(
-        self, key: bytes, checksum: int, *, replicated: bool = False, fmt: TensorFormat | None = None,
+        self,
+        key: bytes,
+        checksum: int,
+        *,
+        replicated: bool = False,
+        fmt: TensorFormat | None = None,
         origin: Origin = Origin(),
-    ) -> StoredChunk:  # fmt: skip
+    ) -> StoredChunk:
         """Make a reserved chunk visible as ``origin``'s (then migrate by watermark and by its tenant's quota); ``fmt``:
         its tensor format, if any."""
         check_checksum(checksum)
@@ -202,9 +215,15 @@ class ChunkStore:
         self.holds.abort(key)
 
     def put(
-        self, key: bytes, data: memoryview, checksum: int, *, replicated: bool = False, fmt: TensorFormat | None = None,
+        self,
+        key: bytes,
+        data: memoryview,
+        checksum: int,
+        *,
+        replicated: bool = False,
+        fmt: TensorFormat | None = None,
         origin: Origin = Origin(),
-    ) -> StoredChunk:  # fmt: skip
+    ) -> StoredChunk:
         check_checksum(checksum)
         r = self.reserve(key, data.nbytes)
         if r.already_stored:

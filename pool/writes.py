@@ -72,9 +72,14 @@ class Rooms:
         raise AssertionError(f"a room of {room.length} bytes cannot hold {len(sizes)} chunks it was opened for")
 
     def fill(
-        self, node_id: str, node: Any, room: Room, chunks: list[tuple[bytes, int, int, int, TensorFormat | None]],
-        replicated: bool, origin: Origin,
-    ) -> int:  # fmt: skip
+        self,
+        node_id: str,
+        node: Any,
+        room: Room,
+        chunks: list[tuple[bytes, int, int, int, TensorFormat | None]],
+        replicated: bool,
+        origin: Origin,
+    ) -> int:
         """Hand the chunks written into ``room`` over as ``origin``'s (one call, which opens the next room of the same
         size); the etcd revision that shows them."""
         revision, nxt = call(node.fill_room.remote(room.id, chunks, replicated, room.length, origin))
@@ -96,9 +101,15 @@ class Rooms:
 
 
 def _put_round(
-    rooms: Rooms, node_id: str, node: Any, items: Sequence[Item], sums: Sequence[Summary], replicated: bool,
-    write: Callable[[list[int]], None], origin: Origin,
-) -> int:  # fmt: skip
+    rooms: Rooms,
+    node_id: str,
+    node: Any,
+    items: Sequence[Item],
+    sums: Sequence[Summary],
+    replicated: bool,
+    write: Callable[[list[int]], None],
+    origin: Origin,
+) -> int:
     """One round: a room for ``items``, ``write(offsets)`` of their bytes into it, the fill; the etcd revision that
     shows them.  A room the node no longer has (reclaimed after its TTL, or the node restarted) is written again
     into a new one, once."""
@@ -119,9 +130,15 @@ def _put_round(
 
 
 def put_local(
-    node: Any, node_id: str, rooms: Rooms, segment: DramSegment, items: Sequence[Item], sums: Sequence[Summary],
-    replicated: bool, origin: Origin,
-) -> int:  # fmt: skip
+    node: Any,
+    node_id: str,
+    rooms: Rooms,
+    segment: DramSegment,
+    items: Sequence[Item],
+    sums: Sequence[Summary],
+    replicated: bool,
+    origin: Origin,
+) -> int:
     """Write ``items`` into this node (``node``: its actor, ``segment``: its mapped DRAM); the etcd revision that
     shows them."""
     revision = 0
@@ -136,9 +153,16 @@ def put_local(
 
 
 def put_peer(
-    node: Any, node_id: str, rooms: Rooms, peers: Peers, dram_bytes: int, items: Sequence[Item],
-    sums: Sequence[Summary], replicated: bool, origin: Origin,
-) -> int:  # fmt: skip
+    node: Any,
+    node_id: str,
+    rooms: Rooms,
+    peers: Peers,
+    dram_bytes: int,
+    items: Sequence[Item],
+    sums: Sequence[Summary],
+    replicated: bool,
+    origin: Origin,
+) -> int:
     """Write ``items`` into the peer ``node_id`` (``node``: its actor, ``dram_bytes``: its DRAM capacity) from
     the staging buffer, one batched one-sided WRITE a round; the etcd revision that shows them."""
     revision = 0

@@ -175,9 +175,13 @@ class PoolConnector:
         return min(replicas, key=nearest_first(self.client.node_id))
 
     def save(
-        self, cache: DynamicCache, keys: Sequence[Sequence[bytes]], first_chunk: int = 0, replicas: int = 1,
+        self,
+        cache: DynamicCache,
+        keys: Sequence[Sequence[bytes]],
+        first_chunk: int = 0,
+        replicas: int = 1,
         tenant: str = "",
-    ) -> int:  # fmt: skip
+    ) -> int:
         """Put chunks ``first_chunk ..`` of ``cache`` (the full chunks ``keys`` names) as ``tenant``'s; bytes put."""
         count = len(keys) - first_chunk
         if count <= 0:

@@ -68,9 +68,14 @@ def cache_bytes(cache: DynamicCache) -> int:
 
 class DeviceTier:
     def __init__(
-        self, connector: PoolConnector, budget_bytes: int, *, device: str | torch.device = "cpu",
-        offload_at: float = 0.85, drop_at: float = 0.95,
-    ) -> None:  # fmt: skip
+        self,
+        connector: PoolConnector,
+        budget_bytes: int,
+        *,
+        device: str | torch.device = "cpu",
+        offload_at: float = 0.85,
+        drop_at: float = 0.95,
+    ) -> None:
         if not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ConfigError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
         if not 0 < offload_at < drop_at <= 1:
@@ -89,9 +94,13 @@ class DeviceTier:
         return sum(e.nbytes for e in self._resident.values()) + sum(p.entry.nbytes for p in self._pending)
 
     def admit(
-        self, name: str, tokens: Sequence[int], cache: DynamicCache, priority: Priority = Priority.NORMAL,
+        self,
+        name: str,
+        tokens: Sequence[int],
+        cache: DynamicCache,
+        priority: Priority = Priority.NORMAL,
         scope: Scope | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Keep ``cache`` (the KV of ``tokens``, a request of ``scope``'s tenant) on the device under ``name``, then
         apply the watermarks."""
         self.poll()

@@ -44,7 +44,9 @@ class ConnectorConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be an int >= 1, got {value!r:.60}")
         if self.load_failure not in ("recompute", "fail"):
-            raise ConfigError(f"kv_connector_extra_config.load_failure must be 'recompute' or 'fail', got {self.load_failure!r:.40}")  # fmt: skip
+            raise ConfigError(
+                f"kv_connector_extra_config.load_failure must be 'recompute' or 'fail', got {self.load_failure!r:.40}"
+            )
 
     @classmethod
     def from_extra(cls, extra: Any) -> "ConnectorConfig":
@@ -76,6 +78,9 @@ def kv_transfer_config(config: ConnectorConfig, role: str = "kv_both") -> dict[s
     defaults = ConnectorConfig()
     extra = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items() if v != getattr(defaults, k)}
     return {
-        "kv_connector": CONNECTOR, "kv_connector_module_path": MODULE, "kv_role": role,
-        "kv_load_failure_policy": config.load_failure, "kv_connector_extra_config": extra,
-    }  # fmt: skip
+        "kv_connector": CONNECTOR,
+        "kv_connector_module_path": MODULE,
+        "kv_role": role,
+        "kv_load_failure_policy": config.load_failure,
+        "kv_connector_extra_config": extra,
+    }

@@ -122,8 +122,14 @@ def calibrate(
             bandwidth["peer"] = kv / max(_ttft(other, prompts[2], reset=True) - step, MIN_READ_S)
         flops = count.prefill_flops(tokens) / max(cold - step, MIN_READ_S)
         costs.append(CostModel(spec, Hardware(flops, bandwidth, "measured on this engine", 0.0, step), attention=True))
-        log.info("engine %d: cold %.3f s, step %.3f s, own DRAM %.2f GB/s%s", i, cold, step, bandwidth["dram"] / 1e9,
-                 f", peer {bandwidth['peer'] / 1e9:.2f} GB/s" if "peer" in bandwidth else "")  # fmt: skip
+        log.info(
+            "engine %d: cold %.3f s, step %.3f s, own DRAM %.2f GB/s%s",
+            i,
+            cold,
+            step,
+            bandwidth["dram"] / 1e9,
+            f", peer {bandwidth['peer'] / 1e9:.2f} GB/s" if "peer" in bandwidth else "",
+        )
     return costs
 
 
@@ -144,9 +150,14 @@ class EngineFront:
 
     @classmethod
     def over(
-        cls, lanes: Sequence[EngineLane], events: EngineEvents, costs: Sequence[CostModel], replicas: Any,
-        chunk_size: int, policy: "Policy | str" = Policy.CACHE_AWARE,
-    ) -> "EngineFront":  # fmt: skip
+        cls,
+        lanes: Sequence[EngineLane],
+        events: EngineEvents,
+        costs: Sequence[CostModel],
+        replicas: Any,
+        chunk_size: int,
+        policy: "Policy | str" = Policy.CACHE_AWARE,
+    ) -> "EngineFront":
         """A front over ``lanes`` whose router reads placements with ``replicas`` (a watch cache's); every engine
         must cache under one identity, or the router could not predict their hits."""
         states = [lane.engine.ask(connector=True) for lane in lanes]
@@ -175,9 +186,14 @@ class EngineFront:
 
 
 def start_engine_lanes(
-    settings: dict[str, Any], connector: dict[str, Any], node_ips: Sequence[str], events: str, log_dir: Path,
-    env: dict[str, str] | None = None, bind_cores: bool = False,
-) -> list[EngineLane]:  # fmt: skip
+    settings: dict[str, Any],
+    connector: dict[str, Any],
+    node_ips: Sequence[str],
+    events: str,
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+    bind_cores: bool = False,
+) -> list[EngineLane]:
     """One engine per Ray node in ``node_ips`` (its connector on that node's PoolNode), started at once, each
     publishing KV events to ``events`` under topic ``engine<i>``.  ``connector``: the ``kv_connector_extra_config``
     they share (``node_ip`` is set per engine).  ``bind_cores``: engine ``i`` computes on core ``i`` alone (vLLM's
@@ -234,19 +250,35 @@ def make_engine_app(front: EngineFront, model: str, tokenizer: Any = None, vocab
             log.warning("completion failed: %s", exc)
             return error_response(503, f"{type(exc).__name__}: {exc}", "server_error")
         text = tokenizer.decode(done.tokens, skip_special_tokens=True) if tokenizer is not None else ""
-        return web.json_response({
-            "id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
-            "model": model,
-            "choices": [{"index": 0, "text": text, "tokens": done.tokens, "finish_reason": "length", "logprobs": None}],
-            "usage": {"prompt_tokens": len(tokens), "completion_tokens": len(done.tokens),
-                      "total_tokens": len(tokens) + len(done.tokens)},
-            "kvpool": {"engine": done.lane, "seconds": done.seconds, "cached_tokens": done.cached,
-                       "predicted_ttft_s": done.quote.ttft_s, "prefix_from": done.quote.decision.tier},
-        })  # fmt: skip
+        return web.json_response(
+            {
+                "id": f"cmpl-{uuid.uuid4().hex[:24]}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": model,
+                "choices": [
+                    {"index": 0, "text": text, "tokens": done.tokens, "finish_reason": "length", "logprobs": None}
+                ],
+                "usage": {
+                    "prompt_tokens": len(tokens),
+                    "completion_tokens": len(done.tokens),
+                    "total_tokens": len(tokens) + len(done.tokens),
+                },
+                "kvpool": {
+                    "engine": done.lane,
+                    "seconds": done.seconds,
+                    "cached_tokens": done.cached,
+                    "predicted_ttft_s": done.quote.ttft_s,
+                    "prefix_from": done.quote.decision.tier,
+                },
+            }
+        )
 
     async def stats(_: web.Request) -> web.Response:
-        engines = [{"topic": lane.topic, "node": lane.node, "blocks": len(front.events.indexes[lane.topic])}
-                   for lane in front.lanes]  # fmt: skip
+        engines = [
+            {"topic": lane.topic, "node": lane.node, "blocks": len(front.events.indexes[lane.topic])}
+            for lane in front.lanes
+        ]
         events = {"applied": front.events.events, "gaps": front.events.gaps}
         return web.json_response({"engines": engines, "router": front.router.stats(), "events": events})
 

@@ -61,8 +61,12 @@ class BlockIndex:
         elif isinstance(event, BlockStored):
             size, parent = event.block_size, event.parent_block_hash
             if size < 1 or len(event.token_ids) != size * len(event.block_hashes):
-                log.warning("engine event: %d tokens for %d blocks of %d; skipped", len(event.token_ids),
-                            len(event.block_hashes), size)  # fmt: skip
+                log.warning(
+                    "engine event: %d tokens for %d blocks of %d; skipped",
+                    len(event.token_ids),
+                    len(event.block_hashes),
+                    size,
+                )
                 return
             self.block_size = size
             extras = event.extra_keys or [None] * len(event.block_hashes)
@@ -152,8 +156,9 @@ class EngineEvents:
                 return  # an engine this router does not route to
             last = self._seq.get(topic)
             if last is not None and seq != last + 1:
-                log.warning("engine %s: KV events %d..%d missed; its prefix cache is taken as empty", topic, last + 1,
-                            seq - 1)  # fmt: skip
+                log.warning(
+                    "engine %s: KV events %d..%d missed; its prefix cache is taken as empty", topic, last + 1, seq - 1
+                )
                 self.gaps += 1
                 index.apply(AllBlocksCleared())
             self._seq[topic] = seq
@@ -183,18 +188,27 @@ class EngineRouter(LaneRouter):
     """
 
     def __init__(
-        self, nodes: Sequence[str], costs: Sequence[CostModel],
-        keys: Callable[[Sequence[int], Scope | None], list[list[bytes]]], chunk_size: int,
-        replicas: Callable[[bytes], Sequence[Placement]], local: Callable[[int, Sequence[int], Scope | None], int],
+        self,
+        nodes: Sequence[str],
+        costs: Sequence[CostModel],
+        keys: Callable[[Sequence[int], Scope | None], list[list[bytes]]],
+        chunk_size: int,
+        replicas: Callable[[bytes], Sequence[Placement]],
+        local: Callable[[int, Sequence[int], Scope | None], int],
         policy: "Policy | str" = Policy.CACHE_AWARE,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(nodes, costs, keys, chunk_size, replicas, policy)
         self.local = local
 
     def quote(
-        self, lane: int, tokens: Sequence[int], scope: Scope | None, keys: list[list[bytes]], cached: int,
+        self,
+        lane: int,
+        tokens: Sequence[int],
+        scope: Scope | None,
+        keys: list[list[bytes]],
+        cached: int,
         flat: tuple[bytes, ...],
-    ) -> Quote:  # fmt: skip
+    ) -> Quote:
         node, cost, n = self.nodes[lane], self.costs[lane], len(tokens)
         queued_here = self._pending[lane]
         ahead = 0  # chunks a request queued on this engine shares with this one: in its cache by then

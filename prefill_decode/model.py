@@ -95,10 +95,17 @@ def tiny_llama(
 ) -> LoadedModel:
     """A random-weight Llama with grouped-query attention; its weights depend on ``seed`` alone, in any process."""
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=64 * round(2.7 * hidden / 64),
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=64 * round(2.7 * hidden / 64),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     with torch.random.fork_rng(devices=[]):  # the caller's RNG stream stays where it was
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)  # initialised on the CPU in float32, so dtype and device can't change it

@@ -205,10 +205,14 @@ class LaneRouter:
     """
 
     def __init__(
-        self, nodes: Sequence[str], costs: Sequence[CostModel],
+        self,
+        nodes: Sequence[str],
+        costs: Sequence[CostModel],
         keys: Callable[[Sequence[int], Scope | None], list[list[bytes]]],
-        chunk_size: int, replicas: Callable[[bytes], Sequence[Placement]], policy: "Policy | str" = Policy.CACHE_AWARE,
-    ) -> None:  # fmt: skip
+        chunk_size: int,
+        replicas: Callable[[bytes], Sequence[Placement]],
+        policy: "Policy | str" = Policy.CACHE_AWARE,
+    ) -> None:
         if not nodes or len(nodes) != len(costs):
             raise ConfigError(f"need one cost model per lane and at least one lane, got {len(nodes)} and {len(costs)}")
         self.nodes, self.costs = list(nodes), list(costs)
@@ -233,9 +237,14 @@ class LaneRouter:
         return [self.quote(lane, tokens, scope, keys, cached, flat) for lane in range(len(self.nodes))]
 
     def quote(
-        self, lane: int, tokens: Sequence[int], scope: Scope | None, keys: list[list[bytes]], cached: int,
+        self,
+        lane: int,
+        tokens: Sequence[int],
+        scope: Scope | None,
+        keys: list[list[bytes]],
+        cached: int,
         flat: tuple[bytes, ...],
-    ) -> Quote:  # fmt: skip
+    ) -> Quote:
         """Lane ``lane``'s prediction for ``tokens``, whose chunk objects are ``keys`` (``flat``: all of them), the
         first ``cached`` of which the pool holds."""
         node, cost = self.nodes[lane], self.costs[lane]
@@ -279,8 +288,10 @@ class LaneRouter:
         c = self.counts
         return {
             "policy": self.policy.value,
-            "lanes": [{"node": node, "requests": c[f"lane{i}"], "queued": self._queued[i]}
-                      for i, node in enumerate(self.nodes)],
+            "lanes": [
+                {"node": node, "requests": c[f"lane{i}"], "queued": self._queued[i]}
+                for i, node in enumerate(self.nodes)
+            ],
             "requests": c["requests"],
             "hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
-        }  # fmt: skip
+        }

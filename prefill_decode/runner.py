@@ -98,9 +98,15 @@ class ModelRunner:
             out = forward(self.model, ids[:, start:], loading.cache, logits_to_keep=1)
         loading.finish()
         return Prefilled(
-            tokens, out.logits[0, -1].float(), kv_cache(out), start, len(tokens) - start, False,
-            time.perf_counter() - t0, loading.times,
-        )  # fmt: skip
+            tokens,
+            out.logits[0, -1].float(),
+            kv_cache(out),
+            start,
+            len(tokens) - start,
+            False,
+            time.perf_counter() - t0,
+            loading.times,
+        )
 
     def save(
         self, prefilled: Prefilled, keys: Sequence[Sequence[bytes]], skip_chunks: int = 0, tenant: str = ""

@@ -73,9 +73,15 @@ class Service:
     """One or more lanes; with several, ``router`` (over the same lanes, in the same order) picks each request's."""
 
     def __init__(
-        self, lanes: Lane | Sequence[Lane], *, model: str, tokenizer: Any = None, eos: int | None = None,
-        router: LaneRouter | None = None, tenants: Tenants | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        lanes: Lane | Sequence[Lane],
+        *,
+        model: str,
+        tokenizer: Any = None,
+        eos: int | None = None,
+        router: LaneRouter | None = None,
+        tenants: Tenants | None = None,
+    ) -> None:
         self.lanes = [lanes] if isinstance(lanes, Lane) else list(lanes)
         if not self.lanes or not all(isinstance(lane, Lane) for lane in self.lanes):
             raise ConfigError("a Service needs at least one Lane(prefill, decode)")
@@ -156,9 +162,13 @@ def lane_router(lanes: Sequence[Lane], replicas: Any, policy: "Policy | str" = P
         if (other_layout, other) != (layout, identity):
             raise ConfigError(f"lane {i} caches under another identity or layout than lane 0: start every lane alike")
     return LaneRouter(
-        [node for node, *_ in infos], [cost for *_, cost in infos], partial(layout.keys, identity),
-        layout.chunk_size, replicas, policy,
-    )  # fmt: skip
+        [node for node, *_ in infos],
+        [cost for *_, cost in infos],
+        partial(layout.keys, identity),
+        layout.chunk_size,
+        replicas,
+        policy,
+    )
 
 
 def error_response(status: int, message: str, kind: str) -> web.Response:
@@ -174,8 +184,13 @@ def _completion(service: Service, tokens: list[int], done: Completion) -> dict[s
         "created": int(time.time()),
         "model": service.model,
         "choices": [
-            {"index": 0, "text": service.detokenize(done.tokens), "tokens": done.tokens,
-             "finish_reason": finish, "logprobs": None}
+            {
+                "index": 0,
+                "text": service.detokenize(done.tokens),
+                "tokens": done.tokens,
+                "finish_reason": finish,
+                "logprobs": None,
+            }
         ],
         "usage": {
             "prompt_tokens": len(tokens),
@@ -190,7 +205,7 @@ def _completion(service: Service, tokens: list[int], done: Completion) -> dict[s
             "prefill": asdict(done.prefill.summary),
             "decode": asdict(done.decode.summary),
         },
-    }  # fmt: skip
+    }
 
 
 async def completion_request(request: web.Request) -> tuple[str | list[int], int, str, bool]:

@@ -72,9 +72,13 @@ def cache_identity(vllm_config: Any, kv_cache_config: Any, config: ConnectorConf
     if isinstance(model, list):
         model = model[0]
     return CacheIdentity(
-        model=str(model), kv_dtype=str(spec.dtype).removeprefix("torch."), layout=layout,
-        chunk_size=config.chunk_size, tp_size=parallel.tensor_parallel_size, tp_rank=tp_rank,
-    )  # fmt: skip
+        model=str(model),
+        kv_dtype=str(spec.dtype).removeprefix("torch."),
+        layout=layout,
+        chunk_size=config.chunk_size,
+        tp_size=parallel.tensor_parallel_size,
+        tp_rank=tp_rank,
+    )
 
 
 class KvPoolConnector(KVConnectorBase_V1):

@@ -32,9 +32,13 @@ from typing import Any, TextIO
 from kvpool.errors import ConfigError, WorkerUnavailable
 
 ENGINE_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-}  # fmt: skip
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
 
 
 def start_engine(settings: dict[str, Any]) -> Any:
@@ -60,9 +64,15 @@ def start_engine(settings: dict[str, Any]) -> Any:
             enable_kv_cache_events=True, publisher="zmq", endpoint=events["endpoint"], topic=events.get("topic", "")
         )
     return LLM(
-        model=settings["model"], skip_tokenizer_init=True, dtype="float32", block_size=settings.get("block_size", 32),
-        max_model_len=settings.get("max_model_len", 4096), enforce_eager=True, seed=0, **kw,
-    )  # fmt: skip
+        model=settings["model"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        block_size=settings.get("block_size", 32),
+        max_model_len=settings.get("max_model_len", 4096),
+        enforce_eager=True,
+        seed=0,
+        **kw,
+    )
 
 
 def generate(
@@ -101,9 +111,11 @@ def connector_state() -> dict[str, Any]:
     side = get_kv_transfer_group().side
     client = side.client
     return {
-        "totals": dict(side.totals), "identity": asdict(side.identity), "layers": len(side.layers),
+        "totals": dict(side.totals),
+        "identity": asdict(side.identity),
+        "layers": len(side.layers),
         "node": client.node_id if client is not None else "",
-    }  # fmt: skip
+    }
 
 
 class EngineProcess:
@@ -114,9 +126,12 @@ class EngineProcess:
         self._log: TextIO = log.open("w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", __name__, json.dumps(settings)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
             env={**os.environ, **ENGINE_ENV, **(env or {})},
-        )  # fmt: skip
+        )
         self._expect("READY")
 
     def _expect(self, prefix: str) -> str:

@@ -68,9 +68,14 @@ class SchedulerSide:
     """Lookups in the watch cache and the per-step plan of loads and saves."""
 
     def __init__(
-        self, config: ConnectorConfig, identities: list[CacheIdentity], layers: int, block_size: int,
-        loads_kv: bool = True, saves_kv: bool = True,
-    ) -> None:  # fmt: skip
+        self,
+        config: ConnectorConfig,
+        identities: list[CacheIdentity],
+        layers: int,
+        block_size: int,
+        loads_kv: bool = True,
+        saves_kv: bool = True,
+    ) -> None:
         self.config, self.identities, self.layers, self.block_size = config, identities, layers, block_size
         self.loads_kv, self.saves_kv = loads_kv, saves_kv
         self.chunk = config.chunk_size
@@ -200,10 +205,16 @@ class SchedulerSide:
                 after = min(done + out.num_scheduled_tokens.get(req_id, 0), len(req.tokens))
                 full = min(after // self.chunk, len(req.block_ids) // bpc)
                 if full > req.saved:
-                    meta.saves.append(Transfer(
-                        req_id, req.tokens[: full * self.chunk], req.saved, full, req.block_ids[: full * bpc],
-                        tenant=req.tenant,
-                    ))  # fmt: skip
+                    meta.saves.append(
+                        Transfer(
+                            req_id,
+                            req.tokens[: full * self.chunk],
+                            req.saved,
+                            full,
+                            req.block_ids[: full * bpc],
+                            tenant=req.tenant,
+                        )
+                    )
                     req.saved = full
                     self._saving.add(req_id)
         self._loads.clear()
@@ -213,10 +224,15 @@ class SchedulerSide:
         computed, end_token = load
         first, end = computed // self.chunk, -(-end_token // self.chunk)  # the last chunk may end 1 token later
         return Transfer(
-            req_id, req.tokens[: end * self.chunk], first, end, req.block_ids[: end * bpc],
-            write_from=computed // self.block_size, whole_before_forward=end * self.chunk > end_token,
+            req_id,
+            req.tokens[: end * self.chunk],
+            first,
+            end,
+            req.block_ids[: end * bpc],
+            write_from=computed // self.block_size,
+            whole_before_forward=end * self.chunk > end_token,
             tenant=req.tenant,
-        )  # fmt: skip
+        )
 
     def finished(self, req_id: str) -> bool:
         """Whether vLLM must keep the request's blocks until the workers report its saves done."""

@@ -113,8 +113,13 @@ class WorkerSide:
 
             if not ray.is_initialized():
                 kw: dict[str, Any] = {"_node_ip_address": self.config.node_ip} if self.config.node_ip else {}
-                attach(self.config.ray_address, self.config.ray_token_path or None,
-                           namespace=self.config.namespace, log_to_driver=False, **kw)  # fmt: skip
+                attach(
+                    self.config.ray_address,
+                    self.config.ray_token_path or None,
+                    namespace=self.config.namespace,
+                    log_to_driver=False,
+                    **kw,
+                )
             pool = PoolConfig(metadata=self.config.metadata(), namespace=self.config.namespace)
             self.client = PoolClient(pool)
         except (KvPoolError, ConnectionError, RuntimeError) as exc:
@@ -160,8 +165,12 @@ class WorkerSide:
             with self._errors_lock:
                 self._load_errors |= errors
             tokens = sum((t.end - t.first) * self.config.chunk_size for t in loads)
-            self._count(loaded_tokens=tokens, loaded_bytes=loaded_bytes, load_errors=len(errors),
-                        load_seconds=time.perf_counter() - started)  # fmt: skip
+            self._count(
+                loaded_tokens=tokens,
+                loaded_bytes=loaded_bytes,
+                load_errors=len(errors),
+                load_seconds=time.perf_counter() - started,
+            )
             if errors:  # the chunks were there when looked up, and could not be read: recomputed
                 self._count(**{f"{MISS_PREFIX}read_failed": sum(1 for bad in failed if bad)})
         finally:
@@ -257,8 +266,11 @@ class WorkerSide:
                 log.warning("kvpool: could not save %d chunk layers: %s", sum(map(len, items.values())), exc)
                 self._count(save_errors=len(batch))
                 return
-            self._count(saved_tokens=sum((t.end - t.first) * self.config.chunk_size for _, t in batch), saved_bytes=at,
-                        save_seconds=time.perf_counter() - started)  # fmt: skip
+            self._count(
+                saved_tokens=sum((t.end - t.first) * self.config.chunk_size for _, t in batch),
+                saved_bytes=at,
+                save_seconds=time.perf_counter() - started,
+            )
         finally:
             with self._saving:
                 for _, t in batch:

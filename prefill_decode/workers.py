@@ -90,10 +90,18 @@ class PrefillSummary:
     def of(cls, node_id: str, route: Route, pre: Prefilled) -> "PrefillSummary":
         load = pre.load
         return cls(
-            node_id, len(pre.tokens), route.decision.action.value, str(route.decision), pre.reused_tokens,
-            pre.computed_tokens, pre.fell_back, pre.seconds, route.sources if pre.reused_tokens else {},
-            sum(load.fetch_s) if load else 0.0, load.stall_s if load else 0.0,
-        )  # fmt: skip
+            node_id,
+            len(pre.tokens),
+            route.decision.action.value,
+            str(route.decision),
+            pre.reused_tokens,
+            pre.computed_tokens,
+            pre.fell_back,
+            pre.seconds,
+            route.sources if pre.reused_tokens else {},
+            sum(load.fetch_s) if load else 0.0,
+            load.stall_s if load else 0.0,
+        )
 
 
 @dataclass(frozen=True)
@@ -196,9 +204,15 @@ class DecodeWorker(Worker):
         self._sequences = 0
 
     def decode(
-        self, tokens: Sequence[int], first_token: int, max_new_tokens: int, *, revision: int = 0, eos: int | None = None,
+        self,
+        tokens: Sequence[int],
+        first_token: int,
+        max_new_tokens: int,
+        *,
+        revision: int = 0,
+        eos: int | None = None,
         scope: Scope | None = None,
-    ) -> DecodeResult:  # fmt: skip
+    ) -> DecodeResult:
         """Continue ``tokens`` from ``first_token``: reload the prompt's KV (once this worker's placement
         cache has reached ``revision``, where the prefill worker's chunks are visible), then decode."""
         self._check(tokens, max_new_tokens)

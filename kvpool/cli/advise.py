@@ -89,9 +89,12 @@ def plot(curve: MissRatioCurve, dram: float, nvme: float, path: Path) -> None:
 def _capacity(tier: str) -> Any:
     """The ``--dram-gib`` / ``--nvme-gib`` option."""
     return typer.Option(
-        None, f"--{tier.lower()}-gib", min=0, show_default=False,
+        None,
+        f"--{tier.lower()}-gib",
+        min=0,
+        show_default=False,
         help=f"{tier} the pool has now, GiB, all nodes together (default: what the running pool at --etcd has).",
-    )  # fmt: skip
+    )
 
 
 @root.app.command()

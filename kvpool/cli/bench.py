@@ -43,9 +43,12 @@ def _scaling(r: "Results") -> Table:
         table.add_column(col, justify="right")
     for point in r.scaling:
         table.add_row(
-            str(point["readers"]), f"{point['aggregate_gbps']:.2f}", f"{point['per_reader_gbps']:.2f}",
-            f"{lim['memcpy']:.2f}", f"{lim['socket']:.2f}",
-        )  # fmt: skip
+            str(point["readers"]),
+            f"{point['aggregate_gbps']:.2f}",
+            f"{point['per_reader_gbps']:.2f}",
+            f"{lim['memcpy']:.2f}",
+            f"{lim['socket']:.2f}",
+        )
     return table
 
 
@@ -55,9 +58,13 @@ def _ttft(r: "Results") -> Table:
         table.add_column(col, justify="right")
     for t in r.ttft:
         table.add_row(
-            f"{t['tokens']:,}", f"{t['cold_s']:.3f}", f"{t['warm_s']:.3f}", f"{t['speedup']:.1f}x",
-            f"{t['reused_tokens']:,}", "yes" if t["same_token"] else "NO",
-        )  # fmt: skip
+            f"{t['tokens']:,}",
+            f"{t['cold_s']:.3f}",
+            f"{t['warm_s']:.3f}",
+            f"{t['speedup']:.1f}x",
+            f"{t['reused_tokens']:,}",
+            "yes" if t["same_token"] else "NO",
+        )
     return table
 
 

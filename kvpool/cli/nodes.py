@@ -128,10 +128,13 @@ def join(
             except OSError as exc:
                 raise ConfigError(f"--nvme-dir {nvme_dir} cannot be created ({exc.strerror}): give another") from None
         base = PoolConfig(
-            metadata=options.pool_etcd(etcd, cluster, "join", etcd_tls), nvme_dir=nvme_dir, namespace=namespace,
-            metrics_host=metrics_host, nvme_codec=nvme_codec,
+            metadata=options.pool_etcd(etcd, cluster, "join", etcd_tls),
+            nvme_dir=nvme_dir,
+            namespace=namespace,
+            metrics_host=metrics_host,
+            nvme_codec=nvme_codec,
             remote=options.remote_config(s3_bucket, s3_endpoint, s3_codec, flush_after),
-        )  # fmt: skip
+        )
         info, ip = _start_node(ray_address, node_ip, base, dram_mib, nvme_mib)
         nvme = f"NVMe {size(info.nvme_capacity)}" + (" (O_DIRECT)" if info.nvme_direct else "")
         root.console.print(

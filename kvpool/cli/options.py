@@ -115,9 +115,13 @@ def metadata_config(etcd: str | None, cluster: str, tls_dir: str | None = None) 
 
     files = client_files(tls_dir)
     return MetadataConfig(
-        endpoints=endpoints, cluster=cluster, tls_ca=str(files.ca), tls_cert=str(files.cert), tls_key=str(files.key),
+        endpoints=endpoints,
+        cluster=cluster,
+        tls_ca=str(files.ca),
+        tls_cert=str(files.cert),
+        tls_key=str(files.key),
         tls_server_name=SERVER_NAME,
-    )  # fmt: skip
+    )
 
 
 def pool_etcd(etcd: str | None, cluster: str, command: str, tls_dir: str | None = None) -> MetadataConfig:

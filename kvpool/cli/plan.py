@@ -30,9 +30,14 @@ def render_plan(model: CostModel, tokens: int) -> RenderableType:
         speedup = f"{row.speedup:.1f}{TIMES}" if row.speedup >= 1 else f"{row.speedup:.2g}{TIMES}"
         verdict = f"[green]{row.action.value}[/]" if row.action is Action.RELOAD else f"[yellow]{row.action.value}[/]"
         table.add_row(
-            row.tier, f"{row.bandwidth / 1e9:.4g}", fig(row.kv_bytes / 1e9), fig(row.reload_s), fig(row.prefill_s),
-            speedup, verdict,
-        )  # fmt: skip
+            row.tier,
+            f"{row.bandwidth / 1e9:.4g}",
+            fig(row.kv_bytes / 1e9),
+            fig(row.reload_s),
+            fig(row.prefill_s),
+            speedup,
+            verdict,
+        )
     tail = f"break-even: reloading wins from any tier faster than {fig(model.break_even_bandwidth(tokens) / 1e9)} GB/s"
     return Group(head, table, tail)
 

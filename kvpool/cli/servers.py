@@ -135,9 +135,16 @@ def etcd_server(
         hosts = [host, advertise or "", *(a.rpartition(":")[0] for a in (members or {}).values())]
         tls = server_files(tls_dir, hosts) if tls_dir else None
         server = EmbeddedEtcd(
-            host, data_dir, client_port=port, peer_port=peer_port, advertise_host=advertise, fast=dev, name=name,
-            peers=members, tls=tls,
-        )  # fmt: skip
+            host,
+            data_dir,
+            client_port=port,
+            peer_port=peer_port,
+            advertise_host=advertise,
+            fast=dev,
+            name=name,
+            peers=members,
+            tls=tls,
+        )
         server.start(wait=members is None)
         with in_foreground("etcd", server.running, server.stop, MetadataUnavailable, server.base_dir / "etcd.log"):
             if members:

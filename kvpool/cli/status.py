@@ -96,20 +96,35 @@ def gather(cache: MetadataCache, read_metrics: Callable[[str], dict[str, float]]
     registered = cache.identities()
     identities = tuple(
         IdentityStatus(
-            f, r.identity.model, r.identity.kv_dtype, r.identity.layout, r.identity.chunk_size,
-            f"{r.identity.tp_rank}/{r.identity.tp_size}", r.identity.codec, r.host, now - r.at,
+            f,
+            r.identity.model,
+            r.identity.kv_dtype,
+            r.identity.layout,
+            r.identity.chunk_size,
+            f"{r.identity.tp_rank}/{r.identity.tp_size}",
+            r.identity.codec,
+            r.host,
+            now - r.at,
         )
         for f, r in sorted(registered.items(), key=lambda i: (i[1].identity.model, i[0]))
-    )  # fmt: skip
+    )
     return PoolStatus(
-        cluster=cache.namespace.cluster, endpoints=tuple(cache.etcd.config.endpoints), revision=cache.revision,
-        nodes=nodes, chunks=cache.chunk_count(), replicas=cache.replica_count(), malformed=cache.malformed,
+        cluster=cache.namespace.cluster,
+        endpoints=tuple(cache.etcd.config.endpoints),
+        revision=cache.revision,
+        nodes=nodes,
+        chunks=cache.chunk_count(),
+        replicas=cache.replica_count(),
+        malformed=cache.malformed,
         remote=RemoteTier(
-            len(remote), sum(p.stored for p in remote), sum(p.size for p in remote),
+            len(remote),
+            sum(p.stored for p in remote),
+            sum(p.size for p in remote),
             tuple(sorted({p.codec for p in remote})),
         ),
-        identities=identities, warnings=tuple(disagreements(registered.values())),
-    )  # fmt: skip
+        identities=identities,
+        warnings=tuple(disagreements(registered.values())),
+    )
 
 
 def _node(cache: MetadataCache, n: NodeRecord, m: dict[str, float], now: float) -> NodeStatus:
@@ -127,15 +142,23 @@ def _node(cache: MetadataCache, n: NodeRecord, m: dict[str, float], now: float) 
             is_used = metric == "kvpool_tenant_used_bytes"
             tenants[tenant][tier] = (int(value), quota) if is_used else (used, int(value))
     return NodeStatus(
-        node_id=n.node_id, host=n.host, pid=n.pid,
+        node_id=n.node_id,
+        host=n.host,
+        pid=n.pid,
         dram=TierUse(cache.bytes_held(n.node_id, Tier.DRAM), n.capacity(Tier.DRAM)),
         nvme=TierUse(cache.bytes_held(n.node_id, Tier.NVME), n.capacity(Tier.NVME)),
-        replicas=cache.replica_count(n.node_id), up_s=now - n.started if n.started else None, metrics=n.metrics,
+        replicas=cache.replica_count(n.node_id),
+        up_s=now - n.started if n.started else None,
+        metrics=n.metrics,
         watermarks=(m[low], m[high]) if low in m and high in m else None,
-        puts=count("kvpool_puts_total"), gets=count("kvpool_gets_total"), moves=count("kvpool_tier_moves_total"),
-        lookup_hits=hits, lookups=hits + misses, tenants=tenants,
+        puts=count("kvpool_puts_total"),
+        gets=count("kvpool_gets_total"),
+        moves=count("kvpool_tier_moves_total"),
+        lookup_hits=hits,
+        lookups=hits + misses,
+        tenants=tenants,
         ray_auth=next((mode for mode in MODES if m.get(f"kvpool_ray_auth_mode{{{mode}}}")), ""),
-    )  # fmt: skip
+    )
 
 
 def _title(s: PoolStatus) -> str:
@@ -167,9 +190,20 @@ def compact_table(s: PoolStatus) -> Table:
 
 
 WIDE_COLUMNS = (
-    "node", "host", "pid", "DRAM held / capacity", "NVMe held / capacity", "watermarks", "replicas",
-    "puts", "gets", "moves", "hit rate", "up for", "metrics",
-)  # fmt: skip
+    "node",
+    "host",
+    "pid",
+    "DRAM held / capacity",
+    "NVMe held / capacity",
+    "watermarks",
+    "replicas",
+    "puts",
+    "gets",
+    "moves",
+    "hit rate",
+    "up for",
+    "metrics",
+)
 
 
 def wide_table(s: PoolStatus) -> Table:
@@ -183,9 +217,17 @@ def wide_table(s: PoolStatus) -> Table:
         counts = ["-" if c is None else str(c) for c in (n.puts, n.gets, n.moves)]
         up = f"{n.up_s:.0f} s" if n.up_s is not None else "?"
         table.add_row(
-            n.node_id[:12], n.host, str(n.pid), *tiers, marks, str(n.replicas), *counts, _hit_rate(n, wide=True), up,
+            n.node_id[:12],
+            n.host,
+            str(n.pid),
+            *tiers,
+            marks,
+            str(n.replicas),
+            *counts,
+            _hit_rate(n, wide=True),
+            up,
             n.metrics,
-        )  # fmt: skip
+        )
     if not s.nodes:
         table.add_row("(no live nodes)")
     return table
@@ -208,8 +250,17 @@ def identities_table(s: PoolStatus) -> Table:
     for col in ("fingerprint", "model", "kv dtype", "layout", "chunk", "tp", "codec", "registered by", "ago"):
         table.add_column(col, overflow="fold")
     for i in s.identities:
-        table.add_row(i.fingerprint, i.model, i.kv_dtype, i.layout, str(i.chunk_size), i.tp, i.codec, i.host,
-                      short_duration(i.age_s))  # fmt: skip
+        table.add_row(
+            i.fingerprint,
+            i.model,
+            i.kv_dtype,
+            i.layout,
+            str(i.chunk_size),
+            i.tp,
+            i.codec,
+            i.host,
+            short_duration(i.age_s),
+        )
     return table
 
 

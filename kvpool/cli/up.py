@@ -46,9 +46,13 @@ def demo_table(run: "DemoRun") -> Table:
         p, d = done.prefill.summary, done.decode.summary
         where, dwhere = (", ".join(f"{b / 2**20:.1f} MiB {src}" for src, b in x.sources.items()) or "-" for x in (p, d))
         table.add_row(
-            name, f"{done.ttft_s:.3f}", p.action, f"{p.reused_tokens} reused ({where}), {p.computed_tokens} computed",
-            f"{d.reused_tokens} reused ({dwhere}), {d.computed_tokens} computed", f"{done.total_s:.2f}",
-        )  # fmt: skip
+            name,
+            f"{done.ttft_s:.3f}",
+            p.action,
+            f"{p.reused_tokens} reused ({where}), {p.computed_tokens} computed",
+            f"{d.reused_tokens} reused ({dwhere}), {d.computed_tokens} computed",
+            f"{done.total_s:.2f}",
+        )
     return table
 
 
@@ -98,9 +102,16 @@ def _tls_etcd(stack: ExitStack, tls_dir: str) -> str:
 
 
 def _run(
-    pool: PoolConfig, stack: ExitStack, demo: str, serve: int, hold: bool, lanes: int, route: str,
-    tenants: Tenants | None = None, engine: str = "workers",
-) -> None:  # fmt: skip
+    pool: PoolConfig,
+    stack: ExitStack,
+    demo: str,
+    serve: int,
+    hold: bool,
+    lanes: int,
+    route: str,
+    tenants: Tenants | None = None,
+    engine: str = "workers",
+) -> None:
     """Everything ``up`` does on the running ``pool``."""
     from kvpool.cli import status  # here, not above: up comes first in --help
     from kvpool.prefill_decode.demo import run_demo
@@ -243,11 +254,14 @@ def up(
                 "etcd with TLS, or --etcd for a running one"
             )
         pool = PoolConfig(
-            metadata=metadata, dram_bytes=dram_mib * MiB, nvme_bytes=nvme_mib * MiB or -1,
-            nvme_dir=nvme_dir, nvme_codec=nvme_codec,
+            metadata=metadata,
+            dram_bytes=dram_mib * MiB,
+            nvme_bytes=nvme_mib * MiB or -1,
+            nvme_dir=nvme_dir,
+            nvme_codec=nvme_codec,
             remote=options.remote_config(s3_bucket, s3_endpoint, s3_codec, flush_after),
             quotas=tenants_file.quotas() if tenants_file else {},
-        )  # fmt: skip
+        )
         config = StackConfig(pool=pool, nodes=nodes, ray_address=ray_address or "", ray_auth=ray_auth_mode.lower())
         running = stack.enter_context(running_pool(config, root.ConsoleReport()))
         _run(running, stack, demo, serve, hold, lanes, route, tenants_file, engine)

@@ -84,10 +84,16 @@ def vllm_config(
                 f"no live pool nodes in cluster '{cluster}': start the pool first (kvpool up / kvpool join)"
             )
         config = ConnectorConfig(
-            etcd=tuple(endpoints), cluster=cluster, namespace=namespace, ray_address=ray_address,
-            ray_token_path=ray_token or token_file(), node_ip=node_ip,
-            model_id=model_id, chunk_size=chunk_size, replicas=replicas,
-        )  # fmt: skip
+            etcd=tuple(endpoints),
+            cluster=cluster,
+            namespace=namespace,
+            ray_address=ray_address,
+            ray_token_path=ray_token or token_file(),
+            node_ip=node_ip,
+            model_id=model_id,
+            chunk_size=chunk_size,
+            replicas=replicas,
+        )
         typer.echo(json.dumps(kv_transfer_config(config, role)))
         root.err_console.print(
             f"[dim]pool '{cluster}': {len(nodes)} live nodes; use it with: "

@@ -80,8 +80,11 @@ def server_files(directory: str | os.PathLike[str], hosts: Iterable[str] = ()) -
         if current is not None and ca_key is None and not wanted <= have and SERVER_NAME in have:
             log.warning(
                 "%s does not name %s and there is no CA key to issue one that does: kvpool's clients verify it as "
-                "%s, other clients must too", cert_path, ", ".join(sorted(wanted - have)), SERVER_NAME,
-            )  # fmt: skip
+                "%s, other clients must too",
+                cert_path,
+                ", ".join(sorted(wanted - have)),
+                SERVER_NAME,
+            )
         elif current is None or not wanted <= have:
             if ca_key is None:
                 raise ConfigError(
@@ -152,38 +155,54 @@ def _authority(d: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey | 
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"kvpool CA {os.urandom(4).hex()}")])
     now = _now()
     cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
         .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(_usage(cert_sign=True), critical=True)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
-    )  # fmt: skip
+    )
     _write(key_path, _key_pem(key), secret=True)
     _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), secret=False)
     return cert, key
 
 
 def _issue(
-    cert_path: Path, key_path: Path, ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey,
-    cn: str, hosts: set[str], *, server: bool,
-) -> None:  # fmt: skip
+    cert_path: Path,
+    key_path: Path,
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    cn: str,
+    hosts: set[str],
+    *,
+    server: bool,
+) -> None:
     """A leaf certificate signed by the CA.  A server's is for client and server use: etcd's gateway and its peers
     connect with it as a client."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = _now()
-    usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if server else [
-        ExtendedKeyUsageOID.CLIENT_AUTH
-    ]  # fmt: skip
+    usages = (
+        [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+        if server
+        else [ExtendedKeyUsageOID.CLIENT_AUTH]
+    )
     builder = (
-        x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
-        .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=LEAF_DAYS))
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=LEAF_DAYS))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(_usage(cert_sign=False), critical=True)
         .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-    )  # fmt: skip
+    )
     if hosts:
         builder = builder.add_extension(x509.SubjectAlternativeName(sorted(map(_san, hosts), key=str)), critical=False)
     cert = builder.sign(ca_key, hashes.SHA256())
@@ -227,9 +246,16 @@ def _san(host: str) -> x509.GeneralName:
 
 def _usage(*, cert_sign: bool) -> x509.KeyUsage:
     return x509.KeyUsage(
-        digital_signature=True, content_commitment=False, key_encipherment=False, data_encipherment=False,
-        key_agreement=False, key_cert_sign=cert_sign, crl_sign=cert_sign, encipher_only=False, decipher_only=False,
-    )  # fmt: skip
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=cert_sign,
+        crl_sign=cert_sign,
+        encipher_only=False,
+        decipher_only=False,
+    )
 
 
 def _now() -> datetime.datetime:

@@ -163,26 +163,50 @@ class EmbeddedEtcd:
         tls = self.tls
         return [
             self.binary,
-            "--name", self.name,
-            "--data-dir", str(self.data_dir),
-            "--listen-client-urls", listen,
-            "--advertise-client-urls", advertise,
-            "--listen-peer-urls", peer_listen,
-            "--initial-advertise-peer-urls", peer_advertise,
-            "--initial-cluster", cluster,
-            "--initial-cluster-state", "new",
+            "--name",
+            self.name,
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            listen,
+            "--advertise-client-urls",
+            advertise,
+            "--listen-peer-urls",
+            peer_listen,
+            "--initial-advertise-peer-urls",
+            peer_advertise,
+            "--initial-cluster",
+            cluster,
+            "--initial-cluster-state",
+            "new",
             # members of two clusters started with the same --peers by mistake never join each other
-            "--initial-cluster-token", "kvpool-" + hashlib.sha256(cluster.encode()).hexdigest()[:16],
-            "--log-level", "warn",
+            "--initial-cluster-token",
+            "kvpool-" + hashlib.sha256(cluster.encode()).hexdigest()[:16],
+            "--log-level",
+            "warn",
             *HISTORY_FLAGS,
             *(FAST_FLAGS if self.fast else ()),
-            *(() if tls is None else (
-                "--cert-file", str(tls.cert), "--key-file", str(tls.key), "--trusted-ca-file", str(tls.ca),
-                "--client-cert-auth",
-                "--peer-cert-file", str(tls.cert), "--peer-key-file", str(tls.key),
-                "--peer-trusted-ca-file", str(tls.ca), "--peer-client-cert-auth",
-            )),
-        ]  # fmt: skip
+            *(
+                ()
+                if tls is None
+                else (
+                    "--cert-file",
+                    str(tls.cert),
+                    "--key-file",
+                    str(tls.key),
+                    "--trusted-ca-file",
+                    str(tls.ca),
+                    "--client-cert-auth",
+                    "--peer-cert-file",
+                    str(tls.cert),
+                    "--peer-key-file",
+                    str(tls.key),
+                    "--peer-trusted-ca-file",
+                    str(tls.ca),
+                    "--peer-client-cert-auth",
+                )
+            ),
+        ]
 
     def _ssl(self) -> ssl.SSLContext | None:
         """How this process talks to its own etcd over TLS: the CA, and the server's pair as a client certificate

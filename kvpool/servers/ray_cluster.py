@@ -30,8 +30,14 @@ RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
 
 class LocalRayCluster:
     def __init__(
-        self, nodes: int = 1, *, first_ip: int = 2, num_cpus: int = 1, object_store_mib: int = 96, auth: str | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        nodes: int = 1,
+        *,
+        first_ip: int = 2,
+        num_cpus: int = 1,
+        object_store_mib: int = 96,
+        auth: str | None = None,
+    ) -> None:
         if not 1 <= nodes <= 32:
             raise ConfigError(f"nodes must be in [1, 32], got {nodes}")
         self.ips = [f"127.0.0.{first_ip + i}" for i in range(nodes)]
@@ -58,10 +64,16 @@ class LocalRayCluster:
             ["--head", f"--port={self.port}", "--include-dashboard=false"] if head else [f"--address={self.address}"]
         )
         args = [
-            ray_bin, "start", *where, f"--node-ip-address={ip}", f"--num-cpus={self.num_cpus}",
-            f"--object-store-memory={self.object_store_bytes}", f"--dashboard-agent-listen-port={free_port(ip)}",
-            "--disable-usage-stats", "--block",
-        ]  # fmt: skip
+            ray_bin,
+            "start",
+            *where,
+            f"--node-ip-address={ip}",
+            f"--num-cpus={self.num_cpus}",
+            f"--object-store-memory={self.object_store_bytes}",
+            f"--dashboard-agent-listen-port={free_port(ip)}",
+            "--disable-usage-stats",
+            "--block",
+        ]
         assert self._log_dir is not None
         env = {**os.environ, **RAY_ENV}  # this process runs in the cluster's mode already (start)
         node = ServerProcess(f"'ray start' on {ip}", args, self._log_dir / f"ray-{ip}.log", env=env, grace_s=60.0)

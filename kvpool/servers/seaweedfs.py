@@ -140,22 +140,31 @@ class SeaweedServer:
             self.ports[name] for name in SERVICES
         )
         args = [
-            self.binary, "server",
+            self.binary,
+            "server",
             f"-dir={self.base_dir / 'data'}",
-            f"-ip={self.host}", f"-ip.bind={self.host}",
-            f"-master.port={master}", f"-master.port.grpc={master_grpc}",
-            f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
-            "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
+            f"-ip={self.host}",
+            f"-ip.bind={self.host}",
+            f"-master.port={master}",
+            f"-master.port.grpc={master_grpc}",
+            f"-volume.port={volume}",
+            f"-volume.port.grpc={volume_grpc}",
+            "-filer",
+            f"-filer.port={filer}",
+            f"-filer.port.grpc={filer_grpc}",
             f"-filer.localSocket={self.base_dir / 'filer.sock'}",
-            "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}",
+            "-s3",
+            f"-s3.port={s3}",
+            f"-s3.port.grpc={s3_grpc}",
             f"-s3.localSocket={self.base_dir / 's3.sock'}",
-            "-s3.port.iceberg=0", "-s3.port.lance=0",  # else fixed ports 8181 and 9101: two servers would collide
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",  # else fixed ports 8181 and 9101: two servers would collide
             "-s3.autoCreateBucket=false",  # a put to a missing bucket must fail, as on AWS
             "-master.telemetry=false",  # it would call out to telemetry.seaweedfs.com
             f"-master.volumeSizeLimitMB={self.volume_size_limit_mb}",
             "-volume.max=0",  # volumes allowed: free disk / volume size (every bucket takes at least one)
             "-volume.preStopSeconds=0",
-        ]  # fmt: skip
+        ]
         if self.access_key_id:
             args.append(f"-s3.config={self._write_identities()}")
         return args

@@ -31,9 +31,14 @@ class S3Reads:
     identity their S3 placements recorded."""
 
     def __init__(
-        self, config: RemoteConfig, cluster: str, cache: MetadataCache, placements: PlacementStore,
-        put_back: Callable[..., None], wait_s: float,
-    ) -> None:  # fmt: skip
+        self,
+        config: RemoteConfig,
+        cluster: str,
+        cache: MetadataCache,
+        placements: PlacementStore,
+        put_back: Callable[..., None],
+        wait_s: float,
+    ) -> None:
         self.config, self.cluster = config, cluster
         self.cache, self.placements, self.put_back, self.wait_s = cache, placements, put_back, wait_s
         self._store: RemoteStore | None = None  #: made on first use

@@ -24,10 +24,16 @@ def extra_ray_node(ip: str) -> Iterator[tuple[str, Callable[[], None]]]:
     marker = uuid.uuid4().hex
     gcs = ray.get_runtime_context().gcs_address
     args = [
-        str(Path(sys.executable).with_name("ray")), "start", f"--address={gcs}", f"--node-ip-address={ip}",
-        "--num-cpus=1", f"--object-store-memory={96 * MiB}", f"--dashboard-agent-listen-port={free_port(ip)}",
-        "--disable-usage-stats", "--block",
-    ]  # fmt: skip
+        str(Path(sys.executable).with_name("ray")),
+        "start",
+        f"--address={gcs}",
+        f"--node-ip-address={ip}",
+        "--num-cpus=1",
+        f"--object-store-memory={96 * MiB}",
+        f"--dashboard-agent-listen-port={free_port(ip)}",
+        "--disable-usage-stats",
+        "--block",
+    ]
     env = {**os.environ, **RAY_ENV, "KVPOOL_FAULT_NODE": marker}
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 

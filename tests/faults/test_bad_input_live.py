@@ -28,9 +28,12 @@ EXAMPLES = 150
 GOOD = chunk_keys(CacheIdentity(model="live-bad-input", kv_dtype="u8", layout="b", chunk_size=1), range(6))
 
 bad_key = st.one_of(
-    st.binary(max_size=40).filter(lambda b: len(b) != 32), st.text(max_size=5), st.integers(), st.none(),
+    st.binary(max_size=40).filter(lambda b: len(b) != 32),
+    st.text(max_size=5),
+    st.integers(),
+    st.none(),
     st.lists(st.integers(), max_size=2),
-)  # fmt: skip
+)
 key = st.one_of(st.sampled_from(GOOD), st.sampled_from(GOOD), bad_key)
 length = st.one_of(
     st.integers(1, 64 * 1024), st.sampled_from([0, -1, 2**40, 2**64]), st.floats(), st.text(max_size=3), st.none()
@@ -119,8 +122,13 @@ def test_live_node_refuses_bad_calls_and_stays_consistent(node: Any) -> None:
     """``EXAMPLES`` generated call sequences; over all of them, calls both succeeded and were refused, often."""
     seen: Counter[str] = Counter()
 
-    @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
-              suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+    @settings(
+        max_examples=EXAMPLES,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
     @given(st.lists(op, min_size=1, max_size=6))
     def sequences(calls: list[tuple[Any, ...]]) -> None:
         run_calls(node, calls, seen)

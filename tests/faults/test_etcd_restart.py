@@ -30,9 +30,12 @@ def etcd_pool(ray_cluster: list[str]) -> Iterator[tuple[EmbeddedEtcd, PoolConfig
     """A pool on every node whose etcd is this test's own, to kill and restart."""
     with EmbeddedEtcd() as server:
         metadata = MetadataConfig(
-            endpoints=(server.endpoint,), cluster="restart", lease_ttl_s=10,
-            request_timeout_s=1.0, retry_deadline_s=DEADLINE_S,
-        )  # fmt: skip
+            endpoints=(server.endpoint,),
+            cluster="restart",
+            lease_ttl_s=10,
+            request_timeout_s=1.0,
+            retry_deadline_s=DEADLINE_S,
+        )
         pool = PoolConfig(
             metadata=metadata, dram_bytes=8 * MiB, nvme_bytes=-1, namespace=f"etcd-{uuid.uuid4().hex[:8]}"
         )

@@ -35,9 +35,12 @@ KILLED_WRITER = textwrap.dedent(
 @pytest.fixture
 def pool(ray_cluster: list[str], metadata_config: MetadataConfig) -> Iterator[PoolConfig]:
     config = PoolConfig(
-        metadata=metadata_config, dram_bytes=4 * MiB, nvme_bytes=-1, reservation_ttl_s=TTL_S,
+        metadata=metadata_config,
+        dram_bytes=4 * MiB,
+        nvme_bytes=-1,
+        reservation_ttl_s=TTL_S,
         namespace=f"orphans-{uuid.uuid4().hex[:8]}",
-    )  # fmt: skip
+    )
     start_pool(config, ray_cluster[:1])
     yield config
     stop_pool(config)

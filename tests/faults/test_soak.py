@@ -48,9 +48,12 @@ def test_soak(
 ) -> None:
     duration = float(request.config.getoption("--soak-s"))
     pool = PoolConfig(
-        metadata=metadata_config, namespace=f"soak-{uuid.uuid4().hex[:8]}", dram_bytes=4 * MiB,
-        nvme_bytes=8 * MiB, nvme_dir=str(tmp_path),
-    )  # fmt: skip
+        metadata=metadata_config,
+        namespace=f"soak-{uuid.uuid4().hex[:8]}",
+        dram_bytes=4 * MiB,
+        nvme_bytes=8 * MiB,
+        nvme_dir=str(tmp_path),
+    )
     start_pool(pool, ray_cluster)
     keys = iter(chunk_keys(CacheIdentity(model="soak", kv_dtype="u8", layout="b", chunk_size=1), range(10**7)))
     rng = random.Random(11)
@@ -135,9 +138,11 @@ def _one_operation(
         ops["removes"] += len(gone)
     else:
         on_head = [
-            (k, p) for k in rng.sample(list(live), min(20, len(live))) for p in client.cache.replicas(k)
+            (k, p)
+            for k in rng.sample(list(live), min(20, len(live)))
+            for p in client.cache.replicas(k)
             if p.node == nodes[0] and p.tier is Tier.DRAM and len(client.cache.replicas(k)) == 1
-        ]  # fmt: skip
+        ]
         if not on_head:
             return
         key, p = on_head[0]

@@ -44,9 +44,13 @@ def test_a_node_killed_whole_and_joined_again_serves_its_nvme_chunks(
     ray_cluster: list[str], metadata_config: MetadataConfig, tmp_path: Path
 ) -> None:
     pool = PoolConfig(
-        metadata=metadata_config, namespace=f"warm-{uuid.uuid4().hex[:8]}", dram_bytes=4 * MiB, nvme_bytes=16 * MiB,
-        nvme_dir=str(tmp_path), metrics_port=-1,
-    )  # fmt: skip
+        metadata=metadata_config,
+        namespace=f"warm-{uuid.uuid4().hex[:8]}",
+        dram_bytes=4 * MiB,
+        nvme_bytes=16 * MiB,
+        nvme_dir=str(tmp_path),
+        metrics_port=-1,
+    )
     keys = chunk_keys(CacheIdentity(model="warm", kv_dtype="u8", layout="b", chunk_size=1), range(24))
     with PoolClient(pool) as client:
         with extra_ray_node(IP) as (first, kill):
@@ -70,11 +74,31 @@ def test_a_node_killed_whole_and_joined_again_serves_its_nvme_chunks(
         with extra_ray_node(IP) as (second, _):
             began = time.monotonic()
             joined = subprocess.run(
-                [KVPOOL, "join", "--ray-address", ray.get_runtime_context().gcs_address, "--node-ip", IP,
-                 "--etcd", metadata_config.endpoints[0], "--cluster", metadata_config.cluster,
-                 "--namespace", pool.namespace, "--nvme-dir", str(tmp_path), "--dram-mib", "4", "--nvme-mib", "16"],
-                capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "500"},
-            )  # fmt: skip
+                [
+                    KVPOOL,
+                    "join",
+                    "--ray-address",
+                    ray.get_runtime_context().gcs_address,
+                    "--node-ip",
+                    IP,
+                    "--etcd",
+                    metadata_config.endpoints[0],
+                    "--cluster",
+                    metadata_config.cluster,
+                    "--namespace",
+                    pool.namespace,
+                    "--nvme-dir",
+                    str(tmp_path),
+                    "--dram-mib",
+                    "4",
+                    "--nvme-mib",
+                    "16",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env={**os.environ, "COLUMNS": "500"},
+            )
             assert joined.returncode == 0, joined.stderr
             assert "took back 23 NVMe chunks" in joined.stdout and "1 did not verify" in joined.stdout
             client.cache.sync()

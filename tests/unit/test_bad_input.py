@@ -480,8 +480,17 @@ def test_store_refuses_bad_calls_and_its_published_changes_match_its_chunks(
 
 NS = Namespace("bad-input")
 KEY = bytes(range(32))
-PLACEMENT = Placement(KEY, "node-1", Tier.NVME, offset=8192, stored=1024, size=4096, checksum=12345, codec="fp8",
-                      identity="0123456789abcdef")  # fmt: skip
+PLACEMENT = Placement(
+    KEY,
+    "node-1",
+    Tier.NVME,
+    offset=8192,
+    stored=1024,
+    size=4096,
+    checksum=12345,
+    codec="fp8",
+    identity="0123456789abcdef",
+)
 NODE = NodeRecord("node-1", "host-a", 4242, b"agent", (SegmentInfo("dram0", Tier.DRAM, 1 << 20, 4096),), 1.0, "h:9100")
 PLACEMENT_BYTES, NODE_BYTES = encode_placement(PLACEMENT), encode_node(NODE)
 

@@ -59,8 +59,11 @@ def test_advise_predicts_from_sampled_logs(tmp_path: Path) -> None:
 
     priced = runner.invoke(app, [*args, "--model", "llama-3-8b"], env={"COLUMNS": "250"})
     assert priced.exit_code == 0, priced.stdout
-    saved = {line.split("│")[1].strip(): float(line.split("│")[7].strip().rstrip(" s").replace(",", ""))
-             for line in priced.stdout.splitlines() if line.count("│") > 6}  # fmt: skip
+    saved = {
+        line.split("│")[1].strip(): float(line.split("│")[7].strip().rstrip(" s").replace(",", ""))
+        for line in priced.stdout.splitlines()
+        if line.count("│") > 6
+    }
     assert saved["DRAM +0.0625 GiB"] >= saved["now"] > saved["DRAM -0.0625 GiB"] > 0
     assert "llama-3-8b on reference analysis figures" in priced.stdout
     slow = runner.invoke(app, [*args, "--model", "llama-3-8b", "--nvme-gbps", "0.001"], env={"COLUMNS": "250"})

@@ -49,13 +49,17 @@ def test_ls_sorts_by_key_and_shows_every_replica() -> None:
 
 def test_bench_results() -> None:
     results = Results(
-        nodes=["n1" * 8, "n2" * 8], hosts=["127.0.0.2", "127.0.0.3"],
+        nodes=["n1" * 8, "n2" * 8],
+        hosts=["127.0.0.2", "127.0.0.3"],
         settings={"chunks_per_cell": 16, "size": 4 * 2**20, "ttft_model": "tiny-llama"},
         limits={"memcpy": 5.2, "socket": 1.9, "disk_write": 0.5, "disk_read": 2.7},
-        put=[[1.3, 0.9], [0.8, 1.2]], get={"dram": [[2.5, 1.5], [1.6, 2.9]]},
+        put=[[1.3, 0.9], [0.8, 1.2]],
+        get={"dram": [[2.5, 1.5], [1.6, 2.9]]},
         scaling=[{"readers": 1, "aggregate_gbps": 1.5, "per_reader_gbps": 1.5}],
-        ttft=[{"tokens": 1024, "cold_s": 0.33, "warm_s": 0.032, "speedup": 10.3, "reused_tokens": 1024, "same_token": 1.0}],
-    )  # fmt: skip
+        ttft=[
+            {"tokens": 1024, "cold_s": 0.33, "warm_s": 0.032, "speedup": 10.3, "reused_tokens": 1024, "same_token": 1.0}
+        ],
+    )
     out = text(render_bench(results))
     flat = " ".join(out.split())  # titles wrap over narrow tables
     assert "limits memcpy (1 thread) 5.20 GB/s · TCP loopback 1.90 GB/s" in flat
@@ -67,10 +71,16 @@ def test_bench_results() -> None:
 
 def completion(reused: int, computed: int, ttft_s: float, tokens: list[int]) -> Completion:
     summary = PrefillSummary(
-        node_id="n", prompt_tokens=reused + computed, action="reload" if reused else "recompute", decision="",
-        reused_tokens=reused, computed_tokens=computed, fell_back=False, seconds=ttft_s,
+        node_id="n",
+        prompt_tokens=reused + computed,
+        action="reload" if reused else "recompute",
+        decision="",
+        reused_tokens=reused,
+        computed_tokens=computed,
+        fell_back=False,
+        seconds=ttft_s,
         sources={"dram@n1": 2**20} if reused else {},
-    )  # fmt: skip
+    )
     prefill = PrefillResult(first_token=tokens[0], ttft_s=ttft_s, summary=summary, saved_bytes=0, revision=1)
     decode = DecodeResult(tokens=tokens, summary=summary, decode_s=0.1)
     return Completion(list(range(reused + computed)), tokens, ttft_s, ttft_s + 0.1, prefill, decode)

@@ -17,19 +17,35 @@ runner = CliRunner()
 
 def node(i: int, **changes: object) -> NodeStatus:
     fields: dict[str, object] = dict(
-        node_id=f"{i:02d}c0ffee7d0d0d0d0d0d0d0d0d0d0d0", host=f"127.0.0.{2 + i}", pid=40_000 + i,
-        dram=TierUse(12 * MiB + i, 256 * MiB), nvme=TierUse(0, 1024 * MiB), replicas=21, up_s=4000.0,
-        metrics=f"127.0.0.1:{9100 + i}", watermarks=(0.6, 0.8), puts=37, gets=1234, moves=5, lookup_hits=78,
+        node_id=f"{i:02d}c0ffee7d0d0d0d0d0d0d0d0d0d0d0",
+        host=f"127.0.0.{2 + i}",
+        pid=40_000 + i,
+        dram=TierUse(12 * MiB + i, 256 * MiB),
+        nvme=TierUse(0, 1024 * MiB),
+        replicas=21,
+        up_s=4000.0,
+        metrics=f"127.0.0.1:{9100 + i}",
+        watermarks=(0.6, 0.8),
+        puts=37,
+        gets=1234,
+        moves=5,
+        lookup_hits=78,
         lookups=100,
-    )  # fmt: skip
+    )
     return NodeStatus(**{**fields, **changes})  # type: ignore[arg-type]
 
 
 def snapshot(nodes: tuple[NodeStatus, ...], remote: RemoteTier = RemoteTier(0, 0, 0, ())) -> PoolStatus:
     return PoolStatus(
-        cluster="default", endpoints=("127.0.0.1:23791",), revision=812, nodes=nodes, chunks=56, replicas=63,
-        malformed=0, remote=remote,
-    )  # fmt: skip
+        cluster="default",
+        endpoints=("127.0.0.1:23791",),
+        revision=812,
+        nodes=nodes,
+        chunks=56,
+        replicas=63,
+        malformed=0,
+        remote=remote,
+    )
 
 
 def text(renderable: object, width: int) -> str:
@@ -65,9 +81,20 @@ def test_wide_shows_every_column() -> None:
     first, second = (line for line in out.splitlines() if "c0ffee7d0d" in line)
     cells = [c.strip() for c in first.split("│")[1:-1]]
     assert cells == [
-        "00c0ffee7d0d", "127.0.0.2", "40000", "12.0 MiB / 256.0 MiB", "0.0 MiB / 1.00 GiB", "60%-80%", "21",
-        "37", "1234", "5", "78% of 100", "4000 s", "127.0.0.1:9100",
-    ]  # fmt: skip
+        "00c0ffee7d0d",
+        "127.0.0.2",
+        "40000",
+        "12.0 MiB / 256.0 MiB",
+        "0.0 MiB / 1.00 GiB",
+        "60%-80%",
+        "21",
+        "37",
+        "1234",
+        "5",
+        "78% of 100",
+        "4000 s",
+        "127.0.0.1:9100",
+    ]
     assert "no segment" in second and "60%-80%" not in second
 
 

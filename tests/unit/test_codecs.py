@@ -17,9 +17,18 @@ from kvpool.pool.tiers.quantizers import Fp8, Int4
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SPECS = [
-    "raw", "raw+zstd", "fp8-e4m3", "fp8-e4m3/channel", "fp8-e5m2", "fp8-e5m2/channel+zstd", "int4", "int4:g64",
-    "int4:g48", "int4+zstd", "int4+delta+zstd",
-]  # fmt: skip
+    "raw",
+    "raw+zstd",
+    "fp8-e4m3",
+    "fp8-e4m3/channel",
+    "fp8-e5m2",
+    "fp8-e5m2/channel+zstd",
+    "int4",
+    "int4:g64",
+    "int4:g48",
+    "int4+zstd",
+    "int4+delta+zstd",
+]
 LOSSY = [s for s in SPECS if not s.startswith("raw")]
 #: the rounding of a decoded value to the output dtype: relative to its magnitude, and at least (subnormals)
 OUT_EPS = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -244,11 +253,16 @@ def test_decode_takes_bytearray_and_memoryview() -> None:
 @pytest.mark.parametrize(
     "spec,name",
     [
-        ("raw", "raw"), ("zstd", "raw+zstd"), (" RAW+ZSTD ", "raw+zstd"), ("fp8-e4m3/tensor", "fp8-e4m3"),
-        ("fp8-e5m2/channel+zstd", "fp8-e5m2/channel+zstd"), ("int4:g32", "int4"), ("int4:g64", "int4:g64"),
+        ("raw", "raw"),
+        ("zstd", "raw+zstd"),
+        (" RAW+ZSTD ", "raw+zstd"),
+        ("fp8-e4m3/tensor", "fp8-e4m3"),
+        ("fp8-e5m2/channel+zstd", "fp8-e5m2/channel+zstd"),
+        ("int4:g32", "int4"),
+        ("int4:g64", "int4:g64"),
         ("int4:g2+delta+zstd", "int4:g2+delta+zstd"),
     ],
-)  # fmt: skip
+)
 def test_specs_are_canonicalised(spec: str, name: str) -> None:
     codec = parse_codec(spec)
     assert codec.name == str(codec) == name
@@ -264,11 +278,29 @@ def test_codec_objects_match_their_specs() -> None:
 @pytest.mark.parametrize(
     "spec",
     [
-        "", "foo", "fp8", "fp8-e4m3/row", "fp8-e3m4", "int8", "int4:g0", "int4:g3", "int4:g-2", "int4:gx", "int4:32",
-        "int4:g8192", "int4:g", "raw+lz4", "raw+zstd+zstd", "zstd+raw", "int4+delta", "fp8-e4m3+delta+zstd",
-        "raw+delta+zstd", "int4+zstd+delta", "+zstd",
+        "",
+        "foo",
+        "fp8",
+        "fp8-e4m3/row",
+        "fp8-e3m4",
+        "int8",
+        "int4:g0",
+        "int4:g3",
+        "int4:g-2",
+        "int4:gx",
+        "int4:32",
+        "int4:g8192",
+        "int4:g",
+        "raw+lz4",
+        "raw+zstd+zstd",
+        "zstd+raw",
+        "int4+delta",
+        "fp8-e4m3+delta+zstd",
+        "raw+delta+zstd",
+        "int4+zstd+delta",
+        "+zstd",
     ],
-)  # fmt: skip
+)
 def test_bad_specs_raise_config_error(spec: str) -> None:
     with pytest.raises(ConfigError):
         parse_codec(spec)
@@ -293,13 +325,17 @@ def test_spec_must_be_a_string(spec: object) -> None:
 @pytest.mark.parametrize(
     "tensor",
     [
-        torch.zeros(4, 8, dtype=torch.float64), torch.zeros(4, 8, dtype=torch.int8),
+        torch.zeros(4, 8, dtype=torch.float64),
+        torch.zeros(4, 8, dtype=torch.int8),
         torch.zeros(4, 8, dtype=torch.bool),
-        torch.zeros(4, 8, dtype=torch.float8_e4m3fn), torch.tensor(1.0), torch.zeros((1,) * 17),
-        np.zeros((4, 8), dtype=np.float32), [[1.0, 2.0]],
+        torch.zeros(4, 8, dtype=torch.float8_e4m3fn),
+        torch.tensor(1.0),
+        torch.zeros((1,) * 17),
+        np.zeros((4, 8), dtype=np.float32),
+        [[1.0, 2.0]],
     ],
     ids=["float64", "int8", "bool", "float8", "0-d", "17-d", "numpy", "list"],
-)  # fmt: skip
+)
 def test_unencodable_input(spec: str, tensor: object) -> None:
     with pytest.raises(UnencodableTensor):
         parse_codec(spec).encode(tensor)  # type: ignore[arg-type]

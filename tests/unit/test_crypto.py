@@ -229,9 +229,14 @@ def test_no_key_material_in_reprs_errors_or_pickles(tmp_path: Path) -> None:
     ring = encryption.keyring()
     assert ring is not None
     shown = [
-        repr(encryption), str(encryption), repr(ring), str(ring), repr(PoolConfig(encryption=encryption)),
-        repr(RemoteConfig(encryption=encryption)), str(pickle.loads(pickle.dumps(encryption))),
-    ]  # fmt: skip
+        repr(encryption),
+        str(encryption),
+        repr(ring),
+        str(ring),
+        repr(PoolConfig(encryption=encryption)),
+        repr(RemoteConfig(encryption=encryption)),
+        str(pickle.loads(pickle.dumps(encryption))),
+    ]
     for text in shown:
         for form in (base64.b64encode(key).decode(), key.hex(), repr(key)[2:-1]):
             assert form not in text

@@ -22,8 +22,13 @@ CHUNK = 8  #: tokens per pool chunk (two blocks)
 NODES = ["node-a", "node-b", "node-c"]
 
 
-def stored(hashes: list[int], parent: int | None, tokens: list[int], extra: list[tuple[str, ...] | None] | None = None,
-           medium: str = "GPU") -> BlockStored:  # fmt: skip
+def stored(
+    hashes: list[int],
+    parent: int | None,
+    tokens: list[int],
+    extra: list[tuple[str, ...] | None] | None = None,
+    medium: str = "GPU",
+) -> BlockStored:
     return BlockStored(hashes, parent, tokens, BS, None, medium, None, extra_keys=extra)
 
 
@@ -109,8 +114,15 @@ def _router(local: dict[int, int], where: dict[bytes, list[tuple[str, Tier]]]) -
         return [[b"%d-%d-L%d" % (tokens[0], c, layer) for layer in range(2)] for c in range(len(tokens) // CHUNK)]
 
     table = {k: [Placement(k, n, t, 0, 1 << 20, 1 << 20, 0) for n, t in v] for k, v in where.items()}
-    return EngineRouter(NODES, [_cost()] * 3, keys, CHUNK, lambda k: table.get(k, []),
-                        lambda lane, tokens, scope: local.get(lane, 0), Policy.CACHE_AWARE)  # fmt: skip
+    return EngineRouter(
+        NODES,
+        [_cost()] * 3,
+        keys,
+        CHUNK,
+        lambda k: table.get(k, []),
+        lambda lane, tokens, scope: local.get(lane, 0),
+        Policy.CACHE_AWARE,
+    )
 
 
 def test_the_engine_holding_the_prefix_wins_over_one_that_would_read_it_from_the_pool() -> None:

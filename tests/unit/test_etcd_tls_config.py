@@ -102,8 +102,10 @@ def test_from_env_and_the_command_line(made: Path, monkeypatch: pytest.MonkeyPat
 
 def test_peers_syntax() -> None:
     assert _peers("a=10.0.0.1:2380, b=10.0.0.2:2380,c=10.0.0.3:2380", tls=False) == {
-        "a": "10.0.0.1:2380", "b": "10.0.0.2:2380", "c": "10.0.0.3:2380",
-    }  # fmt: skip
+        "a": "10.0.0.1:2380",
+        "b": "10.0.0.2:2380",
+        "c": "10.0.0.3:2380",
+    }
     assert _peers("a=https://h1:2380,b=h2:2380", tls=True) == {"a": "h1:2380", "b": "h2:2380"}
     for bad, match in [
         ("a=h:2380", "at least two"),

@@ -191,9 +191,10 @@ class LruMachine(RuleBasedStateMachine):
 
     def entries(self, tier: Tier, tenant: str | None = None) -> list[Entry]:
         return sorted(
-            (m.last_access, m.seq, k) for k, m in self.model.items()
+            (m.last_access, m.seq, k)
+            for k, m in self.model.items()
             if m.tier is tier and not m.pins and (tenant is None or m.tenant == tenant)
-        )  # fmt: skip
+        )
 
     def lru(self, tier: Tier, tenant: str | None = None) -> list[bytes]:
         return [k for _, _, k in self.entries(tier, tenant)]
@@ -328,9 +329,13 @@ class LruMachine(RuleBasedStateMachine):
                 return
             last = want
             self.change(
-                data.draw(self.CHANGES), self.some_key(data), data.draw(TIERS), data.draw(st.integers(1, 9)),
-                data.draw(st.booleans()), data.draw(TENANTS),
-            )  # fmt: skip
+                data.draw(self.CHANGES),
+                self.some_key(data),
+                data.draw(TIERS),
+                data.draw(st.integers(1, 9)),
+                data.draw(st.booleans()),
+                data.draw(TENANTS),
+            )
 
     @invariant()
     def books_agree(self) -> None:

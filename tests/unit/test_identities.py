@@ -47,8 +47,18 @@ def test_status_counts_identities_lists_them_wide_and_always_shows_the_warning()
         IdentityStatus("0123456789abcdef", "llama", "bfloat16", "groups-of-4", 256, "0/1", "raw", "host-a", 90.0),
         IdentityStatus("fedcba9876543210", "llama", "float16", "groups-of-4", 256, "0/1", "raw", "host-b", 30.0),
     )
-    snap = PoolStatus("default", ("127.0.0.1:2379",), 9, (), 0, 0, 0, RemoteTier(0, 0, 0, ()), ids,
-                      ("model llama is cached under 2 identities that differ in kv_dtype: bfloat16, float16: ...",))  # fmt: skip
+    snap = PoolStatus(
+        "default",
+        ("127.0.0.1:2379",),
+        9,
+        (),
+        0,
+        0,
+        0,
+        RemoteTier(0, 0, 0, ()),
+        ids,
+        ("model llama is cached under 2 identities that differ in kv_dtype: bfloat16, float16: ...",),
+    )
 
     def text(wide: bool) -> str:
         console = Console(width=160, record=True, color_system=None)

@@ -149,8 +149,10 @@ def test_every_known_one_still_occurs() -> None:
     """The known sets only shrink: an entry that no longer occurs is deleted (or narrowed to what is left)."""
     g = graph()
     pairs, circles = g.two_way(), g.circles()
-    stale = [f"units {a} and {b} no longer import each other: delete {(a, b)} from KNOWN_TWO_WAY"
-             for a, b in sorted(KNOWN_TWO_WAY - set(pairs))]  # fmt: skip
+    stale = [
+        f"units {a} and {b} no longer import each other: delete {(a, b)} from KNOWN_TWO_WAY"
+        for a, b in sorted(KNOWN_TWO_WAY - set(pairs))
+    ]
     for known in sorted(set(KNOWN_CIRCLES) - set(circles), key=sorted):
         left = " and ".join(_names(c) for c in circles if c < known)
         what = f"only {left} still do: put that in the entry's place" if left else "delete the entry"

@@ -163,8 +163,10 @@ def test_cache_aware_weighs_the_queue_against_the_prefix() -> None:
     assert first_elsewhere.ttft_s <= sum(q.prefill_s for q in picks if q.lane == 1) + recompute_s
     for q in picks:
         router.release(q)
-    assert router.stats()["lanes"] == [{"node": n, "requests": c, "queued": 0} for n, c in zip(
-        NODES, [sum(q.lane == i for q in picks) for i in range(3)], strict=True)]  # fmt: skip
+    assert router.stats()["lanes"] == [
+        {"node": n, "requests": c, "queued": 0}
+        for n, c in zip(NODES, [sum(q.lane == i for q in picks) for i in range(3)], strict=True)
+    ]
 
 
 def test_nothing_cached_spreads_the_work() -> None:

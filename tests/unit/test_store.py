@@ -194,8 +194,14 @@ def test_a_room_filled_with_a_batch_holds_its_chunks_and_frees_the_rest(
         dram.write(offset, data(i, n))  # as a writer fills it, keys unknown to the node until now
     assert store.usage()[Tier.DRAM][0] == 5 * BLOCK and store.audit() == []
     store.take_changes()
-    store.fill_room(room.id, [(key(0), offsets[0], BLOCK, 0, None), (key(1), offsets[1], 100, 1, None),
-                              (key(9), offsets[2], BLOCK, 9, None)])  # fmt: skip
+    store.fill_room(
+        room.id,
+        [
+            (key(0), offsets[0], BLOCK, 0, None),
+            (key(1), offsets[1], 100, 1, None),
+            (key(9), offsets[2], BLOCK, 9, None),
+        ],
+    )
     assert [c.chunk.key for c in store.take_changes()] == [key(0), key(1)]  # key 9 keeps its first copy
     assert store.read(key(1)) == data(1, 100).tobytes() and store.read(key(9)) == data(9).tobytes()
     assert store.usage()[Tier.DRAM][0] == 2 * BLOCK + 4096 and store.audit() == []

@@ -32,8 +32,13 @@ def segments(tmp_path: Path) -> Iterator[tuple[DramSegment, NvmeSegment]]:
 
 
 def make(segments: tuple[DramSegment, NvmeSegment], codec: str, ring: Keyring | None) -> ChunkStore:
-    return ChunkStore(*segments, watermarks=Watermarks(high=0.9, low=0.5), clock=ManualClock(),
-                      codecs={Tier.NVME: codec}, keyring=ring)  # fmt: skip
+    return ChunkStore(
+        *segments,
+        watermarks=Watermarks(high=0.9, low=0.5),
+        clock=ManualClock(),
+        codecs={Tier.NVME: codec},
+        keyring=ring,
+    )
 
 
 def nvme_file(segments: tuple[DramSegment, NvmeSegment]) -> bytes:

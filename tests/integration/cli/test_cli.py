@@ -84,9 +84,22 @@ def test_etcd_command_serves_until_terminated(tmp_path: Path) -> None:
 
     port, peer = free_port("127.0.0.2"), free_port("127.0.0.2")
     proc = subprocess.Popen(
-        [KVPOOL, "etcd", "--data-dir", str(tmp_path), "--host", "127.0.0.2", "--port", str(port), "--peer-port", str(peer)],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"},
-    )  # fmt: skip
+        [
+            KVPOOL,
+            "etcd",
+            "--data-dir",
+            str(tmp_path),
+            "--host",
+            "127.0.0.2",
+            "--port",
+            str(port),
+            "--peer-port",
+            str(peer),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     try:
         assert proc.stdout is not None and "etcd serving on 127.0.0.2" in proc.stdout.readline()
         client = EtcdClient(MetadataConfig(endpoints=(f"127.0.0.2:{port}",)))

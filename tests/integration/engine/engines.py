@@ -14,10 +14,15 @@ CHUNK = 256  #: tokens per pool chunk in these tests (8 of vLLM's 32-token block
 def extra_config(pool: PoolConfig, node_ip: str = "127.0.0.2", **overrides: Any) -> dict[str, Any]:
     """``kv_connector_extra_config`` for an engine on ``node_ip`` using ``pool``."""
     return {
-        "etcd": list(pool.metadata.endpoints), "cluster": pool.metadata.cluster, "namespace": pool.namespace,
-        "ray_address": ray.get_runtime_context().gcs_address, "node_ip": node_ip, "model_id": "tiny-llama-vllm-test",
-        "chunk_size": CHUNK, **overrides,
-    }  # fmt: skip
+        "etcd": list(pool.metadata.endpoints),
+        "cluster": pool.metadata.cluster,
+        "namespace": pool.namespace,
+        "ray_address": ray.get_runtime_context().gcs_address,
+        "node_ip": node_ip,
+        "model_id": "tiny-llama-vllm-test",
+        "chunk_size": CHUNK,
+        **overrides,
+    }
 
 
 def engine(settings: dict[str, Any], log: Path, hash_seed: int = 0) -> EngineProcess:

@@ -20,7 +20,7 @@ from kvpool.prefill_decode.engine_front import (
     make_engine_app,
     model_spec,
     start_engine_lanes,
-)  # fmt: skip
+)
 from kvpool.prefill_decode.engine_router import EngineEvents
 from kvpool.prefill_decode.router import Policy
 
@@ -41,8 +41,9 @@ def test_a_prompt_goes_to_the_engine_whose_own_cache_holds_it(
     etcd = EtcdClient(engine_pool.metadata)
     cache = MetadataCache(etcd, Namespace(engine_pool.metadata.cluster)).start()
     env = {"PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    lanes = start_engine_lanes({"model": model_dir}, extra_config(engine_pool), ["127.0.0.2", "127.0.0.3"],
-                               events.endpoint, tmp_path, env)  # fmt: skip
+    lanes = start_engine_lanes(
+        {"model": model_dir}, extra_config(engine_pool), ["127.0.0.2", "127.0.0.3"], events.endpoint, tmp_path, env
+    )
     try:
         assert lanes[0].node != lanes[1].node
         costs = calibrate(lanes, model_spec(model_dir), CHUNK, tokens=600)
@@ -80,8 +81,12 @@ def test_a_prompt_goes_to_the_engine_whose_own_cache_holds_it(
 
         # the HTTP front over the engines: answers as the engines do; bad prompts are 400s and the engines go on
         app = make_engine_app(aware, "tiny-llama-vllm-test", vocab=4096)
-        asks = [{"prompt": P, "max_tokens": 4}, {"prompt": [5000], "max_tokens": 1},
-                {"prompt": [1] * 5000, "max_tokens": 1}, {"prompt": R, "max_tokens": 1}]  # fmt: skip
+        asks = [
+            {"prompt": P, "max_tokens": 4},
+            {"prompt": [5000], "max_tokens": 1},
+            {"prompt": [1] * 5000, "max_tokens": 1},
+            {"prompt": R, "max_tokens": 1},
+        ]
         got = ask_app(app, [("", body) for body in asks] + [("sk-1", asks[0])])
         (ok, answer), (vocab, why), (long, refused), (after, _), (tenant, no_tenants), (stats, seen) = got
         assert ok == 200 and answer["choices"][0]["tokens"] == first.tokens and answer["kvpool"]["cached_tokens"] > 0

@@ -210,8 +210,10 @@ def test_tenants_by_cache_salt_never_hit_each_others_chunks(
             b.ask(connector=True)  # saves of the last steps are done by the time it answers
         unsalted = [layer_key(k, 0) for k in chunk_keys(identity, P[: 2 * CHUNK])]
         assert client.lookup_prefix(unsalted) == 0  # nothing of P was put under the identity's own chain
-        used = {t: sum(scrape(n.metrics).get(f"kvpool_tenant_used_bytes{{{t},dram}}", 0)
-                       for n in client.cache.nodes()) for t in ("acme", "globex")}  # fmt: skip
+        used = {
+            t: sum(scrape(n.metrics).get(f"kvpool_tenant_used_bytes{{{t},dram}}", 0) for n in client.cache.nodes())
+            for t in ("acme", "globex")
+        }
     assert [g["cached"] for g in (first, other, again, nobody, plain)] == [0, 0, 2 * CHUNK, 0, 0]
     assert all(same_answer(g, baseline["P"]) for g in (first, other, again, nobody, plain))
     assert used["acme"] > 0 and used["globex"] > 0  # each tenant's saves charged to it

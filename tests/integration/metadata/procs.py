@@ -18,10 +18,11 @@ from kvpool.metadata.registry import NodeRegistry
 
 def placements(node: str, n: int, tag: int = 0) -> list[Placement]:
     return [
-        Placement(key=i.to_bytes(32, "big"), node=node, tier=Tier.DRAM, offset=i * 4096, stored=4096, size=4096,
-                  checksum=tag)
+        Placement(
+            key=i.to_bytes(32, "big"), node=node, tier=Tier.DRAM, offset=i * 4096, stored=4096, size=4096, checksum=tag
+        )
         for i in range(n)
-    ]  # fmt: skip
+    ]
 
 
 def node(args: dict) -> None:

@@ -17,8 +17,9 @@ IDENT = CacheIdentity(model="m", kv_dtype="bf16", layout="all", chunk_size=8)
 
 
 def placements(keys: list[bytes], node: str = "n1") -> list[Placement]:
-    return [Placement(key=k, node=node, tier=Tier.DRAM, offset=i, stored=1, size=1, checksum=0)
-            for i, k in enumerate(keys)]  # fmt: skip
+    return [
+        Placement(key=k, node=node, tier=Tier.DRAM, offset=i, stored=1, size=1, checksum=0) for i, k in enumerate(keys)
+    ]
 
 
 def test_lookups_are_local_and_follow_writes(etcd: EtcdClient, namespace: Namespace, cache: MetadataCache) -> None:

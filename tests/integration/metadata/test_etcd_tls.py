@@ -135,8 +135,10 @@ def test_kvpool_etcd_serves_tls_from_a_tls_dir(tmp_path: Path) -> None:
     args = ["etcd", "--data-dir", str(tmp_path / "data"), "--port", str(port), "--peer-port", str(peer)]
     proc = subprocess.Popen(
         [str(Path(sys.executable).with_name("kvpool")), *args, "--tls-dir", str(tls_dir), "--dev"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # printed once it serves

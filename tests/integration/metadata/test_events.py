@@ -85,8 +85,11 @@ def test_events_follow_every_change_and_resume_after_a_revision(etcd: EtcdClient
     replay(first, held)
     replay([e for e in later if e.revision <= middle], held)
     replay(collect(EventStream(etcd, namespace, after=middle, until=end)), held)
-    assert held == contents(store, ["n1", "n2"]) == {(KEYS[0], "n1"): Tier.NVME, (KEYS[2], "n1"): Tier.DRAM,
-                                                    (KEYS[3], "n1"): Tier.DRAM}  # fmt: skip
+    assert (
+        held
+        == contents(store, ["n1", "n2"])
+        == {(KEYS[0], "n1"): Tier.NVME, (KEYS[2], "n1"): Tier.DRAM, (KEYS[3], "n1"): Tier.DRAM}
+    )
 
 
 def test_a_followed_stream_delivers_changes_as_they_happen_and_stops_when_cancelled(
@@ -154,8 +157,13 @@ def test_zmq_stream_decodes_with_vllms_own_kv_event_classes(etcd: EtcdClient, na
         assert len(replayed) == len(batches) and all(replayed[seq] == p for seq, p in live.items())
         events = [e for payload in replayed for e in decoder.decode(payload).events]
         assert [type(e).__name__ for e in events] == [
-            "AllBlocksCleared", "BlockStored", "BlockRemoved", "BlockStored", "BlockStored", "BlockRemoved"
-        ]  # fmt: skip
+            "AllBlocksCleared",
+            "BlockStored",
+            "BlockRemoved",
+            "BlockStored",
+            "BlockStored",
+            "BlockRemoved",
+        ]
         assert [(e.block_hashes, e.medium, e.ownership) for e in events[1:]] == [
             ([KEYS[0]], "CPU", "n1"),
             ([KEYS[0]], "CPU", "n1"),

@@ -34,9 +34,12 @@ def spawn(role: str, **args: object) -> subprocess.Popen[str]:
 
 def record(node_id: str = "n1") -> NodeRecord:
     return NodeRecord(
-        node_id=node_id, host="127.0.0.2", pid=os.getpid(), address=b"ucx-address",
+        node_id=node_id,
+        host="127.0.0.2",
+        pid=os.getpid(),
+        address=b"ucx-address",
         segments=(SegmentInfo("dram0", Tier.DRAM, 1 << 30, 0), SegmentInfo("nvme0", Tier.NVME, 4 << 30, 0)),
-    )  # fmt: skip
+    )
 
 
 def nodes(etcd: EtcdClient, namespace: Namespace) -> list[NodeRecord]:
@@ -63,8 +66,14 @@ def test_dead_process_vanishes_within_ttl(
 ) -> None:
     """kill -9 a node process: its record and every placement on its lease go within TTL + 1 s."""
     ttl = metadata_config.lease_ttl_s
-    proc = spawn("node", endpoint=metadata_config.endpoints[0], cluster=metadata_config.cluster, ttl=ttl,
-                 node="victim", chunks=50)  # fmt: skip
+    proc = spawn(
+        "node",
+        endpoint=metadata_config.endpoints[0],
+        cluster=metadata_config.cluster,
+        ttl=ttl,
+        node="victim",
+        chunks=50,
+    )
     try:
         cache.sync()
         assert [n.node_id for n in cache.nodes()] == ["victim"]

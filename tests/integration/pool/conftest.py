@@ -14,9 +14,12 @@ from kvpool.pool.node import start_pool, stop_pool
 @pytest.fixture
 def pool(ray_cluster: list[str], metadata_config: MetadataConfig) -> Iterator[PoolConfig]:
     config = PoolConfig(
-        metadata=metadata_config, dram_bytes=4 * MiB, nvme_bytes=8 * MiB,
-        watermarks=Watermarks(high=0.8, low=0.5), namespace=f"kvpool-{uuid.uuid4().hex[:8]}",
-    )  # fmt: skip
+        metadata=metadata_config,
+        dram_bytes=4 * MiB,
+        nvme_bytes=8 * MiB,
+        watermarks=Watermarks(high=0.8, low=0.5),
+        namespace=f"kvpool-{uuid.uuid4().hex[:8]}",
+    )
     start_pool(config)
     yield config
     stop_pool(config)

@@ -35,9 +35,19 @@ def test_a_client_logs_its_lookups_for_the_advisor(
     assert [s for _, s in items] == [8192] * 6  # the two not held take the size seen
 
     out = CliRunner().invoke(
-        app, ["advise", str(log), "--etcd", pool.metadata.endpoints[0], "--cluster", pool.metadata.cluster,
-              "--png", str(tmp_path / "mrc.png")], env={"COLUMNS": "200"},
-    )  # fmt: skip
+        app,
+        [
+            "advise",
+            str(log),
+            "--etcd",
+            pool.metadata.endpoints[0],
+            "--cluster",
+            pool.metadata.cluster,
+            "--png",
+            str(tmp_path / "mrc.png"),
+        ],
+        env={"COLUMNS": "200"},
+    )
     assert out.exit_code == 0, out.output
     assert f"{nodes * pool.dram_bytes / 2**30:g} GiB" in out.output  # the live pool's DRAM, all nodes together
     assert f"{nodes * pool.nvme_bytes / 2**30:g} GiB" in out.output

@@ -47,9 +47,15 @@ def test_put_then_get_a_file_through_the_cli(pool: PoolConfig, client: PoolClien
     src, back = tmp_path / "chunk.bin", tmp_path / "back.bin"
     src.write_bytes(os.urandom(300_000))
     where = [
-        "--etcd", pool.metadata.endpoints[0], "--cluster", pool.metadata.cluster,
-        "--ray-address", ray.get_runtime_context().gcs_address, "--namespace", pool.namespace,
-    ]  # fmt: skip
+        "--etcd",
+        pool.metadata.endpoints[0],
+        "--cluster",
+        pool.metadata.cluster,
+        "--ray-address",
+        ray.get_runtime_context().gcs_address,
+        "--namespace",
+        pool.namespace,
+    ]
     out = kvpool("put", str(src), "--replicas", "2", *where)
     assert out.returncode == 0, out.stderr
     found = re.search(r"\b[0-9a-f]{64}\b", out.stdout)
@@ -85,9 +91,15 @@ def test_bench_on_a_running_pool_writes_table_json_and_plot(
 
 def _bench(pool: PoolConfig, tmp_path: Path) -> None:
     where = [
-        "--etcd", pool.metadata.endpoints[0], "--cluster", pool.metadata.cluster,
-        "--ray-address", ray.get_runtime_context().gcs_address, "--namespace", pool.namespace,
-    ]  # fmt: skip
+        "--etcd",
+        pool.metadata.endpoints[0],
+        "--cluster",
+        pool.metadata.cluster,
+        "--ray-address",
+        ray.get_runtime_context().gcs_address,
+        "--namespace",
+        pool.namespace,
+    ]
     args = ["--size-mib", "1", "--mib-per-cell", "2", "--repeat", "1", "--ttft", "256", "--out", str(tmp_path / "b")]
     out = kvpool("bench", *where, *args)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -39,8 +39,11 @@ def test_nvme_chunks_land_in_device_tensors_directly(client: PoolClient, device:
     assert client.get_into_device(keys, out) == [t.nbytes for t in tensors]
     assert all(torch.equal(o.cpu(), t) for o, t in zip(out, tensors, strict=True))
     assert client.device_reads == {
-        "direct": 4, "direct_bytes": 4 * tensors[0].nbytes, "via_host": 1, "via_host_bytes": tensors[0].nbytes,
-    }  # fmt: skip
+        "direct": 4,
+        "direct_bytes": 4 * tensors[0].nbytes,
+        "via_host": 1,
+        "via_host_bytes": tensors[0].nbytes,
+    }
     assert [tier_of(client, k) for k in keys] == [Tier.NVME] * 4 + [Tier.DRAM]  # read in place, not promoted
     node = ray.get_actor(actor_name(client.node_id), namespace=client.config.namespace)
     assert ray.get(node.stats.remote())["nvme_io"] == nvme_io_path().name

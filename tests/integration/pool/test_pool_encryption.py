@@ -64,9 +64,14 @@ def make_pool(ray_cluster: list[str], metadata_config: MetadataConfig, tmp_path:
         nvme = tmp_path / f"nvme{len(started)}"
         nvme.mkdir()
         config = PoolConfig(
-            metadata=metadata_config, namespace=f"enc-{uuid.uuid4().hex[:8]}", dram_bytes=4 * MiB,
-            nvme_bytes=8 * MiB, nvme_dir=str(nvme), warm_restart=False, **kw,
-        )  # fmt: skip
+            metadata=metadata_config,
+            namespace=f"enc-{uuid.uuid4().hex[:8]}",
+            dram_bytes=4 * MiB,
+            nvme_bytes=8 * MiB,
+            nvme_dir=str(nvme),
+            warm_restart=False,
+            **kw,
+        )
         start_pool(config, ray_cluster[:1])
         started.append(config)
         return config

@@ -20,10 +20,28 @@ from kvpool.pool.node_handle import actor_name
 KEY = bytes(range(32))
 MISSING = bytes(32)  # a well-formed key the pool does not hold
 BAD = [
-    None, 0, -1, 1.5, float("nan"), True, "text", b"short", b"", object(), {}, {"k": 1},
-    [None], [b"short"], [1, 2], (KEY, KEY), [MISSING], "dram", Tier.DRAM, np.zeros(3, dtype=np.float64),
+    None,
+    0,
+    -1,
+    1.5,
+    float("nan"),
+    True,
+    "text",
+    b"short",
+    b"",
+    object(),
+    {},
+    {"k": 1},
+    [None],
+    [b"short"],
+    [1, 2],
+    (KEY, KEY),
+    [MISSING],
+    "dram",
+    Tier.DRAM,
+    np.zeros(3, dtype=np.float64),
     torch.zeros(2, 3).t(),  # a non-contiguous tensor
-]  # fmt: skip
+]
 
 #: a good call of each public method, as (args, kwargs); the walk swaps one argument at a time for a bad one
 GOOD: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {

@@ -40,9 +40,12 @@ def drive(pool: PoolConfig, node_id: str, home: Path, **env: str) -> subprocess.
     base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}
     args = [ray.get_runtime_context().gcs_address, pool.namespace, node_id]
     return subprocess.run(
-        [sys.executable, "-c", DRIVER, *args], env={**base, "HOME": str(home), **env},
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [sys.executable, "-c", DRIVER, *args],
+        env={**base, "HOME": str(home), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture

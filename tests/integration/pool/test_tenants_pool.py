@@ -29,21 +29,26 @@ KVPOOL = str(Path(sys.executable).with_name("kvpool"))
 
 @pytest.fixture
 def tenants() -> Tenants:
-    return Tenants.parse({
-        "tenants": {
-            "acme": {"secret": new_secret(), "dram_mib": 1, "nvme_mib": 2},
-            "globex": {"secret": new_secret()},
+    return Tenants.parse(
+        {
+            "tenants": {
+                "acme": {"secret": new_secret(), "dram_mib": 1, "nvme_mib": 2},
+                "globex": {"secret": new_secret()},
+            }
         }
-    })  # fmt: skip
+    )
 
 
 @pytest.fixture
 def tenant_pool(ray_cluster: list[str], metadata_config: MetadataConfig, tenants: Tenants) -> Iterator[PoolConfig]:
     """One node (the driver's), 4 MiB DRAM + 8 MiB NVMe, with the tenants' quotas."""
     config = PoolConfig(
-        metadata=metadata_config, dram_bytes=4 * MiB, nvme_bytes=8 * MiB, namespace=f"tenants-{uuid.uuid4().hex[:8]}",
+        metadata=metadata_config,
+        dram_bytes=4 * MiB,
+        nvme_bytes=8 * MiB,
+        namespace=f"tenants-{uuid.uuid4().hex[:8]}",
         quotas=tenants.quotas(),
-    )  # fmt: skip
+    )
     start_pool(config, ray_cluster[:1])
     yield config
     stop_pool(config)
@@ -83,9 +88,20 @@ def test_tenants_keys_quotas_and_metrics_on_a_real_pool(tenant_pool: PoolConfig,
 
         env = {**os.environ, "COLUMNS": "200"}
         shown = subprocess.run(
-            [KVPOOL, "status", "--etcd", tenant_pool.metadata.endpoints[0], "--cluster", tenant_pool.metadata.cluster,
-             "--tenant", "acme"],
-            capture_output=True, text=True, timeout=120, env=env,
-        )  # fmt: skip
+            [
+                KVPOOL,
+                "status",
+                "--etcd",
+                tenant_pool.metadata.endpoints[0],
+                "--cluster",
+                tenant_pool.metadata.cluster,
+                "--tenant",
+                "acme",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
         assert shown.returncode == 0, shown.stderr
         assert "tenant 'acme'" in shown.stdout and "/ 1.0 MiB" in shown.stdout and "/ 2.0 MiB" in shown.stdout

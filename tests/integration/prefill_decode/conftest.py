@@ -44,6 +44,10 @@ def model() -> LoadedModel:
 def worker_config(pd_pool: PoolConfig) -> WorkerConfig:
     """Workers on the module's pool with the test model, 32-token chunks and fixed cost-model figures."""
     return WorkerConfig(
-        pool=pd_pool, model="tiny-llama", model_options=MODEL_OPTIONS, chunk_size=32,
-        hardware=Hardware(5e9, {"dram": 1e9, "nvme": 2e8}, "fixed for tests"), torch_threads=1,
-    )  # fmt: skip
+        pool=pd_pool,
+        model="tiny-llama",
+        model_options=MODEL_OPTIONS,
+        chunk_size=32,
+        hardware=Hardware(5e9, {"dram": 1e9, "nvme": 2e8}, "fixed for tests"),
+        torch_threads=1,
+    )

@@ -149,11 +149,16 @@ def test_a_tenant_never_hits_another_tenants_prefix(
     tokens = torch.randint(0, 512, (3 * 32 + 4,), generator=torch.Generator().manual_seed(14)).tolist()
     body = {"prompt": tokens, "max_tokens": 4}
     asks = [
-        ("sk-acme", body), ("sk-acme", body),  # cold, then its own prefix
-        ("sk-globex", body), ("sk-globex", body),  # the same prompt: acme's chunks are not its; then its own
-        ("sk-acme", {**body, "cache_namespace": "public"}), ("sk-globex", {**body, "cache_namespace": "public"}),
-        ("", body), ("sk-nobody", body), ("sk-acme", {**body, "cache_namespace": "secret-club"}),
-    ]  # fmt: skip
+        ("sk-acme", body),
+        ("sk-acme", body),  # cold, then its own prefix
+        ("sk-globex", body),
+        ("sk-globex", body),  # the same prompt: acme's chunks are not its; then its own
+        ("sk-acme", {**body, "cache_namespace": "public"}),
+        ("sk-globex", {**body, "cache_namespace": "public"}),
+        ("", body),
+        ("sk-nobody", body),
+        ("sk-acme", {**body, "cache_namespace": "secret-club"}),
+    ]
 
     *got, (_, stats) = serve(service, asks)
     reused = [answer["kvpool"]["prefill"]["reused_tokens"] for status, answer in got[:6]]

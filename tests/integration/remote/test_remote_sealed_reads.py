@@ -41,8 +41,18 @@ def test_sealed_objects_open_only_with_the_right_key(
         for k, plain in zip(keys, plains, strict=True):
             sealed = ring.seal(plain, k, "raw")
             store.put(k, SEALED, sealed)
-            placements.append(Placement(key=k, node=right.name, tier=Tier.REMOTE, offset=0, stored=len(sealed),
-                                        size=len(plain), checksum=checksum(sealed), codec=SEALED))  # fmt: skip
+            placements.append(
+                Placement(
+                    key=k,
+                    node=right.name,
+                    tier=Tier.REMOTE,
+                    offset=0,
+                    stored=len(sealed),
+                    size=len(plain),
+                    checksum=checksum(sealed),
+                    codec=SEALED,
+                )
+            )
             assert plain[:256] not in store.get(k, SEALED)  # the object store sees ciphertext only
         # altered behind the pool's back, its placement's checksum updated too: only the GCM tag can tell
         altered = bytearray(store.get(keys[2], SEALED))

@@ -62,9 +62,15 @@ def make_pool(ray_cluster: list[str], metadata_config: MetadataConfig, tmp_path:
 
     def make(remote: RemoteConfig, **kw: Any) -> PoolConfig:
         config = PoolConfig(
-            metadata=metadata_config, namespace=f"remote-{uuid.uuid4().hex[:8]}", dram_bytes=4 * MiB,
-            nvme_bytes=8 * MiB, nvme_dir=str(tmp_path), warm_restart=False, remote=remote, **kw,
-        )  # fmt: skip
+            metadata=metadata_config,
+            namespace=f"remote-{uuid.uuid4().hex[:8]}",
+            dram_bytes=4 * MiB,
+            nvme_bytes=8 * MiB,
+            nvme_dir=str(tmp_path),
+            warm_restart=False,
+            remote=remote,
+            **kw,
+        )
         start_pool(config, ray_cluster[:1])
         started.append(config)
         return config
