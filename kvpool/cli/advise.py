@@ -2,6 +2,7 @@
 the chunk lookups clients sampled (``KVPOOL_ACCESS_LOG``) with a miss-ratio curve of prefix lookups over one LRU
 stack per node (see kvpool.pool.reuse)."""
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -97,36 +98,71 @@ def _capacity(tier: str) -> Any:
     )
 
 
+def advice_table(
+    curve: MissRatioCurve,
+    rate: float,
+    sampled: int,
+    total: int,
+    configurations: Iterable[tuple[str, float, float, float]],
+    object_bytes: float,
+    cost: CostModel | None,
+) -> Table:
+    """One row per configuration (name, DRAM bytes, NVMe bytes, NVMe codec ratio): the hits of each tier, what is
+    recomputed, and with a cost model the prefill time the hits save over the ``total`` lookups."""
+    stacks = f"{curve.nodes} nodes, one LRU stack each" if curve.nodes > 1 else "one LRU stack"
+    table = Table(title=f"predicted from {sampled:,} sampled key lookups of {total:,} (rate {rate:g}; {stacks})")
+    columns = ["configuration", "DRAM", "NVMe", "DRAM hits", "NVMe hits", "recomputed"]
+    for col in columns + (["prefill saved"] if cost else []):
+        table.add_column(col, justify="left" if col == "configuration" else "right")
+    for name, d, n, ratio in configurations:
+        hits = tier_hits(curve, d, n, ratio)
+        row = [name, f"{d / GiB:g} GiB", f"{n / GiB:g} GiB"]
+        row += [f"{hits.dram:.1%}", f"{hits.nvme:.1%}", f"{hits.recomputed:.1%}"]
+        if cost is not None:
+            per_byte = hits.dram * cost.saved_per_byte_s("dram") + hits.nvme * cost.saved_per_byte_s("nvme", ratio)
+            row.append(f"{fig(total * object_bytes * per_byte)} s")
+        table.add_row(*row)
+    return table
+
+
+LOGS = typer.Argument(
+    ...,
+    exists=True,
+    dir_okay=False,
+    help="Access logs the engines wrote with KVPOOL_ACCESS_LOG=DIR set (DIR/access-*.jsonl), all of them.",
+)
+STEP_GIB = typer.Option(
+    0.0, "--step-gib", min=0, help="GiB to add and take away per row (default: a quarter of each tier)."
+)
+CODEC = typer.Option(
+    DEFAULT_CODECS, "--codec", help="An NVMe codec to try, NAME=RATIO: how many times smaller it stores a chunk."
+)
+PNG = typer.Option(Path("kvpool-advise.png"), "--png", help="Where to write the miss-ratio curve.")
+MODEL = typer.Option(
+    "",
+    "--model",
+    help=f"Also predict the prefill time the hits save, for this model ({', '.join(KNOWN_MODELS)}): computing "
+    "the KV a hit holds against reading it from its tier.",
+)
+ONE_STACK = typer.Option(
+    False,
+    "--one-stack",
+    help="Model the pool as one LRU stack (the whole pool's bytes), not one per node as the logs name them.",
+)
+
+
 @root.app.command()
 def advise(
-    logs: list[Path] = typer.Argument(
-        ...,
-        exists=True,
-        dir_okay=False,
-        help="Access logs the engines wrote with KVPOOL_ACCESS_LOG=DIR set (DIR/access-*.jsonl), all of them.",
-    ),
+    logs: list[Path] = LOGS,
     dram_gib: float | None = _capacity("DRAM"),
     nvme_gib: float | None = _capacity("NVMe"),
     etcd: str | None = options.ETCD,
     cluster: str = options.CLUSTER,
-    step_gib: float = typer.Option(
-        0.0, "--step-gib", min=0, help="GiB to add and take away per row (default: a quarter of each tier)."
-    ),
-    codec: list[str] = typer.Option(
-        DEFAULT_CODECS, "--codec", help="An NVMe codec to try, NAME=RATIO: how many times smaller it stores a chunk."
-    ),
-    png: Path = typer.Option(Path("kvpool-advise.png"), "--png", help="Where to write the miss-ratio curve."),
-    model: str = typer.Option(
-        "",
-        "--model",
-        help=f"Also predict the prefill time the hits save, for this model ({', '.join(KNOWN_MODELS)}): computing "
-        "the KV a hit holds against reading it from its tier.",
-    ),
-    one_stack: bool = typer.Option(
-        False,
-        "--one-stack",
-        help="Model the pool as one LRU stack (the whole pool's bytes), not one per node as the logs name them.",
-    ),
+    step_gib: float = STEP_GIB,
+    codec: list[str] = CODEC,
+    png: Path = PNG,
+    model: str = MODEL,
+    one_stack: bool = ONE_STACK,
     tflops: float | None = typer.Option(None, "--tflops", help=options.TFLOPS_HELP),
     dram_gbps: float | None = options.gbps_option("dram", "DRAM"),
     nvme_gbps: float | None = options.gbps_option("nvme", "NVMe"),
@@ -150,28 +186,9 @@ def advise(
         dram, nvme = capacities(dram_gib, nvme_gib, etcd, cluster)
         curve = curve_of_log(log, per_node=not one_stack, logged_at=dram + nvme)
         step_dram, step_nvme = (step_gib * GiB,) * 2 if step_gib else (dram / 4 or GiB, nvme / 4 or GiB)
-        stacks = f"{curve.nodes} nodes, one LRU stack each" if curve.nodes > 1 else "one LRU stack"
-        table = Table(
-            title=f"predicted from {len(accesses):,} sampled key lookups of {total:,} (rate {log.rate:g}; {stacks})"
-        )
-        columns = ["configuration", "DRAM", "NVMe", "DRAM hits", "NVMe hits", "recomputed"]
-        for col in columns + (["prefill saved"] if cost else []):
-            table.add_column(col, justify="left" if col == "configuration" else "right")
         object_bytes = sum(size for _, size in accesses) / max(1, len(accesses))
-        for name, d, n, ratio in rows(curve, dram, nvme, step_dram, step_nvme, codecs):
-            hits = tier_hits(curve, d, n, ratio)
-            row = [
-                name,
-                f"{d / GiB:g} GiB",
-                f"{n / GiB:g} GiB",
-                f"{hits.dram:.1%}",
-                f"{hits.nvme:.1%}",
-                f"{hits.recomputed:.1%}",
-            ]
-            if cost is not None:
-                per_byte = hits.dram * cost.saved_per_byte_s("dram") + hits.nvme * cost.saved_per_byte_s("nvme", ratio)
-                row.append(f"{fig(total * object_bytes * per_byte)} s")
-            table.add_row(*row)
+        configurations = rows(curve, dram, nvme, step_dram, step_nvme, codecs)
+        table = advice_table(curve, log.rate, len(accesses), total, configurations, object_bytes, cost)
         root.console.print(table)
         if cost is not None:
             root.console.print(

@@ -73,6 +73,40 @@ def _start_node(ray_address: str, node_ip: str, base: PoolConfig, dram_mib: int,
         ray.shutdown()
 
 
+NODE_IP = typer.Option(
+    "",
+    "--node-ip",
+    envvar="KVPOOL_NODE_IP",
+    help="This node's Ray address. Default: the one Ray detects.",
+    show_default=False,
+    rich_help_panel=options.RAY_PANEL,
+)
+DRAM_MIB = typer.Option(
+    0,
+    "--dram-mib",
+    min=0,
+    help="DRAM segment, MiB. 0: the node's Ray resource kvpool_dram_mib, else the pool's default.",
+    rich_help_panel=options.SEGMENTS_PANEL,
+)
+NVME_MIB = typer.Option(
+    0,
+    "--nvme-mib",
+    min=0,
+    help="NVMe segment, MiB. 0: the node's Ray resource kvpool_nvme_mib, else the pool's default.",
+    rich_help_panel=options.SEGMENTS_PANEL,
+)
+NVME_DIR = typer.Option(
+    "~/.kvpool/nvme",
+    "--nvme-dir",
+    help="Where this node's NVMe segment lives (created if missing). It outlives the node: started again here, "
+    "the node takes back every chunk of it that still verifies (warm restart). '' for a temp dir per start.",
+    rich_help_panel=options.SEGMENTS_PANEL,
+)
+METRICS_HOST = typer.Option(
+    options.field_default(PoolConfig, "metrics_host"), "--metrics-host", help="Where the node serves its metrics."
+)
+
+
 @root.app.command()
 def join(
     ray_address: str = options.RAY_ADDRESS,
@@ -80,34 +114,11 @@ def join(
     etcd_tls: str | None = options.ETCD_TLS,
     cluster: str = options.CLUSTER,
     namespace: str = options.NAMESPACE,
-    node_ip: str = typer.Option(
-        "",
-        "--node-ip",
-        envvar="KVPOOL_NODE_IP",
-        help="This node's Ray address. Default: the one Ray detects.",
-        show_default=False,
-    ),
-    dram_mib: int = typer.Option(
-        0,
-        "--dram-mib",
-        min=0,
-        help="DRAM segment, MiB. 0: the node's Ray resource kvpool_dram_mib, else the pool's default.",
-    ),
-    nvme_mib: int = typer.Option(
-        0,
-        "--nvme-mib",
-        min=0,
-        help="NVMe segment, MiB. 0: the node's Ray resource kvpool_nvme_mib, else the pool's default.",
-    ),
-    nvme_dir: str = typer.Option(
-        "~/.kvpool/nvme",
-        "--nvme-dir",
-        help="Where this node's NVMe segment lives (created if missing). It outlives the node: started again here, "
-        "the node takes back every chunk of it that still verifies (warm restart). '' for a temp dir per start.",
-    ),
-    metrics_host: str = typer.Option(
-        options.field_default(PoolConfig, "metrics_host"), "--metrics-host", help="Where the node serves its metrics."
-    ),
+    node_ip: str = NODE_IP,
+    dram_mib: int = DRAM_MIB,
+    nvme_mib: int = NVME_MIB,
+    nvme_dir: str = NVME_DIR,
+    metrics_host: str = METRICS_HOST,
     nvme_codec: str = options.NVME_CODEC,
     s3_bucket: str = options.S3_BUCKET,
     s3_endpoint: str = options.S3_ENDPOINT,

@@ -40,11 +40,22 @@ def parameter_default(func: Callable[..., Any], name: str) -> Any:
     return default
 
 
+#: the --help panels that group the options of commands with many (``up``, ``join``), in the order a user sets
+#: a pool up; an option in no panel shows under "Options"
+ETCD_PANEL, RAY_PANEL, SEGMENTS_PANEL, REMOTE_PANEL = (
+    "Metadata (etcd)",
+    "Ray cluster",
+    "Segments (per node)",
+    "Remote tier (S3)",
+)
+
+
 ETCD = typer.Option(
     None,
     "--etcd",
     envvar=ENDPOINTS_ENV,
     help="etcd endpoints of the pool, host:port[,host:port...]. Without it, up and bench start an embedded etcd.",
+    rich_help_panel=ETCD_PANEL,
 )
 #: the directory of a cluster's etcd certificates, for every command that reaches etcd
 TLS_DIR_ENV = "KVPOOL_ETCD_TLS"
@@ -56,26 +67,35 @@ ETCD_TLS = typer.Option(
     "client-key.pem, as 'kvpool etcd --tls-dir' or 'kvpool certs' make them). Without --etcd, up starts its embedded "
     f"etcd with TLS from it. Or set {', '.join(TLS_ENV.values())}.",
     show_default=False,
+    rich_help_panel=ETCD_PANEL,
 )
 CLUSTER = typer.Option(
     field_default(MetadataConfig, "cluster"),
     "--cluster",
     help="Cluster name: namespaces every key, so pools can share one etcd.",
+    rich_help_panel=ETCD_PANEL,
 )
-RAY_ADDRESS = typer.Option(..., "--ray-address", help="The Ray cluster the pool runs on (head host:port).")
+RAY_ADDRESS = typer.Option(
+    ..., "--ray-address", help="The Ray cluster the pool runs on (head host:port).", rich_help_panel=RAY_PANEL
+)
 NAMESPACE = typer.Option(
-    field_default(PoolConfig, "namespace"), "--namespace", help="The Ray namespace of the pool's PoolNode actors."
+    field_default(PoolConfig, "namespace"),
+    "--namespace",
+    help="The Ray namespace of the pool's PoolNode actors.",
+    rich_help_panel=RAY_PANEL,
 )
 NVME_DIR = typer.Option(
     field_default(PoolConfig, "nvme_dir"),
     "--nvme-dir",
     help="Where NVMe segment files go. Default: a temp dir per node.",
     show_default=False,
+    rich_help_panel=SEGMENTS_PANEL,
 )
 NVME_CODEC = typer.Option(
     field_default(PoolConfig, "nvme_codec"),
     "--nvme-codec",
     help="How chunks put as tensors are stored on NVMe: raw, fp8-e4m3, int4+zstd, ...",
+    rich_help_panel=SEGMENTS_PANEL,
 )
 S3_BUCKET = typer.Option(
     field_default(RemoteConfig, "bucket"),
@@ -83,21 +103,27 @@ S3_BUCKET = typer.Option(
     envvar="KVPOOL_S3_BUCKET",
     help="Bucket of the remote (S3) tier; empty: no remote tier.  Keys: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.",
     show_default=False,
+    rich_help_panel=REMOTE_PANEL,
 )
 S3_ENDPOINT = typer.Option(
     field_default(RemoteConfig, "endpoint_url"),
     "--s3-endpoint",
     help="S3 endpoint URL (e.g. http://127.0.0.1:8333). Default: AWS_ENDPOINT_URL, else AWS.",
     show_default=False,
+    rich_help_panel=REMOTE_PANEL,
 )
 S3_CODEC = typer.Option(
-    field_default(RemoteConfig, "codec"), "--s3-codec", help="How chunks are stored in the remote tier, e.g. int4+zstd."
+    field_default(RemoteConfig, "codec"),
+    "--s3-codec",
+    help="How chunks are stored in the remote tier, e.g. int4+zstd.",
+    rich_help_panel=REMOTE_PANEL,
 )
 FLUSH_AFTER = typer.Option(
     field_default(RemoteConfig, "flush_after_s"),
     "--flush-after",
     min=0.1,
     help="Seconds an NVMe chunk stays unread before it is copied to the remote tier.",
+    rich_help_panel=REMOTE_PANEL,
 )
 REPLICAS = typer.Option(
     field_default(ConnectorConfig, "replicas"), "--replicas", min=1, help="Copies of each chunk, on distinct nodes."

@@ -85,37 +85,56 @@ def _peers(text: str, tls: bool) -> dict[str, str]:
     return peers
 
 
+MEMBER_DATA_DIR = typer.Option(..., "--data-dir", help="Where etcd keeps its data (kept across restarts).")
+
+MEMBER_HOST = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface).")
+
+MEMBER_ADVERTISE = typer.Option(None, "--advertise", help="Address clients reach it at. Default: --host.")
+
+MEMBER_PORT = typer.Option(ETCD_CLIENT_PORT, "--port", help="Client port (0: a free port).")
+
+MEMBER_PEER_PORT = typer.Option(
+    ETCD_PEER_PORT, "--peer-port", help="Peer port, single member (0: a free port; with --peers, from its entry)."
+)
+
+MEMBER_DEV = typer.Option(
+    False,
+    "--dev",
+    help="Fast and unsafe, for tests and laptops: no fsync (a power cut loses the last writes), 10 ms heartbeats.",
+)
+
+MEMBER_NAME = typer.Option("kvpool", "--name", help="This member's name; with --peers, one of theirs.")
+
+MEMBER_PEERS = typer.Option(
+    None,
+    "--peers",
+    help="Run one member of a static cluster: every member as name=host:peer_port, comma-separated, the same on "
+    "each (three survive one failure), e.g. n1=10.0.0.1:2380,n2=10.0.0.2:2380,n3=10.0.0.3:2380. Start each "
+    "member with its --name; clients list every member's client address in --etcd.",
+    show_default=False,
+)
+
+MEMBER_TLS_DIR = typer.Option(
+    None,
+    "--tls-dir",
+    help="Serve clients and peers over TLS only, each asked for a certificate signed by the CA in this "
+    f"directory (e.g. {certs_default_dir()}); the CA, etcd's certificate and a client certificate are made there "
+    "when missing, never made again while they exist. Clients: --etcd-tls DIR.",
+    show_default=False,
+)
+
+
 @root.app.command("etcd")
 def etcd_server(
-    data_dir: str = typer.Option(..., "--data-dir", help="Where etcd keeps its data (kept across restarts)."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
-    advertise: str | None = typer.Option(None, "--advertise", help="Address clients reach it at. Default: --host."),
-    port: int = typer.Option(ETCD_CLIENT_PORT, "--port", help="Client port (0: a free port)."),
-    peer_port: int = typer.Option(
-        ETCD_PEER_PORT, "--peer-port", help="Peer port, single member (0: a free port; with --peers, from its entry)."
-    ),
-    dev: bool = typer.Option(
-        False,
-        "--dev",
-        help="Fast and unsafe, for tests and laptops: no fsync (a power cut loses the last writes), 10 ms heartbeats.",
-    ),
-    name: str = typer.Option("kvpool", "--name", help="This member's name; with --peers, one of theirs."),
-    peers: str | None = typer.Option(
-        None,
-        "--peers",
-        help="Run one member of a static cluster: every member as name=host:peer_port, comma-separated, the same on "
-        "each (three survive one failure), e.g. n1=10.0.0.1:2380,n2=10.0.0.2:2380,n3=10.0.0.3:2380. Start each "
-        "member with its --name; clients list every member's client address in --etcd.",
-        show_default=False,
-    ),
-    tls_dir: str | None = typer.Option(
-        None,
-        "--tls-dir",
-        help="Serve clients and peers over TLS only, each asked for a certificate signed by the CA in this "
-        f"directory (e.g. {certs_default_dir()}); the CA, etcd's certificate and a client certificate are made there "
-        "when missing, never made again while they exist. Clients: --etcd-tls DIR.",
-        show_default=False,
-    ),
+    data_dir: str = MEMBER_DATA_DIR,
+    host: str = MEMBER_HOST,
+    advertise: str | None = MEMBER_ADVERTISE,
+    port: int = MEMBER_PORT,
+    peer_port: int = MEMBER_PEER_PORT,
+    dev: bool = MEMBER_DEV,
+    name: str = MEMBER_NAME,
+    peers: str | None = MEMBER_PEERS,
+    tls_dir: str | None = MEMBER_TLS_DIR,
 ) -> None:
     """Run an etcd member in the foreground: the pool's metadata server on a cluster's head node (or, with --peers,
     one of three on three nodes).

@@ -18,6 +18,7 @@ from kvpool.pool.tenants import Tenants
 from kvpool.prefill_decode.demo import MODELS, QUESTION
 
 if TYPE_CHECKING:
+    from kvpool.metadata.config import MetadataConfig
     from kvpool.prefill_decode.demo import DemoRun
     from kvpool.stack import PoolCheck
 
@@ -148,77 +149,152 @@ def _run(
         _hold(pool)
 
 
+#: the panel of what ``up`` does once the pool is up (the others are in options.py)
+RUN_PANEL = "What up runs on the pool"
+
+RAY_ADDRESS = typer.Option(
+    None,
+    "--ray-address",
+    help="Attach to this Ray cluster (a pool node on every alive node). Default: start a local one on loopback.",
+    rich_help_panel=options.RAY_PANEL,
+)
+RAY_AUTH = typer.Option(
+    "",
+    "--ray-auth",
+    show_default=False,
+    help="The local Ray cluster's authentication: token (the default, unless RAY_AUTH_MODE=disabled is set: a "
+    "token generated for this cluster, readable only by you) or disabled (anyone who reaches its ports can run "
+    "code on it). An attached cluster (--ray-address) keeps its own.",
+    rich_help_panel=options.RAY_PANEL,
+)
+NODES = typer.Option(
+    LOCAL_NODES,
+    "--nodes",
+    min=1,
+    max=8,
+    help="Ray nodes of the local cluster (127.0.0.2 and up).",
+    rich_help_panel=options.RAY_PANEL,
+)
+DRAM_MIB = typer.Option(
+    LOCAL_DRAM_MIB, "--dram-mib", min=1, help="DRAM segment per node, MiB.", rich_help_panel=options.SEGMENTS_PANEL
+)
+NVME_MIB = typer.Option(
+    LOCAL_NVME_MIB,
+    "--nvme-mib",
+    min=0,
+    help="NVMe segment per node, MiB (0: no NVMe tier).",
+    rich_help_panel=options.SEGMENTS_PANEL,
+)
+DEMO = typer.Option(
+    MODELS[0],
+    "--demo",
+    help=f"Model of the prefill/decode demo: {', '.join(MODELS)}, or 'none' to skip it.",
+    rich_help_panel=RUN_PANEL,
+)
+SERVE = typer.Option(
+    -1,
+    "--serve",
+    min=-1,
+    max=65535,
+    help=f"Serve OpenAI-style /v1/completions on 127.0.0.1:PORT (0: any port) until Ctrl-C; -1: do not. With --demo "
+    f"none it serves {MODELS[0]}.",
+    rich_help_panel=RUN_PANEL,
+)
+LANES = typer.Option(
+    1,
+    "--lanes",
+    min=1,
+    max=32,
+    help="Prefill -> decode lanes of the demo and --serve: lane i's prefill worker on node i, its decode worker on "
+    "the next.",
+    rich_help_panel=RUN_PANEL,
+)
+ROUTE = typer.Option(
+    "cache-aware",
+    "--route",
+    help="How --serve picks a lane when there are several: cache-aware (least predicted TTFT: queued work, then "
+    "reload-or-recompute of the cached prefix from that node), least-loaded or round-robin.",
+    rich_help_panel=RUN_PANEL,
+)
+HOLD = typer.Option(
+    False,
+    "--hold",
+    help="Keep the pool up until Ctrl-C (default: check it, run the demo, leave).",
+    rich_help_panel=RUN_PANEL,
+)
+ENGINE = typer.Option(
+    "workers",
+    "--engine",
+    help="What --serve serves with: workers (kvpool's prefill -> decode lanes, transformers) or vllm (one vLLM "
+    f"engine of {MODELS[0]} with kvpool's connector per node, --lanes of them, routed by --route over their own "
+    "prefix caches, known from their KV events, and the pool's contents; the demo is skipped).",
+    rich_help_panel=RUN_PANEL,
+)
+TENANTS = typer.Option(
+    "",
+    "--tenants",
+    help="A tenants file (TOML; kvpool tenants check FILE): --serve then answers only requests with a tenant's "
+    "API key (Authorization: Bearer KEY), keys each tenant's chunks from its own secret, and every node enforces "
+    "the tenants' quotas.",
+    rich_help_panel=RUN_PANEL,
+)
+
+
+def _check_choices(demo: str, route: str, ray_auth_mode: str, engine: str, serve: int, tenants: str) -> None:
+    """``up``'s options that name one of a few values, and the one combination it cannot run."""
+    choices = {
+        "--demo": (demo, (*MODELS, "none")),
+        "--route": (route, ROUTES),
+        "--ray-auth": (ray_auth_mode.lower(), ("", *ray_auth.MODES)),
+        "--engine": (engine, ("workers", "vllm")),
+    }
+    for flag, (value, allowed) in choices.items():
+        if value not in allowed:
+            *others, last = [a for a in allowed if a]
+            named = f"{', '.join(others)} or {last}" if len(others) < 2 else f"one of {', '.join(others)} or {last}"
+            raise ConfigError(f"{flag} must be {named}, got {value!r:.40}")
+    if engine == "vllm" and (serve < 0 or tenants):
+        raise ConfigError(
+            "--engine vllm serves over vLLM engines: give --serve PORT (tenants are served by the workers' front only)"
+        )
+
+
+def _metadata(stack: ExitStack, etcd: str | None, etcd_tls: str | None, cluster: str) -> "MetadataConfig":
+    """The pool's etcd: the one given, else an embedded one (with TLS from ``etcd_tls`` if given)."""
+    if etcd_tls and not etcd:
+        etcd = _tls_etcd(stack, etcd_tls)
+    metadata = options.metadata_config(etcd, cluster, etcd_tls)
+    if metadata.tls and not metadata.endpoints:
+        raise ConfigError(
+            "etcd TLS files are set (KVPOOL_ETCD_CA...) but no --etcd: pass --etcd-tls DIR to start the embedded "
+            "etcd with TLS, or --etcd for a running one"
+        )
+    return metadata
+
+
 @root.app.command()
 def up(
     etcd: str | None = options.ETCD,
     etcd_tls: str | None = options.ETCD_TLS,
     cluster: str = options.CLUSTER,
-    ray_address: str | None = typer.Option(
-        None,
-        "--ray-address",
-        help="Attach to this Ray cluster (a pool node on every alive node). Default: start a local one on loopback.",
-    ),
-    ray_auth_mode: str = typer.Option(
-        "",
-        "--ray-auth",
-        show_default=False,
-        help="The local Ray cluster's authentication: token (the default, unless RAY_AUTH_MODE=disabled is set: a "
-        "token generated for this cluster, readable only by you) or disabled (anyone who reaches its ports can run "
-        "code on it). An attached cluster (--ray-address) keeps its own.",
-    ),
-    nodes: int = typer.Option(
-        LOCAL_NODES, "--nodes", min=1, max=8, help="Ray nodes of the local cluster (127.0.0.2 and up)."
-    ),
-    dram_mib: int = typer.Option(LOCAL_DRAM_MIB, "--dram-mib", min=1, help="DRAM segment per node, MiB."),
-    nvme_mib: int = typer.Option(
-        LOCAL_NVME_MIB, "--nvme-mib", min=0, help="NVMe segment per node, MiB (0: no NVMe tier)."
-    ),
+    ray_address: str | None = RAY_ADDRESS,
+    ray_auth_mode: str = RAY_AUTH,
+    nodes: int = NODES,
+    dram_mib: int = DRAM_MIB,
+    nvme_mib: int = NVME_MIB,
     nvme_dir: str = options.NVME_DIR,
     nvme_codec: str = options.NVME_CODEC,
     s3_bucket: str = options.S3_BUCKET,
     s3_endpoint: str = options.S3_ENDPOINT,
     s3_codec: str = options.S3_CODEC,
     flush_after: float = options.FLUSH_AFTER,
-    demo: str = typer.Option(
-        MODELS[0], "--demo", help=f"Model of the prefill/decode demo: {', '.join(MODELS)}, or 'none' to skip it."
-    ),
-    serve: int = typer.Option(
-        -1,
-        "--serve",
-        min=-1,
-        max=65535,
-        help=f"Serve OpenAI-style /v1/completions on 127.0.0.1:PORT (0: any port) until Ctrl-C; -1: do not. With --demo none it serves {MODELS[0]}.",
-    ),
-    lanes: int = typer.Option(
-        1,
-        "--lanes",
-        min=1,
-        max=32,
-        help="Prefill -> decode lanes of the demo and --serve: lane i's prefill worker on node i, its decode worker on the next.",
-    ),
-    route: str = typer.Option(
-        "cache-aware",
-        "--route",
-        help="How --serve picks a lane when there are several: cache-aware (least predicted TTFT: queued work, then "
-        "reload-or-recompute of the cached prefix from that node), least-loaded or round-robin.",
-    ),
-    hold: bool = typer.Option(
-        False, "--hold", help="Keep the pool up until Ctrl-C (default: check it, run the demo, leave)."
-    ),
-    engine: str = typer.Option(
-        "workers",
-        "--engine",
-        help="What --serve serves with: workers (kvpool's prefill -> decode lanes, transformers) or vllm (one vLLM "
-        f"engine of {MODELS[0]} with kvpool's connector per node, --lanes of them, routed by --route over their own "
-        "prefix caches, known from their KV events, and the pool's contents; the demo is skipped).",
-    ),
-    tenants: str = typer.Option(
-        "",
-        "--tenants",
-        help="A tenants file (TOML; kvpool tenants check FILE): --serve then answers only requests with a tenant's "
-        "API key (Authorization: Bearer KEY), keys each tenant's chunks from its own secret, and every node enforces "
-        "the tenants' quotas.",
-    ),
+    demo: str = DEMO,
+    serve: int = SERVE,
+    lanes: int = LANES,
+    route: str = ROUTE,
+    hold: bool = HOLD,
+    engine: str = ENGINE,
+    tenants: str = TENANTS,
 ) -> None:
     """Bring a pool up, check it with a put and a get, run the prefill/decode demo, print the status.
 
@@ -232,29 +308,10 @@ def up(
     from kvpool.stack import StackConfig, running_pool
 
     with root.errors(), ExitStack() as stack:
-        if demo not in (*MODELS, "none"):
-            raise ConfigError(f"--demo must be one of {', '.join(MODELS)} or none, got {demo!r}")
-        if route not in ROUTES:
-            raise ConfigError(f"--route must be one of {', '.join(ROUTES)}, got {route!r:.40}")
-        if ray_auth_mode.lower() not in ("", *ray_auth.MODES):
-            raise ConfigError(f"--ray-auth must be token or disabled, got {ray_auth_mode!r:.40}")
-        if engine not in ("workers", "vllm"):
-            raise ConfigError(f"--engine must be workers or vllm, got {engine!r:.40}")
-        if engine == "vllm" and (serve < 0 or tenants):
-            raise ConfigError(
-                "--engine vllm serves over vLLM engines: give --serve PORT (tenants are served by the workers' front only)"
-            )
+        _check_choices(demo, route, ray_auth_mode, engine, serve, tenants)
         tenants_file = Tenants.load(tenants) if tenants else None
-        if etcd_tls and not etcd:
-            etcd = _tls_etcd(stack, etcd_tls)
-        metadata = options.metadata_config(etcd, cluster, etcd_tls)
-        if metadata.tls and not metadata.endpoints:
-            raise ConfigError(
-                "etcd TLS files are set (KVPOOL_ETCD_CA...) but no --etcd: pass --etcd-tls DIR to start the embedded "
-                "etcd with TLS, or --etcd for a running one"
-            )
         pool = PoolConfig(
-            metadata=metadata,
+            metadata=_metadata(stack, etcd, etcd_tls, cluster),
             dram_bytes=dram_mib * MiB,
             nvme_bytes=nvme_mib * MiB or -1,
             nvme_dir=nvme_dir,

@@ -35,43 +35,56 @@ def token_file() -> str:
     return str(token.path)
 
 
+ROLE = typer.Option(
+    options.parameter_default(kv_transfer_config, "role"),
+    "--role",
+    help=f"{ROLES[0]} (save and load), {ROLES[1]} (a prefill engine) or {ROLES[2]} (a decode engine).",
+)
+
+RAY_ADDRESS = typer.Option(
+    _connector("ray_address"),
+    "--ray-address",
+    help="The pool's Ray cluster as the engine's host reaches it (auto: the local Ray).",
+)
+
+MODEL_ID = typer.Option(
+    _connector("model_id"),
+    "--model-id",
+    show_default=False,
+    help="The model's name in chunk keys; engines of one model must agree. Default: vLLM's served name.",
+)
+
+RAY_TOKEN = typer.Option(
+    "",
+    "--ray-token",
+    show_default=False,
+    help="The file holding the Ray cluster's token, as the engine's host reads it (never the token itself). "
+    "Default: the file this shell's Ray would use (RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token).",
+)
+
+NODE_IP = typer.Option(
+    _connector("node_ip"),
+    "--node-ip",
+    show_default=False,
+    help="The engine host's Ray node IP, where one machine runs several (kvpool up: 127.0.0.2).",
+)
+
+CHUNK_SIZE = typer.Option(
+    _connector("chunk_size"), "--chunk-size", min=1, help="Tokens per chunk: a multiple of vLLM's block size."
+)
+
+
 @root.app.command("vllm-config")
 def vllm_config(
     etcd: str | None = options.ETCD,
     cluster: str = options.CLUSTER,
     namespace: str = options.NAMESPACE,
-    role: str = typer.Option(
-        options.parameter_default(kv_transfer_config, "role"),
-        "--role",
-        help=f"{ROLES[0]} (save and load), {ROLES[1]} (a prefill engine) or {ROLES[2]} (a decode engine).",
-    ),
-    ray_address: str = typer.Option(
-        _connector("ray_address"),
-        "--ray-address",
-        help="The pool's Ray cluster as the engine's host reaches it (auto: the local Ray).",
-    ),
-    model_id: str = typer.Option(
-        _connector("model_id"),
-        "--model-id",
-        show_default=False,
-        help="The model's name in chunk keys; engines of one model must agree. Default: vLLM's served name.",
-    ),
-    ray_token: str = typer.Option(
-        "",
-        "--ray-token",
-        show_default=False,
-        help="The file holding the Ray cluster's token, as the engine's host reads it (never the token itself). "
-        "Default: the file this shell's Ray would use (RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token).",
-    ),
-    node_ip: str = typer.Option(
-        _connector("node_ip"),
-        "--node-ip",
-        show_default=False,
-        help="The engine host's Ray node IP, where one machine runs several (kvpool up: 127.0.0.2).",
-    ),
-    chunk_size: int = typer.Option(
-        _connector("chunk_size"), "--chunk-size", min=1, help="Tokens per chunk: a multiple of vLLM's block size."
-    ),
+    role: str = ROLE,
+    ray_address: str = RAY_ADDRESS,
+    model_id: str = MODEL_ID,
+    ray_token: str = RAY_TOKEN,
+    node_ip: str = NODE_IP,
+    chunk_size: int = CHUNK_SIZE,
     replicas: int = options.REPLICAS,
 ) -> None:
     """Print vLLM's --kv-transfer-config for this pool: vllm serve MODEL --kv-transfer-config "$(kvpool vllm-config ...)"."""
