@@ -14,7 +14,7 @@ import ray
 
 from kvpool import ray_auth
 from kvpool.cli import status
-from kvpool.metadata.cache import MetadataCache
+from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
 
 #: a driver that attaches as kvpool's commands do, then calls a PoolNode actor; prints OK or the error's class
@@ -94,9 +94,9 @@ def test_a_process_with_the_token_reaches_the_pool_from_wherever_ray_looks(
     assert by_default.returncode == 0, by_default.stdout + by_default.stderr
 
 
-def test_every_node_runs_with_token_authentication_and_status_says_so(pool: PoolConfig, cache: MetadataCache) -> None:
+def test_every_node_runs_with_token_authentication_and_status_says_so(client: PoolClient) -> None:
     assert ray_auth.current_mode() == "token"
-    assert cache.wait_until(lambda c: len(c.nodes()) == 3, timeout_s=10)
-    snapshot = status.gather(cache)
+    assert client.cache.wait_until(lambda c: len(c.nodes()) == 3, timeout_s=10)
+    snapshot = status.gather(client.cache)
     assert [n.ray_auth for n in snapshot.nodes] == ["token"] * 3
     assert status.ray_auth_line(snapshot) == "ray authentication: token"
