@@ -12,9 +12,10 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import msgspec
 import ray
 
 from kvpool import ray_auth
@@ -105,7 +106,7 @@ def running_pool(config: StackConfig, report: Report | None = None) -> Iterator[
     (with the etcd endpoint filled in) and stops everything it started on exit."""
     report = report or LogReport()
     with ExitStack() as stack:
-        pool = replace(config.pool, metadata=_etcd_up(stack, config.pool.metadata, report))
+        pool = msgspec.structs.replace(config.pool, metadata=_etcd_up(stack, config.pool.metadata, report))
         _ray_up(stack, config, report)
         remote = pool.remote
         if remote.enabled:
