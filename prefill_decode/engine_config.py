@@ -17,6 +17,7 @@ ROLES = ("kv_both", "kv_producer", "kv_consumer")
 CONNECTOR = "KvPoolConnector"
 MODULE = "kvpool.prefill_decode.vllm_connector"
 _WHERE = "kv_connector_extra_config"
+_ETCD = "a list of 'host:port' strings, or one 'host:port,host:port' string"
 
 
 class ConnectorConfig(Config, frozen=True):
@@ -24,7 +25,7 @@ class ConnectorConfig(Config, frozen=True):
     the pool's own settings are those of :class:`PoolConfig` and :class:`MetadataConfig`."""
 
     #: etcd endpoints (``host:port``); empty: ``KVPOOL_ETCD_ENDPOINTS``
-    etcd: tuple[Annotated[str, Meta(min_length=1, description="a list of 'host:port'")], ...] = ()
+    etcd: Annotated[tuple[Annotated[str, Meta(min_length=1)], ...], Meta(description=_ETCD)] = ()
     cluster: Name = default_of(MetadataConfig, "cluster")  #: the pool's cluster name (its etcd prefix)
     namespace: str = default_of(PoolConfig, "namespace")  #: the Ray namespace of the pool's PoolNode actors
     ray_address: str = "auto"  #: the Ray cluster the pool runs on (worker side)

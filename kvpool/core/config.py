@@ -17,6 +17,7 @@ unknown fields are refused.
 
 import contextvars
 import re
+import types
 import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -93,11 +94,12 @@ def _round_trip(config: "Config") -> None:
     (a list given for a tuple field becomes a tuple, an int for a float field a float)."""
     cls = type(config)
     raw = msgspec.structs.asdict(config)
-    for name, kind in _nested(cls).items():
-        if not isinstance(raw[name], kind):
+    for name, kinds in _nested(cls).items():
+        if not isinstance(raw[name], kinds):
+            names = " or ".join("None" if k is types.NoneType else k.__name__ for k in kinds)
             raise ConfigError(
-                f"{cls.__name__}: `{name}` expected a {kind.__name__}, got {type(raw[name]).__name__} "
-                f"{raw[name]!r:.60}: write {name}={kind.__name__}(...)"
+                f"{cls.__name__}: `{name}` expected {names}, got {type(raw[name]).__name__} {raw[name]!r:.60}: "
+                f"write {name}={kinds[0].__name__}(...)"
             )
     token = _mode.set(_COPY)
     try:
@@ -112,20 +114,20 @@ def _round_trip(config: "Config") -> None:
             msgspec.structs.force_setattr(config, name, normal)
 
 
-_NESTED: dict[type, dict[str, type]] = {}
+_NESTED: dict[type, dict[str, tuple[type, ...]]] = {}
 _MISSING = object()
 
 
-def _nested(cls: type) -> dict[str, type]:
-    """The fields of ``cls`` declared as a Struct: a dict there would be converted, and code must pass the
-    config itself."""
+def _nested(cls: type) -> dict[str, tuple[type, ...]]:
+    """The fields of ``cls`` declared as a Struct (or a Struct or None), and the types they take: a dict there
+    would be converted, and code must pass the config itself."""
     if cls not in _NESTED:
         hints = typing.get_type_hints(cls)
-        _NESTED[cls] = {
-            f.name: hints[f.name]
-            for f in msgspec.structs.fields(cls)
-            if isinstance(hints[f.name], type) and issubclass(hints[f.name], msgspec.Struct)
-        }
+        _NESTED[cls] = {}
+        for f in msgspec.structs.fields(cls):
+            kinds = typing.get_args(hints[f.name]) if isinstance(hints[f.name], types.UnionType) else (hints[f.name],)
+            if any(isinstance(k, type) and issubclass(k, msgspec.Struct) for k in kinds):
+                _NESTED[cls][f.name] = kinds
     return _NESTED[cls]
 
 
@@ -147,8 +149,9 @@ def _config_error(cls: type, exc: msgspec.ValidationError, raw: Any, where: str)
         hint = "its fields are " + ", ".join(f.name for f in msgspec.structs.fields(kind))
         return ConfigError(f"{where}: `{shown}` {expected}: {hint}")
     got = f", got {type(value).__name__} {value!r:.60}" if found and not said.startswith(("Invalid", "Object")) else ""
-    if hint:
-        return ConfigError(f"{where}: `{shown}` must be {hint}{got} ({expected})")
+    if hint:  # a pattern is said by the description alone
+        said_more = "" if " matching regex " in said else f" ({expected})"
+        return ConfigError(f"{where}: `{shown}` must be {hint}{got}{said_more}")
     return ConfigError(f"{where}: `{shown}` {expected}{got}")
 
 

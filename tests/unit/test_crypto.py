@@ -216,11 +216,11 @@ def test_config_is_checked_with_errors_that_say_what_to_do(tmp_path: Path) -> No
             EncryptionConfig(**kwargs)  # type: ignore[arg-type]
         assert base64.b64encode(good).decode() not in str(caught.value)
     with pytest.raises(
-        ConfigError, match="`encryption` expected a EncryptionConfig, got str 'keys': write encryption=EncryptionConfig"
+        ConfigError, match="`encryption` expected EncryptionConfig, got str 'keys': write encryption=EncryptionConfig"
     ):
         PoolConfig(encryption="keys")  # type: ignore[arg-type]
     with pytest.raises(
-        ConfigError, match="`encryption` expected a EncryptionConfig, got str 'keys': write encryption=EncryptionConfig"
+        ConfigError, match="`encryption` expected EncryptionConfig, got str 'keys': write encryption=EncryptionConfig"
     ):
         RemoteConfig(encryption="keys")  # type: ignore[arg-type]
 
