@@ -1,6 +1,6 @@
 """The options several commands share, and the one place their defaults come from: the config classes.
 
-A default is read from the dataclass field (or the function parameter) it ends up in, never retyped, so a
+A default is read from the config field (or the function parameter) it ends up in, never retyped, so a
 change of ``PoolConfig.namespace`` or ``RemoteConfig.flush_after_s`` changes ``--help`` and the behaviour of
 every command with it.  The builders turn the options' values into those config objects.
 """

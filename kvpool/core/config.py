@@ -98,7 +98,7 @@ def _round_trip(config: "Config") -> None:
         if not isinstance(raw[name], kinds):
             names = " or ".join("None" if k is types.NoneType else k.__name__ for k in kinds)
             raise ConfigError(
-                f"{cls.__name__}: `{name}` expected {names}, got {type(raw[name]).__name__} {raw[name]!r:.60}: "
+                f"{cls.__name__}: `{name}` expected {names}, got {_shown(raw[name])}: "
                 f"write {name}={kinds[0].__name__}(...)"
             )
     token = _mode.set(_COPY)
@@ -148,7 +148,7 @@ def _config_error(cls: type, exc: msgspec.ValidationError, raw: Any, where: str)
     if said.startswith("Object contains unknown field") and isinstance(kind, type) and issubclass(kind, msgspec.Struct):
         hint = "its fields are " + ", ".join(f.name for f in msgspec.structs.fields(kind))
         return ConfigError(f"{where}: `{shown}` {expected}: {hint}")
-    got = f", got {type(value).__name__} {value!r:.60}" if found and not said.startswith(("Invalid", "Object")) else ""
+    got = f", got {_shown(value)}" if found and not said.startswith(("Invalid", "Object")) else ""
     if hint:  # a pattern is said by the description alone
         said_more = "" if " matching regex " in said else f" ({expected})"
         return ConfigError(f"{where}: `{shown}` must be {hint}{got}{said_more}")
@@ -196,6 +196,10 @@ def _unwrap(kind: Any) -> tuple[Any, list[Any]]:
     if typing.get_origin(kind) is typing.Annotated:
         return kind.__origin__, list(kind.__metadata__)
     return kind, []
+
+
+def _shown(value: Any) -> str:
+    return "None" if value is None else f"{type(value).__name__} {value!r:.60}"
 
 
 def _lower(text: str) -> str:
