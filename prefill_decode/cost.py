@@ -251,25 +251,24 @@ class CostModel:
 
     def transfer_s(self, tokens: int, tier: str | Tier) -> float:
         """Moving the KV of ``tokens`` tokens out of ``tier`` at its bandwidth."""
+        return self.kv_bytes(tokens) / self._bandwidth(tier)
+
+    def _bandwidth(self, tier: str | Tier) -> float:
         name = _tier_name(tier)
         bandwidth = self.hardware.bandwidth.get(name)
         if bandwidth is None:
             raise ConfigError(
                 f"no bandwidth for tier {name!r} ({self.hardware.source}); known: {', '.join(self.hardware.bandwidth)}"
             )
-        return self.kv_bytes(tokens) / bandwidth
+        return bandwidth
 
     def saved_per_byte_s(self, tier: str | Tier, shrink: float = 1.0) -> float:
         """Seconds of prefill saved per byte of KV reloaded from ``tier`` instead of computed: ``2·P`` FLOPs per
         token over the KV bytes of a token, less the read (of ``1 / shrink`` of the bytes, under a codec that
         stores KV ``shrink`` times smaller).  Linear: no attention term, no fixed costs; negative where reading
         is slower than computing."""
-        name = _tier_name(tier)
-        bandwidth = self.hardware.bandwidth.get(name)
-        if bandwidth is None:
-            raise ConfigError(f"no bandwidth for tier {name!r} ({self.hardware.source})")
         compute = 2 * self.spec.params / (self.hardware.flops * self.spec.kv_bytes_per_token)
-        return compute - 1 / (bandwidth * shrink)
+        return compute - 1 / (self._bandwidth(tier) * shrink)
 
     def speedup(self, tokens: int, tier: str | Tier) -> float:
         """How many times faster reloading ``tokens`` of KV from ``tier`` is than recomputing them."""
