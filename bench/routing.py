@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import ray
 from rich.console import Console
@@ -126,12 +127,12 @@ class Bench:
 def lanes_on(bench: Bench, tag: str, dram_mib: int, nvme_mib: int, policy: str) -> Iterator[tuple[Service, PoolConfig]]:
     """A fresh pool of the given capacities (its own cluster name and actors) and a lane per node over it."""
     name = f"routing-{tag}-{uuid.uuid4().hex[:6]}"
-    pool = replace(
+    pool = msgspec.structs.replace(
         bench.base,
         dram_bytes=dram_mib * MiB,
         nvme_bytes=nvme_mib * MiB or -1,
         namespace=name,
-        metadata=replace(bench.base.metadata, cluster=name),
+        metadata=msgspec.structs.replace(bench.base.metadata, cluster=name),
     )
     n = len(bench.nodes)
     with ExitStack() as stack:

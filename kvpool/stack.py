@@ -12,12 +12,15 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
+import msgspec
 import ray
+from msgspec import Meta
 
 from kvpool import ray_auth
+from kvpool.core.config import Config
 from kvpool.errors import ConfigError
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.config import PoolConfig
@@ -48,26 +51,19 @@ class LogReport:
         log.info("%s", line)
 
 
-@dataclass(frozen=True)
-class StackConfig:
+_RayAuth = Annotated[str, Meta(pattern=rf"^({'|'.join(ray_auth.MODES)})?\Z", description="token or disabled")]
+
+
+class StackConfig(Config, frozen=True):
     """What to bring up.  ``pool.metadata.endpoints`` empty: an embedded etcd on a free loopback port."""
 
-    pool: PoolConfig = field(default_factory=PoolConfig)
-    nodes: int = 1  #: Ray nodes of the local cluster, on 127.0.0.2 and up (unused with ``ray_address``)
+    pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
+    #: Ray nodes of the local cluster, on 127.0.0.2 and up (unused with ``ray_address``)
+    nodes: Annotated[int, Meta(ge=1, le=32, description="an int in [1, 32] (local Ray nodes)")] = 1
     ray_address: str = ""  #: attach to this Ray cluster (head host:port) and use its alive nodes; empty: a local one
     #: the local cluster's authentication: token or disabled; "": the user's ``RAY_AUTH_MODE``, else token (an attached
     #: cluster's is its own)
-    ray_auth: str = ""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.pool, PoolConfig):
-            raise ConfigError(f"pool must be a PoolConfig, got {type(self.pool).__name__}")
-        if not isinstance(self.nodes, int) or isinstance(self.nodes, bool) or not 1 <= self.nodes <= 32:
-            raise ConfigError(f"nodes must be an int in [1, 32] (local Ray nodes), got {self.nodes!r}")
-        if not isinstance(self.ray_address, str):
-            raise ConfigError(f"ray_address must be a 'host:port' string or empty, got {self.ray_address!r}")
-        if self.ray_auth not in ("", *ray_auth.MODES):
-            raise ConfigError(f"ray_auth must be token or disabled, got {self.ray_auth!r:.40}")
+    ray_auth: _RayAuth = ""
 
 
 def _etcd_up(stack: ExitStack, metadata: MetadataConfig, report: Report) -> MetadataConfig:
@@ -105,7 +101,7 @@ def running_pool(config: StackConfig, report: Report | None = None) -> Iterator[
     (with the etcd endpoint filled in) and stops everything it started on exit."""
     report = report or LogReport()
     with ExitStack() as stack:
-        pool = replace(config.pool, metadata=_etcd_up(stack, config.pool.metadata, report))
+        pool = msgspec.structs.replace(config.pool, metadata=_etcd_up(stack, config.pool.metadata, report))
         _ray_up(stack, config, report)
         remote = pool.remote
         if remote.enabled:

@@ -13,7 +13,8 @@ import os
 import socket
 import time
 from collections.abc import Iterable
-from dataclasses import asdict
+
+from msgspec.structs import asdict
 
 from kvpool.core.keys import CacheIdentity
 from kvpool.core.types import IdentityRecord

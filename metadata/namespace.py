@@ -11,7 +11,7 @@
 import re
 from dataclasses import dataclass
 
-from kvpool.core.keys import KEY_BYTES
+from kvpool.core.keys import KEY_BYTES, check_key
 from kvpool.errors import ConfigError, MalformedRecord
 from kvpool.metadata.config import validate_name
 
@@ -67,8 +67,7 @@ class Namespace:
 
     def chunk(self, key: bytes) -> bytes:
         """The prefix holding every replica of one chunk."""
-        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            raise ConfigError(f"a chunk key is {KEY_BYTES} bytes (kvpool.core.keys.chunk_keys), got {key!r:.60}")
+        check_key(key, "chunk key")
         return self.chunks + key.hex().encode() + b"/"
 
     def replica(self, key: bytes, node_id: str) -> bytes:

@@ -36,14 +36,55 @@ import secrets
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
+from msgspec import Meta
+
+from kvpool.core.config import Config, validated
 from kvpool.errors import ConfigError, TenantRefused
 from kvpool.pool.config import MiB
 
 ROOT_TAG = b"kvpool.tenant/1"
 MIN_SECRET_BYTES = 16
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}\Z")
+_Names = tuple[Annotated[str, Meta(min_length=1)], ...]
+_MiB = Annotated[int, Meta(ge=0, description="an int >= 0 (MiB per node; 0: no quota)")]
+
+
+class _Shared(Config, frozen=True):
+    """A ``[shared.<name>]`` table of a tenants file."""
+
+    secret: str = ""
+    secret_env: str = ""
+
+
+class _Tenant(_Shared, frozen=True):
+    """A ``[tenants.<name>]`` table of a tenants file."""
+
+    api_keys: Annotated[_Names, Meta(description="a list of non-empty strings")] = ()
+    dram_mib: _MiB = 0
+    nvme_mib: _MiB = 0
+    shared: Annotated[_Names, Meta(description="a list of [shared.<name>] names")] = ()
+
+
+_Tables = Annotated[str, Meta(pattern=_NAME.pattern)]
+_TABLE_RULE = "tables such as [{}.acme]; names are 1-63 letters, digits, '_', '.' or '-'"
+
+
+class _File(Config, frozen=True):
+    """A tenants file: ``[tenants.*]`` and ``[shared.*]`` tables."""
+
+    tenants: Annotated[dict[_Tables, _Tenant], Meta(description=_TABLE_RULE.format("tenants"))] = msgspec.field(
+        default_factory=dict
+    )
+    shared: Annotated[dict[_Tables, _Shared], Meta(description=_TABLE_RULE.format("shared"))] = msgspec.field(
+        default_factory=dict
+    )
+
+    def check(self) -> None:
+        if not self.tenants:
+            raise ConfigError("no [tenants.<name>] table; add at least one tenant")
 
 
 def check_tenant(tenant: object) -> str:
@@ -115,15 +156,20 @@ class Tenants:
 
     @classmethod
     def parse(cls, doc: Mapping[str, Any], where: str = "tenants") -> "Tenants":
-        if unknown := sorted(set(doc) - {"tenants", "shared"}):
-            raise ConfigError(f"{where}: unknown table [{unknown[0]}]; a tenants file has [tenants.*] and [shared.*]")
-        tenants = {name: _tenant(name, body, where) for name, body in _tables(doc, "tenants", where).items()}
-        if not tenants:
-            raise ConfigError(f"{where}: no [tenants.<name>] table; add at least one tenant")
-        shared = {
-            name: _secret(body, f"{where}: [shared.{name}]") for name, body in _tables(doc, "shared", where).items()
+        """A tenants file's tables (TOML, above) as :class:`Tenants`; ``ConfigError`` naming ``where``."""
+        file = validated(_File, doc, where)
+        tenants = {
+            name: Tenant(
+                name,
+                _secret(t, f"{where}: [tenants.{name}]"),
+                t.api_keys,
+                t.dram_mib * MiB,
+                t.nvme_mib * MiB,
+                t.shared,
+            )
+            for name, t in file.tenants.items()
         }
-        return cls(tenants, shared)
+        return cls(tenants, {name: _secret(s, f"{where}: [shared.{name}]") for name, s in file.shared.items()})
 
     def scope(self, tenant: str, namespace: str = "") -> Scope:
         """The scope a request of ``tenant`` gets (its own, or the shared ``namespace`` if it may use it)."""
@@ -164,44 +210,14 @@ class Tenants:
         return {n: (t.dram_bytes, t.nvme_bytes) for n, t in self.tenants.items() if t.dram_bytes or t.nvme_bytes}
 
 
-def _tables(doc: Mapping[str, Any], name: str, where: str) -> dict[str, Mapping[str, Any]]:
-    tables = doc.get(name, {})
-    if not isinstance(tables, Mapping) or not all(isinstance(v, Mapping) for v in tables.values()):
-        raise ConfigError(f"{where}: [{name}] must hold tables, e.g. [{name}.acme]")
-    for key in tables:
-        if not _NAME.match(key):
-            raise ConfigError(f"{where}: [{name}.{key}]: names are 1-63 letters, digits, '_', '.' or '-'")
-    return dict(tables)
-
-
-def _tenant(name: str, body: Mapping[str, Any], where: str) -> Tenant:
-    at = f"{where}: [tenants.{name}]"
-    known = {"secret", "secret_env", "api_keys", "dram_mib", "nvme_mib", "shared"}
-    if unknown := sorted(set(body) - known):
-        raise ConfigError(f"{at}: unknown setting {unknown[0]!r}; known: {', '.join(sorted(known))}")
-    keys, shared = body.get("api_keys", []), body.get("shared", [])
-    for what, value in (("api_keys", keys), ("shared", shared)):
-        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-            raise ConfigError(f"{at}: {what} must be a list of non-empty strings")
-    sizes = []
-    for what in ("dram_mib", "nvme_mib"):
-        value = body.get(what, 0)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ConfigError(f"{at}: {what} must be an int >= 0 (MiB per node; 0: no quota), got {value!r:.40}")
-        sizes.append(value * MiB)
-    return Tenant(name, _secret(body, at), tuple(keys), sizes[0], sizes[1], tuple(shared))
-
-
-def _secret(body: Mapping[str, Any], at: str) -> bytes:
-    if "secret_env" in body:
-        var = body["secret_env"]
-        text = os.environ.get(var, "") if isinstance(var, str) else ""
+def _secret(table: "_Shared", at: str) -> bytes:
+    text = table.secret
+    if table.secret_env:
+        text = os.environ.get(table.secret_env, "")
         if not text:
-            raise ConfigError(f"{at}: secret_env names {var!r:.40}, which is not set in the environment")
-    else:
-        text = body.get("secret", "")
+            raise ConfigError(f"{at}: secret_env names {table.secret_env!r:.40}, which is not set in the environment")
     try:
-        secret = bytes.fromhex(text) if isinstance(text, str) else b""
+        secret = bytes.fromhex(text)
     except ValueError:
         secret = b""
     if len(secret) < MIN_SECRET_BYTES:

@@ -10,12 +10,16 @@ tiers' bandwidth on a cluster is done elsewhere and handed in as a :class:`Hardw
 """
 
 import enum
-import math
+import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
+from msgspec import Meta
+
+from kvpool.core.config import Config, Positive
 from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
 
@@ -23,17 +27,10 @@ from kvpool.errors import ConfigError
 TIERS: tuple[str, ...] = tuple(t.value for t in Tier if t is not Tier.GPU)
 #: What a reload can be priced at: the tiers, and ``peer`` — a DRAM replica on another node, read over the network.
 PATHS: tuple[str, ...] = (*TIERS, "peer")
-
-
-def _positive_int(owner: str, name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{owner}.{name} must be a positive int, got {value!r}")
-
-
-def _positive_number(what: str, value: object) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (0 < value < math.inf):
-        raise ConfigError(f"{what} must be a positive finite number, got {value!r}")
-    return float(value)
+_Path = Annotated[str, Meta(pattern=rf"^({'|'.join(PATHS)})\Z")]
+_BANDWIDTH = f"a map of tier names ({', '.join(PATHS)}) to bytes/s, finite numbers > 0"
+_PositiveFinite = Annotated[float, Meta(gt=0, le=sys.float_info.max, description="a finite number > 0")]
+_NonNegativeFinite = Annotated[float, Meta(ge=0, le=sys.float_info.max, description="a finite number >= 0")]
 
 
 def _tokens(name: str, value: object, minimum: int = 0) -> int:
@@ -49,24 +46,20 @@ def _tier_name(tier: str | Tier) -> str:
     return name
 
 
-@dataclass(frozen=True)
-class ModelSpec:
+class ModelSpec(Config, frozen=True):
     """What the cost model needs to know about a model: its size and the shape of its KV cache."""
 
-    name: str
-    params: int  #: total parameter count, the ``P`` of ``2·P`` FLOPs per token
-    layers: int
-    heads: int  #: query heads (the attention FLOPs scale with these)
-    kv_heads: int  #: key/value heads (the KV size scales with these; fewer than ``heads`` under GQA)
-    head_dim: int
-    kv_dtype_bytes: int  #: bytes per KV element: 2 for bf16/fp16, 4 for fp32, 1 for fp8
+    name: Annotated[str, Meta(min_length=1)]
+    params: Positive  #: total parameter count, the ``P`` of ``2·P`` FLOPs per token
+    layers: Positive
+    heads: Positive  #: query heads (the attention FLOPs scale with these)
+    kv_heads: Positive  #: key/value heads (the KV size scales with these; fewer than ``heads`` under GQA)
+    head_dim: Positive
+    #: bytes per KV element: 2 for bf16/fp16, 4 for fp32, 1 for fp8
+    kv_dtype_bytes: int
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ConfigError(f"ModelSpec.name must be a non-empty str, got {self.name!r}")
-        for name in ("params", "layers", "heads", "kv_heads", "head_dim"):
-            _positive_int("ModelSpec", name, getattr(self, name))
-        if type(self.kv_dtype_bytes) is not int or self.kv_dtype_bytes not in (1, 2, 4):
+    def check(self) -> None:
+        if self.kv_dtype_bytes not in (1, 2, 4):
             raise ConfigError(f"ModelSpec.kv_dtype_bytes must be 1, 2 or 4, got {self.kv_dtype_bytes!r}")
         if self.heads % self.kv_heads:
             raise ConfigError(
@@ -134,37 +127,22 @@ def model_spec(name: str) -> ModelSpec:
         raise ConfigError(f"unknown model {name!r}; known models: {', '.join(KNOWN_MODELS)}") from None
 
 
-@dataclass(frozen=True)
-class Hardware:
+class Hardware(Config, frozen=True):
     """Effective compute and each tier's read bandwidth, and where the figures come from.
 
     ``bandwidth`` is stored read-only, in :data:`PATHS` order (the tiers, then ``peer``); a path without a
     figure is absent.
     """
 
-    flops: float  #: effective FLOP/s of prefill
-    bandwidth: Mapping[str, float]  #: tier name -> bytes/s
-    source: str  #: "reference analysis", "measured on this cluster", "overridden"
-    latency_s: float = 0.0  #: fixed cost of one reload, whatever its size (pin round trip, first bytes)
-    step_s: float = 0.0  #: fixed cost of one forward pass, whatever its length (weights read, kernel launches)
+    flops: _PositiveFinite  #: effective FLOP/s of prefill
+    bandwidth: Annotated[Mapping[_Path, _PositiveFinite], Meta(description=_BANDWIDTH)]  #: tier name -> bytes/s
+    source: Annotated[str, Meta(min_length=1)]  #: "reference analysis", "measured on this cluster", "overridden"
+    latency_s: _NonNegativeFinite = 0.0  #: fixed cost of one reload, whatever its size (pin round trip, first bytes)
+    step_s: _NonNegativeFinite = 0.0  #: fixed cost of one forward pass, whatever its length (weights read, kernels)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "flops", _positive_number("Hardware.flops", self.flops))
-        if not isinstance(self.bandwidth, Mapping):
-            raise ConfigError(f"Hardware.bandwidth must map tier names to bytes/s, got {self.bandwidth!r}")
-        unknown = set(self.bandwidth) - set(PATHS)
-        if unknown:
-            raise ConfigError(f"Hardware.bandwidth: unknown tier(s) {sorted(map(str, unknown))}; tiers are {PATHS}")
-        checked = {
-            t: _positive_number(f"Hardware.bandwidth[{t!r}]", self.bandwidth[t]) for t in PATHS if t in self.bandwidth
-        }
-        object.__setattr__(self, "bandwidth", MappingProxyType(checked))
-        if not isinstance(self.source, str) or not self.source:
-            raise ConfigError(f"Hardware.source must be a non-empty str, got {self.source!r}")
-        for name in ("latency_s", "step_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ConfigError(f"Hardware.{name} must be a finite number >= 0, got {value!r}")
+    def check(self) -> None:
+        ordered = {t: self.bandwidth[t] for t in PATHS if t in self.bandwidth}
+        msgspec.structs.force_setattr(self, "bandwidth", MappingProxyType(ordered))
 
     def __hash__(self) -> int:  # the read-only mapping is not hashable itself
         return hash((self.flops, tuple(self.bandwidth.items()), self.source, self.latency_s, self.step_s))
@@ -177,7 +155,7 @@ class Hardware:
         given = {t: bw for t, bw in bandwidth.items() if bw is not None}
         if flops is None and not given:
             return self
-        return replace(
+        return msgspec.structs.replace(
             self,
             flops=self.flops if flops is None else flops,
             bandwidth={**self.bandwidth, **given},
@@ -273,25 +251,24 @@ class CostModel:
 
     def transfer_s(self, tokens: int, tier: str | Tier) -> float:
         """Moving the KV of ``tokens`` tokens out of ``tier`` at its bandwidth."""
+        return self.kv_bytes(tokens) / self._bandwidth(tier)
+
+    def _bandwidth(self, tier: str | Tier) -> float:
         name = _tier_name(tier)
         bandwidth = self.hardware.bandwidth.get(name)
         if bandwidth is None:
             raise ConfigError(
                 f"no bandwidth for tier {name!r} ({self.hardware.source}); known: {', '.join(self.hardware.bandwidth)}"
             )
-        return self.kv_bytes(tokens) / bandwidth
+        return bandwidth
 
     def saved_per_byte_s(self, tier: str | Tier, shrink: float = 1.0) -> float:
         """Seconds of prefill saved per byte of KV reloaded from ``tier`` instead of computed: ``2·P`` FLOPs per
         token over the KV bytes of a token, less the read (of ``1 / shrink`` of the bytes, under a codec that
         stores KV ``shrink`` times smaller).  Linear: no attention term, no fixed costs; negative where reading
         is slower than computing."""
-        name = _tier_name(tier)
-        bandwidth = self.hardware.bandwidth.get(name)
-        if bandwidth is None:
-            raise ConfigError(f"no bandwidth for tier {name!r} ({self.hardware.source})")
         compute = 2 * self.spec.params / (self.hardware.flops * self.spec.kv_bytes_per_token)
-        return compute - 1 / (bandwidth * shrink)
+        return compute - 1 / (self._bandwidth(tier) * shrink)
 
     def speedup(self, tokens: int, tier: str | Tier) -> float:
         """How many times faster reloading ``tokens`` of KV from ``tier`` is than recomputing them."""

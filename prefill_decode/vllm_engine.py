@@ -25,9 +25,10 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
+
+from msgspec.structs import asdict
 
 from kvpool.errors import ConfigError, WorkerUnavailable
 

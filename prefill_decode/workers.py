@@ -8,15 +8,18 @@ Neither imports a transport: all KV movement goes through :class:`~kvpool.pool.c
 """
 
 import logging
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import ray
 import torch
+from msgspec import Meta
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from kvpool.core.config import Config, NonNegative, Positive
 from kvpool.core.keys import DEFAULT_CHUNK_SIZE, CacheIdentity, token_array
 from kvpool.errors import ConfigError, PoolFull
 from kvpool.pool.config import PoolConfig
@@ -25,49 +28,35 @@ from kvpool.prefill_decode.calibrate import measure_hardware, spec_of
 from kvpool.prefill_decode.connector import PoolConnector
 from kvpool.prefill_decode.cost import CostModel, Hardware
 from kvpool.prefill_decode.device_tier import DeviceTier
-from kvpool.prefill_decode.layout import LAYOUTS, KVLayout, is_layout_name
+from kvpool.prefill_decode.layout import LAYOUTS, KVLayout
 from kvpool.prefill_decode.model import MODELS, load_model
 from kvpool.prefill_decode.router import Route, Router
 from kvpool.prefill_decode.runner import ModelRunner, Prefilled
 
+_MODELS = f"one of {', '.join(sorted(MODELS))}"
+_OPTIONS = "a tuple of (name, value) pairs, e.g. (('seed', 1),)"
+_LAYOUTS = f"one of {', '.join(LAYOUTS)} (G: layers per object)"
+
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(Config, frozen=True):
     pool: PoolConfig
-    model: str = "tiny-llama"  #: a name :func:`~kvpool.prefill_decode.model.load_model` knows
-    model_options: tuple[tuple[str, Any], ...] = ()  #: keyword arguments of the loader, e.g. (("seed", 1),)
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    layout: str = "auto"  #: see :mod:`kvpool.prefill_decode.layout`
+    #: a name :func:`~kvpool.prefill_decode.model.load_model` knows
+    model: Annotated[str, Meta(pattern=f"^({'|'.join(map(re.escape, MODELS))})\\Z", description=_MODELS)] = "tiny-llama"
+    #: keyword arguments of the loader, e.g. (("seed", 1),)
+    model_options: Annotated[tuple[tuple[str, Any], ...], Meta(description=_OPTIONS)] = ()
+    chunk_size: Positive = DEFAULT_CHUNK_SIZE
+    #: see :mod:`kvpool.prefill_decode.layout`
+    layout: Annotated[str, Meta(pattern=r"^(auto|all-layers|per-layer|groups-of-[0-9]+)\Z", description=_LAYOUTS)] = (
+        "auto"
+    )
     hardware: Hardware | None = None  #: the cost model's figures; None: measured when the worker starts
-    replicas: int = 1  #: copies of each chunk a prefill worker puts
-    torch_threads: int = 0  #: 0: torch's default
+    replicas: Positive = 1  #: copies of each chunk a prefill worker puts
+    torch_threads: NonNegative = 0  #: 0: torch's default
     #: decode workers keep finished sequences' KV on the model's device up to this budget (0: off), offloading
     #: it to the pool by watermark — so the next turn of a conversation finds its prompt and answer there
-    device_budget_mib: int = 0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.pool, PoolConfig):
-            raise ConfigError(f"pool must be a PoolConfig, got {type(self.pool).__name__}")
-        if not isinstance(self.model, str) or self.model not in MODELS:
-            raise ConfigError(f"model must be one of {', '.join(sorted(MODELS))}, got {self.model!r}")
-        if not isinstance(self.model_options, tuple) or not all(
-            isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], str) for o in self.model_options
-        ):
-            raise ConfigError(
-                f"model_options must be a tuple of (name, value) pairs, e.g. (('seed', 1),), got {self.model_options!r:.80}"
-            )
-        if not is_layout_name(self.layout):
-            raise ConfigError(
-                f"layout must be one of {', '.join(LAYOUTS)} (G: layers per object), got {self.layout!r:.40}"
-            )
-        if self.hardware is not None and not isinstance(self.hardware, Hardware):
-            raise ConfigError(f"hardware must be None (measure) or a Hardware, got {type(self.hardware).__name__}")
-        for name, low in (("chunk_size", 1), ("replicas", 1), ("torch_threads", 0), ("device_budget_mib", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
+    device_budget_mib: NonNegative = 0
 
 
 @dataclass(frozen=True)

@@ -8,36 +8,27 @@ or raises :class:`TransferError` within its timeout, never hangs.
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import cache
 from typing import Annotated, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
 
-from kvpool.errors import ConfigError, TransferError
+from kvpool.core.config import Config
+from kvpool.errors import TransferError
 
-_U64 = 2**64
+_I64_MAX = 2**63 - 1  #: msgspec bounds ints to int64; an address or offset beyond is no memory we have
 
 
-@dataclass(frozen=True)
-class Op:
+class Op(Config, frozen=True):
     """One contiguous range: ``length`` bytes at ``remote_offset`` of the peer's region ``region``, and
-    at ``local_address`` here (inside a region registered with this transport)."""
+    at ``local_address`` here (inside a region registered with this transport).  Checked when made, not by the
+    engine: a negative length reaches memmove as 2**64 - 1."""
 
-    region: str
-    remote_offset: int
-    local_address: int
-    length: int
-
-    def __post_init__(self) -> None:
-        # checked here, not by the engine: a negative length reaches memmove as 2**64 - 1
-        if not isinstance(self.region, str) or not self.region:
-            raise ConfigError(f"Op.region must be a region name, got {self.region!r:.60}")
-        for name, low in (("remote_offset", 0), ("local_address", 1), ("length", 1)):
-            value = getattr(self, name)
-            if not is_int_in(value, low, _U64):
-                raise ConfigError(f"Op.{name} must be an int in [{low}, 2**64), got {value!r:.60}")
+    region: Annotated[str, Meta(min_length=1, description="a region name")]
+    remote_offset: Annotated[int, Meta(ge=0, le=_I64_MAX, description="an int in [0, 2**63)")]
+    local_address: Annotated[int, Meta(ge=1, le=_I64_MAX, description="an int in [1, 2**63)")]
+    length: Annotated[int, Meta(ge=1, le=_I64_MAX, description="an int in [1, 2**63)")]
 
 
 class Transport(ABC):
@@ -83,11 +74,6 @@ def pop_notification(pending: list[tuple[str, bytes]], message: bytes) -> str | 
             del pending[i]
             return peer
     return None
-
-
-def is_int_in(value: object, low: int, high: int) -> bool:
-    """Whether ``value`` is an int (not a bool) in ``[low, high)``."""
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
 
 
 # -- descriptors: the wire formats, decoded strictly by msgspec --------------------------------------------

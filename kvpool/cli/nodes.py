@@ -2,10 +2,10 @@
 (what every node of a ``ray up`` cluster runs), ``kvpool down`` stops them all."""
 
 import os
-from dataclasses import replace
 from typing import Any
 
 import typer
+from msgspec.structs import replace
 
 from kvpool.cli import options, root
 from kvpool.cli.figures import size

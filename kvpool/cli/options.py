@@ -1,11 +1,10 @@
 """The options several commands share, and the one place their defaults come from: the config classes.
 
-A default is read from the dataclass field (or the function parameter) it ends up in, never retyped, so a
+A default is read from the config field (or the function parameter) it ends up in, never retyped, so a
 change of ``PoolConfig.namespace`` or ``RemoteConfig.flush_after_s`` changes ``--help`` and the behaviour of
 every command with it.  The builders turn the options' values into those config objects.
 """
 
-import dataclasses
 import inspect
 import os
 from collections.abc import Callable
@@ -13,23 +12,13 @@ from typing import Any
 
 import typer
 
+from kvpool.core.config import default_of as field_default
 from kvpool.errors import ConfigError
 from kvpool.metadata.config import ENDPOINTS_ENV, TLS_ENV, MetadataConfig
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.tiers.s3_config import RemoteConfig
 from kvpool.prefill_decode.cost import REFERENCE_HARDWARE, Hardware
 from kvpool.prefill_decode.engine_config import ConnectorConfig
-
-
-def field_default(cls: type, name: str) -> Any:
-    """The default of field ``name`` of the dataclass ``cls`` (its factory's value, for a factory field)."""
-    for f in dataclasses.fields(cls):
-        if f.name == name:
-            if f.default is not dataclasses.MISSING:
-                return f.default
-            if f.default_factory is not dataclasses.MISSING:
-                return f.default_factory()
-    raise LookupError(f"{cls.__name__} has no field {name!r} with a default")
 
 
 def parameter_default(func: Callable[..., Any], name: str) -> Any:

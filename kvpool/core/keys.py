@@ -11,55 +11,46 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping, Set
-from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
+import msgspec
 import numpy as np
 
+from kvpool.core.config import Config, NonNegative, Positive
 from kvpool.errors import ConfigError
 
 KEY_BYTES = 32  #: chunk keys are SHA-256 digests
 DEFAULT_CHUNK_SIZE = 256
 _MAX_TOKEN_ID = 2**32 - 1  # tokens are hashed as little-endian uint32
 _IDENTITY_TAG = "kvpool.cache-identity/1"
+_Text = Annotated[str, msgspec.Meta(min_length=1, description="a non-empty string")]
 _KEY_HEX = re.compile(rf"[0-9a-fA-F]{{{2 * KEY_BYTES}}}", re.ASCII)
 
 
-@dataclass(frozen=True)
-class CacheIdentity:
+class CacheIdentity(Config, frozen=True):
     """Everything that makes two KV caches exchangeable.
 
     ``layout`` names how a chunk's bytes are arranged, e.g. ``"all-layers:[L,2,T,H,D]"`` for a chunk
     that holds every layer, or ``"layer:[2,T,H,D]"`` for layer-wise chunks.
     """
 
-    model: str
-    kv_dtype: str
-    layout: str
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    tp_size: int = 1
-    tp_rank: int = 0
-    codec: str = "raw"
+    model: _Text
+    kv_dtype: _Text
+    layout: _Text
+    chunk_size: Positive = DEFAULT_CHUNK_SIZE
+    tp_size: Positive = 1
+    tp_rank: NonNegative = 0
+    codec: _Text = "raw"
 
-    def __post_init__(self) -> None:
-        for name in ("model", "kv_dtype", "layout", "codec"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value:
-                raise ConfigError(f"CacheIdentity.{name} must be a non-empty string, got {value!r}")
-        for name in ("chunk_size", "tp_size", "tp_rank"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ConfigError(f"CacheIdentity.{name} must be an int, got {value!r}")
-        if self.chunk_size <= 0:
-            raise ConfigError(f"CacheIdentity.chunk_size must be > 0, got {self.chunk_size}")
-        if self.tp_size <= 0:
-            raise ConfigError(f"CacheIdentity.tp_size must be > 0, got {self.tp_size}")
-        if not 0 <= self.tp_rank < self.tp_size:
+    def check(self) -> None:
+        if self.tp_rank >= self.tp_size:
             raise ConfigError(f"CacheIdentity.tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
 
     def root(self) -> bytes:
         """``H_0``: the SHA-256 of a canonical encoding of the identity."""
-        canonical = json.dumps({"tag": _IDENTITY_TAG, **asdict(self)}, sort_keys=True, separators=(",", ":"))
+        canonical = json.dumps(
+            {"tag": _IDENTITY_TAG, **msgspec.structs.asdict(self)}, sort_keys=True, separators=(",", ":")
+        )
         return hashlib.sha256(canonical.encode()).digest()
 
 

@@ -57,10 +57,13 @@ import struct
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Annotated
 
 import numpy as np
 import torch
+from msgspec import Meta
 
+from kvpool.core.config import Config, Positive
 from kvpool.errors import ConfigError, UndecodableChunk, UnencodableTensor
 from kvpool.pool.tiers import crypto
 from kvpool.pool.tiers.lossless import compress, decompress, delta, from_planes, to_planes, undelta
@@ -166,25 +169,18 @@ class Codec:
         return q.dequantize(body[:n_params], codes, shape, dtype)
 
 
-@dataclass(frozen=True)
-class TensorFormat:
+class TensorFormat(Config, frozen=True):
     """The dtype and shape of a chunk the pool holds as plain bytes: what a tier's codec needs to encode it.
 
     A chunk put as a tensor carries its format; one put as bytes has none and is stored raw on every tier.
     """
 
-    dtype: str  #: "float16", "bfloat16" or "float32"
-    shape: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _DTYPE_NAMES:
-            raise ConfigError(f"tensor format: dtype must be one of {sorted(_DTYPE_NAMES)}, got {self.dtype!r:.40}")
-        if not (
-            isinstance(self.shape, tuple)
-            and 1 <= len(self.shape) <= MAX_NDIM
-            and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.shape)
-        ):
-            raise ConfigError(f"tensor format: shape must be 1 to {MAX_NDIM} ints > 0, got {self.shape!r:.80}")
+    dtype: Annotated[
+        str, Meta(pattern=f"^({'|'.join(_DTYPE_NAMES)})\\Z", description=f"one of {', '.join(_DTYPE_NAMES)}")
+    ]
+    shape: Annotated[
+        tuple[Positive, ...], Meta(min_length=1, max_length=MAX_NDIM, description=f"1 to {MAX_NDIM} ints > 0")
+    ]
 
     @classmethod
     def of(cls, data: object) -> "TensorFormat | None":

@@ -51,12 +51,14 @@ import secrets
 import stat
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from functools import lru_cache
+from typing import Annotated
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from msgspec import Meta
 
+from kvpool.core.config import Config
 from kvpool.errors import ConfigError, UndecryptableChunk
 
 log = logging.getLogger(__name__)
@@ -68,8 +70,8 @@ NONCE_BYTES = 12
 TAG_BYTES = 16
 MAX_PLAINTEXT = 2**31 - 1 - TAG_BYTES  # what cryptography's AES-GCM takes in one call
 _SALT = b"kvpool aes256gcm v1"
-_KEY_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_KEY_ID = r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}"
+_ENV_NAME = r"^([A-Za-z_][A-Za-z0-9_]*)?\Z"
 _KEY_ID_RULE = "1-64 characters of letters, digits, '_', '.', ':' or '-', starting with a letter or digit"
 
 Buffer = bytes | bytearray | memoryview
@@ -86,7 +88,7 @@ def split(codec: str) -> tuple[str, bool]:
 
 
 def check_key_id(key_id: object, field: str = "key_id") -> str:
-    if not isinstance(key_id, str) or not _KEY_ID.match(key_id):
+    if not isinstance(key_id, str) or not re.fullmatch(_KEY_ID, key_id):
         raise ConfigError(f"{field} must be {_KEY_ID_RULE}, got {key_id!r:.80}")
     return key_id
 
@@ -232,7 +234,7 @@ def parse_keys(text: str, source: str) -> dict[str, bytes]:
         if len(parts) != 2:
             raise ConfigError(f"{where}: expected '<key id> <base64 key>' (kvpool keys new PATH writes such lines)")
         key_id, encoded = parts
-        if not _KEY_ID.match(key_id):
+        if not re.fullmatch(_KEY_ID, key_id):
             raise ConfigError(f"{where}: a key id is {_KEY_ID_RULE}")
         try:
             key = base64.b64decode(encoded, validate=True)
@@ -291,8 +293,7 @@ def _load(key_file: str, stamp: tuple[int, int], key_env: str, env_text: str | N
     return Keyring(parse_keys(text, source), key_id)
 
 
-@dataclass(frozen=True)
-class EncryptionConfig:
+class EncryptionConfig(Config, frozen=True):
     """Encryption at rest of one tier: where its keys come from, and which one seals new chunks.
 
     Off unless ``key_file`` or ``key_env`` is set (one of them).  Holds no key material, only where to find it, so it
@@ -301,21 +302,16 @@ class EncryptionConfig:
     """
 
     key_file: str = ""  #: a key file (``kvpool keys new PATH`` writes one)
-    key_env: str = ""  #: or: the name of an environment variable holding the key file's text
-    key_id: str = ""  #: the key that seals new chunks; empty: the last one listed
+    #: or: the name of an environment variable holding the key file's text
+    key_env: Annotated[str, Meta(pattern=_ENV_NAME, description="the name of an environment variable")] = ""
+    #: the key that seals new chunks; empty: the last one listed
+    key_id: Annotated[str, Meta(pattern=rf"^({_KEY_ID})?\Z", description=_KEY_ID_RULE)] = ""
 
-    def __post_init__(self) -> None:
-        for name in ("key_file", "key_env", "key_id"):
-            if not isinstance(getattr(self, name), str):
-                raise ConfigError(f"encryption.{name} must be a string, got {type(getattr(self, name)).__name__}")
+    def check(self) -> None:
         if self.key_file and self.key_env:
             raise ConfigError("encryption: give key_file or key_env, not both")
-        if self.key_env and not _ENV_NAME.match(self.key_env):
-            raise ConfigError(f"encryption.key_env must name an environment variable, got {self.key_env!r:.80}")
-        if self.key_id:
-            check_key_id(self.key_id, "encryption.key_id")
-            if not self.enabled:
-                raise ConfigError("encryption.key_id is set but no keys are: set key_file (or key_env) too")
+        if self.key_id and not self.enabled:
+            raise ConfigError("encryption.key_id is set but no keys are: set key_file (or key_env) too")
         if self.key_file and not os.path.isfile(self.key_file):
             raise ConfigError(
                 f"encryption.key_file {self.key_file!r}: no such file; make one with kvpool keys new {self.key_file}"

@@ -1,18 +1,28 @@
 """The S3 (remote) tier's settings, checked when they are made: importing this needs neither boto3 nor torch (nor
 more of ``cryptography`` than its AES-GCM, for the tier's encryption at rest)."""
 
-import math
 import re
 import urllib.parse
-from dataclasses import dataclass, field
+from typing import Annotated
 
+from msgspec import Meta, field
+
+from kvpool.core.config import Config, Seconds
 from kvpool.errors import ConfigError
-from kvpool.metadata.config import validate_name
+from kvpool.metadata.config import Name
 from kvpool.pool.tiers.crypto import EncryptionConfig
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _IPV4 = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
-_PREFIX_SEGMENT = re.compile(r"^[A-Za-z0-9_.-]+$")
+_SEGMENT = r"(?!\.\.?(?:/|\Z))[A-Za-z0-9_.-]+"
+_Prefix = Annotated[
+    str,
+    Meta(
+        pattern=rf"^{_SEGMENT}(?:/{_SEGMENT})*\Z",
+        description="'/'-separated segments of letters, digits, '_', '.' or '-' (no leading, trailing or double '/')",
+    ),
+]
+_Region = Annotated[str, Meta(pattern=r"^\S*\Z", description="a region name such as us-east-1, or empty")]
 
 GC_GRACE_S = 3600.0  #: ``kvpool gc`` leaves objects younger than this alone (flushes in flight)
 
@@ -26,12 +36,7 @@ def check_codec(spec: object) -> None:
         parse_codec(spec)  # type: ignore[arg-type]
 
 
-def _seconds(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-
-
-@dataclass(frozen=True)
-class RemoteConfig:
+class RemoteConfig(Config, frozen=True):
     """Where the remote (S3) tier keeps chunks, and when chunks go there.
 
     Empty ``endpoint_url``, ``region``, ``access_key_id`` and ``secret_access_key`` fall back to boto3's own
@@ -40,56 +45,38 @@ class RemoteConfig:
 
     bucket: str = ""  #: the S3 bucket; empty: the remote tier is off
     endpoint_url: str = ""  #: e.g. ``http://127.0.0.1:8333``; empty: ``AWS_ENDPOINT_URL(_S3)``, else AWS
-    prefix: str = "kvpool"  #: objects are ``<prefix>/<cluster>/<chunk key hex>``; '/'-separated segments
-    region: str = ""  #: empty: ``AWS_REGION``, ``AWS_DEFAULT_REGION`` or ``~/.aws/config``, else us-east-1
+    prefix: _Prefix = "kvpool"  #: objects are ``<prefix>/<cluster>/<chunk key hex>``
+    region: _Region = ""  #: empty: ``AWS_REGION``, ``AWS_DEFAULT_REGION`` or ``~/.aws/config``, else us-east-1
     access_key_id: str = ""  #: with ``secret_access_key``; both empty: boto3's credential chain
-    secret_access_key: str = field(default="", repr=False)  #: never shown in a repr or a log line
+    secret_access_key: str = ""  #: never shown in a repr or a log line
     codec: str = "raw"  #: the codec chunks are stored with in this tier (a spec ``parse_codec`` accepts)
-    flush_after_s: float = 86400.0  #: NVMe chunks idle longer than this are flushed to the remote tier
+    flush_after_s: Seconds = 86400.0  #: NVMe chunks idle longer than this are flushed to the remote tier
     promote_on_hit: bool = True  #: a hit on a remote chunk copies it back into the node's DRAM
-    timeout_s: float = 5.0  #: connect and read timeout of one request (each is retried once)
-    name: str = "s3"  #: the holder name placements in this tier record (a node_id, so the same rules)
+    timeout_s: Seconds = 5.0  #: connect and read timeout of one request (each is retried once)
+    name: Name = "s3"  #: the holder name placements in this tier record (a node_id, so the same rules)
     #: encryption at rest: every object sealed with AES-256-GCM after ``codec`` (pool/tiers/crypto.py); off until a
     #: key file or variable is set; every node and client that uses the tier needs the keys
     encryption: EncryptionConfig = field(default_factory=EncryptionConfig)
 
-    def __post_init__(self) -> None:
-        for name in ("bucket", "endpoint_url", "prefix", "region", "access_key_id", "secret_access_key", "codec"):
-            value = getattr(self, name)
-            if not isinstance(value, str):
-                raise ConfigError(f"{name} must be a string, got {type(value).__name__}")
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.__rich_repr__() if k != "secret_access_key")
+        return f"RemoteConfig({shown})"
+
+    def check(self) -> None:
         if self.bucket:
             _check_bucket(self.bucket)
-        if self.endpoint_url:
-            url = urllib.parse.urlsplit(self.endpoint_url)
-            if url.scheme not in ("http", "https") or not url.hostname:
-                raise ConfigError(
-                    f"endpoint_url must be an http:// or https:// URL such as http://127.0.0.1:8333, "
-                    f"or empty for AWS_ENDPOINT_URL / AWS, got {self.endpoint_url!r}"
-                )
-        segments = self.prefix.split("/")
-        if not all(_PREFIX_SEGMENT.match(s) and s not in (".", "..") for s in segments):
+        url = urllib.parse.urlsplit(self.endpoint_url)
+        if self.endpoint_url and (url.scheme not in ("http", "https") or not url.hostname):
             raise ConfigError(
-                f"prefix must be '/'-separated segments of letters, digits, '_', '.' or '-' "
-                f"(no leading, trailing or double '/'), got {self.prefix!r}"
+                f"endpoint_url must be an http:// or https:// URL such as http://127.0.0.1:8333, "
+                f"or empty for AWS_ENDPOINT_URL / AWS, got {self.endpoint_url!r}"
             )
-        if any(c.isspace() for c in self.region):
-            raise ConfigError(f"region must be a region name such as us-east-1, or empty, got {self.region!r}")
         if bool(self.access_key_id) != bool(self.secret_access_key):
             raise ConfigError(
                 "access_key_id and secret_access_key: give both, or neither for boto3's credential chain "
                 "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws/credentials)"
             )
         check_codec(self.codec)
-        if not _seconds(self.flush_after_s):
-            raise ConfigError(f"flush_after_s must be a number of seconds > 0, got {self.flush_after_s!r}")
-        if not isinstance(self.promote_on_hit, bool):
-            raise ConfigError(f"promote_on_hit must be True or False, got {self.promote_on_hit!r}")
-        if not _seconds(self.timeout_s):
-            raise ConfigError(f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
-        validate_name("name", self.name)
-        if not isinstance(self.encryption, EncryptionConfig):
-            raise ConfigError(f"encryption must be an EncryptionConfig, got {type(self.encryption).__name__}")
 
     @property
     def enabled(self) -> bool:

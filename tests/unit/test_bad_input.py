@@ -11,7 +11,6 @@ leak, a refused call changes nothing, and the change log a node publishes to etc
 Reproducible: every test is derandomized and keeps no example database; each states its ``max_examples``.
 """
 
-import dataclasses
 import math
 import os
 import re
@@ -22,6 +21,7 @@ from typing import Any, TypeVar
 from unittest import mock
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -875,7 +875,7 @@ def test_configs_refuse_one_bad_field_naming_it(data: st.DataObject) -> None:
 @cases(300)
 @given(
     st.dictionaries(
-        st.one_of(st.sampled_from([f.name for f in dataclasses.fields(MetadataConfig)]), names),
+        st.one_of(st.sampled_from([f.name for f in msgspec.structs.fields(MetadataConfig)]), names),
         st.integers(1, 50),
         max_size=3,
     ),
@@ -884,7 +884,7 @@ def test_configs_refuse_one_bad_field_naming_it(data: st.DataObject) -> None:
 def test_metadata_overrides_with_unknown_keys_and_bad_env_are_config_errors(
     overrides: dict[str, int], env: str
 ) -> None:
-    known = {f.name for f in dataclasses.fields(MetadataConfig)}
+    known = {f.name for f in msgspec.structs.fields(MetadataConfig)}
     with mock.patch.dict(os.environ, {ENDPOINTS_ENV: env}):
         out = typed(ConfigError, MetadataConfig.from_env, **overrides)
     unknown = sorted(set(overrides) - known)
@@ -984,7 +984,7 @@ def test_transfer_ops_refuse_one_bad_field_naming_it(data: st.DataObject) -> Non
     cls = type(example)
     kwargs, bad, value = data.draw(config_draws(example, fields))
     if bad is None:
-        assert dataclasses.asdict(cls(**kwargs)) == kwargs
+        assert msgspec.structs.asdict(cls(**kwargs)) == kwargs
         return
     kwargs[bad] = value
     err = refused(ConfigError, cls, **kwargs)

@@ -1,8 +1,8 @@
 """The router's cost model: the reference analysis' numbers, the attention term, and the decision."""
 
-import dataclasses
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from kvpool.core.types import Tier
@@ -163,7 +163,7 @@ def test_ties_recompute() -> None:
 )
 def test_invalid_model_spec(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
-        dataclasses.replace(KNOWN_MODELS["llama-3-70b"], **{field: value})  # type: ignore[arg-type]
+        msgspec.structs.replace(KNOWN_MODELS["llama-3-70b"], **{field: value})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -173,7 +173,7 @@ def test_invalid_model_spec(field: str, value: object) -> None:
         ((float("nan"), {"dram": 1e9}, "x"), "flops"),
         ((1e12, {"dram": -1.0}, "x"), "dram"),
         ((1e12, {"dram": float("inf")}, "x"), "dram"),
-        ((1e12, {"gpu": 1e9}, "x"), "unknown tier"),
+        ((1e12, {"gpu": 1e9}, "x"), "tier names"),
         ((1e12, [("dram", 1e9)], "x"), "bandwidth"),
         ((1e12, {"dram": 1e9}, ""), "source"),
     ],
@@ -204,7 +204,7 @@ def test_hardware_is_immutable_and_hashable() -> None:
     assert list(hw.bandwidth) == list(TIERS)  # canonical order, nearest first
     with pytest.raises(TypeError):
         hw.bandwidth["dram"] = 1.0  # type: ignore[index]
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         hw.flops = 1.0  # type: ignore[misc]
     assert {hw, REFERENCE_HARDWARE} == {hw}
     assert hash(CostModel(model_spec("llama-3-8b"), hw)) == hash(CostModel(model_spec("llama-3-8b"), hw))
@@ -223,7 +223,7 @@ def test_with_overrides() -> None:
     added = Hardware(1e12, {"nvme": 1e9}, "measured on this cluster", 0.002, 0.02).with_overrides(dram=10e9)
     assert list(added.bandwidth) == ["dram", "nvme"]
     assert (added.latency_s, added.step_s) == (0.002, 0.02)  # measured fixed costs survive an override
-    with pytest.raises(ConfigError, match="unknown tier"):
+    with pytest.raises(ConfigError, match="tier names"):
         REFERENCE_HARDWARE.with_overrides(tape=1e9)
 
 

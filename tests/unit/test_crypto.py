@@ -208,16 +208,20 @@ def test_config_is_checked_with_errors_that_say_what_to_do(tmp_path: Path) -> No
         ({"key_file": file(key_line("k1", good)), "key_id": "k2"}, "key_id 'k2' is not in the keyring"),
         ({"key_file": file(key_line("k1", good)), "key_env": "X"}, "key_file or key_env, not both"),
         ({"key_id": "k1"}, "no keys are: set key_file"),
-        ({"key_env": "not a name"}, "must name an environment variable"),
-        ({"key_file": 3}, "must be a string"),
+        ({"key_env": "not a name"}, "the name of an environment variable"),
+        ({"key_file": 3}, "`key_file` expected `str`, got int 3"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ConfigError, match=message) as caught:
             EncryptionConfig(**kwargs)  # type: ignore[arg-type]
         assert base64.b64encode(good).decode() not in str(caught.value)
-    with pytest.raises(ConfigError, match="encryption must be an EncryptionConfig"):
+    with pytest.raises(
+        ConfigError, match="`encryption` expected EncryptionConfig, got str 'keys': write encryption=EncryptionConfig"
+    ):
         PoolConfig(encryption="keys")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="encryption must be an EncryptionConfig"):
+    with pytest.raises(
+        ConfigError, match="`encryption` expected EncryptionConfig, got str 'keys': write encryption=EncryptionConfig"
+    ):
         RemoteConfig(encryption="keys")  # type: ignore[arg-type]
 
 

@@ -91,7 +91,7 @@ def test_unknown_and_duplicate_keys() -> None:
 
 @pytest.mark.parametrize("low,high", [(0.8, 0.8), (0.9, 0.8), (0, 0.5), (0.5, 1.5)])
 def test_bad_watermarks(low: float, high: float) -> None:
-    with pytest.raises(ConfigError, match="watermarks"):
+    with pytest.raises(ConfigError, match=r"(?i)watermarks"):
         Watermarks(high=high, low=low)
 
 

@@ -1,8 +1,7 @@
 """Cache identities, pure: what two identities of one model disagree on, their etcd record, and how ``kvpool
 status`` shows them (the "zero hits across instances" trap named, TP ranks of one engine not)."""
 
-import dataclasses
-
+import msgspec
 import pytest
 from rich.console import Console
 
@@ -22,9 +21,9 @@ def record(identity: CacheIdentity) -> IdentityRecord:
 
 
 def test_ranks_of_one_engine_agree_and_another_dtype_or_block_size_does_not() -> None:
-    ranks = [record(BF16), record(dataclasses.replace(BF16, tp_rank=1))]
+    ranks = [record(BF16), record(msgspec.structs.replace(BF16, tp_rank=1))]
     assert disagreements(ranks) == []
-    other = record(dataclasses.replace(BF16, kv_dtype="float16", chunk_size=16))
+    other = record(msgspec.structs.replace(BF16, kv_dtype="float16", chunk_size=16))
     elsewhere = record(CacheIdentity(model="smollm", kv_dtype="float16", layout="per-layer"))
     [said] = disagreements([*ranks, other, elsewhere])
     assert said.startswith("model llama is cached under 2 identities that differ in kv_dtype: bfloat16, float16; ")
@@ -35,7 +34,9 @@ def test_an_identity_record_round_trips_and_a_bad_one_is_malformed() -> None:
     r = record(BF16)
     assert decode_identity(encode_identity(r)) == r
     assert len(fingerprint(BF16)) == 16 and fingerprint(BF16) == BF16.root().hex()[:16]
-    bad = encode_identity(record(dataclasses.replace(BF16, tp_rank=1))).replace(b"\xa7tp_rank\x01", b"\xa7tp_rank\x05")
+    bad = encode_identity(record(msgspec.structs.replace(BF16, tp_rank=1))).replace(
+        b"\xa7tp_rank\x01", b"\xa7tp_rank\x05"
+    )
     with pytest.raises(MalformedRecord, match="tp_rank"):
         decode_identity(bad)
     with pytest.raises(MalformedRecord):

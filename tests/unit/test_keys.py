@@ -2,6 +2,7 @@ import hashlib
 import subprocess
 import sys
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -50,7 +51,7 @@ def test_input_types_agree() -> None:
     [("model", "other"), ("kv_dtype", "float16"), ("layout", "layer:[2,T,H,D]"), ("tp_size", 2), ("codec", "fp8")],
 )
 def test_identity_separates_caches(field: str, value: object) -> None:
-    other = CacheIdentity(**{**ID.__dict__, field: value})
+    other = msgspec.structs.replace(ID, **{field: value})
     assert chunk_keys(other, range(8)) != chunk_keys(ID, range(8))
     assert other.root() != ID.root()
 

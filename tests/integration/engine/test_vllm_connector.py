@@ -103,13 +103,13 @@ def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: 
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
-        ({"etcd": 5}, "etcd must be a list"),
-        ({"chunk_size": "256"}, "chunk_size must be an int"),
-        ({"chunck_size": 256}, "unknown keys 'chunck_size'"),
-        ({"replicas": 0}, "replicas must be an int >= 1"),
-        ({"load_failure": "ignore"}, "load_failure must be"),
+        ({"etcd": 5}, "etcd` must be a list"),
+        ({"chunk_size": "256"}, "chunk_size` expected `int`, got str"),
+        ({"chunck_size": 256}, "unknown field `chunck_size`"),
+        ({"replicas": 0}, "replicas` expected `int` >= 1"),
+        ({"load_failure": "ignore"}, "load_failure` must be"),
         ({"etcd": ["nohost"]}, "not an etcd endpoint"),
-        ("etcd=1", "must be a JSON object"),
+        ("etcd=1", "expected `object`, got `str`"),
     ],
 )
 def test_malformed_extra_config_is_a_config_error(extra: Any, match: str) -> None:

@@ -1,12 +1,13 @@
 """Cache identities in a real etcd: registered, seen by every watch cache, listed by ``kvpool status --wide`` and
 ``--json``, and two identities of one model that differ named as a warning."""
 
-import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import msgspec
 
 from kvpool.core.keys import CacheIdentity
 from kvpool.metadata.cache import MetadataCache
@@ -26,7 +27,7 @@ def test_registered_identities_are_listed_and_a_disagreement_is_named(
     assert fp == fingerprint(LLAMA)
     cache.sync()
     assert cache.identities()[fp].identity == LLAMA and cache.identities()[fp].pid == os.getpid()
-    other = dataclasses.replace(LLAMA, kv_dtype="float16")
+    other = msgspec.structs.replace(LLAMA, kv_dtype="float16")
     register(etcd, namespace, other)
     args = ["status", "--etcd", metadata_config.endpoints[0], "--cluster", metadata_config.cluster]
     env = {**os.environ, "COLUMNS": "200"}

@@ -1,10 +1,10 @@
 """The pool on a real multi-node Ray cluster and a real etcd: PoolNode actors, PoolClient, faults."""
 
-import dataclasses
 import threading
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import ray
@@ -137,7 +137,7 @@ def wait_for(probe: Any, timeout_s: float = 60.0) -> Any:
 def test_chunks_left_on_nvme_are_read_from_the_file_here_and_as_call_results_by_peers(
     pool: PoolConfig, ray_cluster: list[str]
 ) -> None:
-    config = dataclasses.replace(pool, promote_on_hit=False, namespace=pool.namespace + "-np")
+    config = msgspec.structs.replace(pool, promote_on_hit=False, namespace=pool.namespace + "-np")
     start_pool(config)
     try:
         with PoolClient(config) as client:
@@ -258,7 +258,7 @@ def test_a_chunk_pinned_past_busy_wait_is_chunk_busy_and_the_rest_is_done(
     keys = chunk_keys(IDENT, range(40))
     holder = ray_cluster[2]
     node = ray.get_actor(actor_name(holder), namespace=pool.namespace)
-    with PoolClient(dataclasses.replace(pool, busy_wait_s=0.3)) as client:
+    with PoolClient(msgspec.structs.replace(pool, busy_wait_s=0.3)) as client:
         client.put_batch([(k, blob(i)) for i, k in enumerate(keys[:4])], nodes=[holder])
         ray.get(node.locate_batch.remote(keys[:1]))
         with pytest.raises(ChunkBusy, match=r"1 chunks .* still being read after 0.3 s \(busy_wait_s\)"):

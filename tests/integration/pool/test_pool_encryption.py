@@ -6,7 +6,6 @@ another key treats as misses.
 """
 
 import base64
-import dataclasses
 import os
 import time
 import uuid
@@ -14,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -100,7 +100,7 @@ def test_nvme_chunks_are_sealed_on_disk_and_other_keys_miss(make_pool: MakePool,
         back = torch.frombuffer(bytearray(got[4]), dtype=torch.float32).view(tensor.shape)
         assert (back - tensor).abs().max() <= 0.07 * tensor.abs().max()
 
-    other = dataclasses.replace(pool, encryption=keys_file(tmp_path / "other"))  # the same key id, another key
+    other = msgspec.structs.replace(pool, encryption=keys_file(tmp_path / "other"))  # the same key id, another key
     with PoolClient(other) as stranger:
         for key in keys[:2]:
             with pytest.raises(ChunkNotFound, match="no replica could be read"):
@@ -116,7 +116,7 @@ def test_s3_objects_are_sealed_and_a_node_with_another_key_misses(
     make_pool: MakePool, s3_bucket: RemoteConfig, metadata_config: MetadataConfig, tmp_path: Path
 ) -> None:
     nvme_keys = keys_file(tmp_path / "nvme", "nvme1")
-    remote = dataclasses.replace(s3_bucket, codec="int4+zstd", encryption=keys_file(tmp_path / "s3", "s3-1"))
+    remote = msgspec.structs.replace(s3_bucket, codec="int4+zstd", encryption=keys_file(tmp_path / "s3", "s3-1"))
     keys = keys_of(3)
     blobs = [blob(i) for i in range(3)]
     pool = make_pool(remote=remote, encryption=nvme_keys)
@@ -133,7 +133,7 @@ def test_s3_objects_are_sealed_and_a_node_with_another_key_misses(
     assert not any(b"PLAINTEXT-" in o for o in objects)
     stop_pool(pool)  # only the S3 copies are left
 
-    stranger = make_pool(remote=dataclasses.replace(remote, encryption=keys_file(tmp_path / "s3b", "s3-1")))
+    stranger = make_pool(remote=msgspec.structs.replace(remote, encryption=keys_file(tmp_path / "s3b", "s3-1")))
     with PoolClient(stranger) as client:
         client.cache.sync()
         with pytest.raises(ChunkNotFound, match="no replica could be read"):

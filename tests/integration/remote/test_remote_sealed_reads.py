@@ -6,6 +6,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from kvpool.core.types import Placement, Tier
@@ -31,7 +32,7 @@ def key_file(path: Path, key_id: str) -> EncryptionConfig:
 def test_sealed_objects_open_only_with_the_right_key(
     s3_bucket: RemoteConfig, etcd: EtcdClient, namespace: Namespace, cache: MetadataCache, tmp_path: Path
 ) -> None:
-    right = dataclasses.replace(s3_bucket, encryption=key_file(tmp_path / "right", "k1"))
+    right = msgspec.structs.replace(s3_bucket, encryption=key_file(tmp_path / "right", "k1"))
     keys = [os.urandom(32) for _ in range(3)]
     plains = [os.urandom(50_000) for _ in keys]
     ring = right.encryption.keyring()
@@ -71,8 +72,8 @@ def test_sealed_objects_open_only_with_the_right_key(
 
     outcomes, dests = read(right)
     assert outcomes == [True, True, None] and [bytes(d) for d in dests[:2]] == plains[:2]
-    wrong = dataclasses.replace(s3_bucket, encryption=key_file(tmp_path / "wrong", "k1"))  # same id, another key
-    other_id = dataclasses.replace(s3_bucket, encryption=key_file(tmp_path / "other", "k2"))
+    wrong = msgspec.structs.replace(s3_bucket, encryption=key_file(tmp_path / "wrong", "k1"))  # same id, another key
+    other_id = msgspec.structs.replace(s3_bucket, encryption=key_file(tmp_path / "other", "k2"))
     for config in (wrong, other_id, s3_bucket):  # s3_bucket: no keys at all
         outcomes, dests = read(config)
         assert outcomes == [None, None, None], config.encryption
@@ -82,7 +83,7 @@ def test_sealed_objects_open_only_with_the_right_key(
 
 
 def test_a_process_without_the_key_file_is_told_where_it_must_be(s3_bucket: RemoteConfig, tmp_path: Path) -> None:
-    config = dataclasses.replace(s3_bucket, encryption=key_file(tmp_path / "keys", "k1"))
+    config = msgspec.structs.replace(s3_bucket, encryption=key_file(tmp_path / "keys", "k1"))
     (tmp_path / "keys").unlink()  # this process, on "another host": no key file there
     with pytest.raises(ConfigError, match="every node and client needs the key file at the same path"):
         config.encryption.keyring()

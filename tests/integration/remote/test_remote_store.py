@@ -9,11 +9,11 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from msgspec.structs import replace
 
 from kvpool.errors import ChunkNotFound, ConfigError, RemoteUnavailable
 from kvpool.pool.tiers import s3 as remote

@@ -4,13 +4,13 @@ Idle NVMe chunks flush to S3 under the remote codec; their placements outlive th
 is served (decoded, verified) and promoted; remote errors are misses that lose nothing in the other tiers.
 """
 
-import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import ray
@@ -83,7 +83,7 @@ def make_pool(ray_cluster: list[str], metadata_config: MetadataConfig, tmp_path:
 def test_idle_chunks_flush_to_s3_outlive_the_node_and_are_served_from_there(
     make_pool: MakePool, s3_bucket: RemoteConfig, metadata_config: MetadataConfig
 ) -> None:
-    remote = dataclasses.replace(s3_bucket, codec="int4+zstd")
+    remote = msgspec.structs.replace(s3_bucket, codec="int4+zstd")
     pool = make_pool(remote, nvme_codec="fp8-e4m3")
     keys = keys_of(10)
     tensors = [kv(i) for i in range(8)]
@@ -131,7 +131,7 @@ def test_remote_errors_are_misses_and_lose_nothing(
     vanished objects are misses; only the placement of a vanished object is dropped; gc reconciles."""
     keys = keys_of(4)
     tensors = [kv(i) for i in range(4)]
-    dead = dataclasses.replace(s3_bucket, endpoint_url="http://127.0.0.1:9", timeout_s=0.5)  # nobody listens
+    dead = msgspec.structs.replace(s3_bucket, endpoint_url="http://127.0.0.1:9", timeout_s=0.5)  # nobody listens
     pool = make_pool(dead)
     with PoolClient(pool) as client:
         client.put_batch(list(zip(keys, tensors, strict=True)))
@@ -149,7 +149,7 @@ def test_remote_errors_are_misses_and_lose_nothing(
         client.move(keys, Tier.NVME)
         wait_for("every chunk flushed", lambda: all(in_tier(client, k, Tier.REMOTE) for k in keys))
     stop_pool(pool)
-    for remote, what in ((dead, "endpoint down"), (dataclasses.replace(s3_bucket, secret_access_key="x"), "403")):
+    for remote, what in ((dead, "endpoint down"), (msgspec.structs.replace(s3_bucket, secret_access_key="x"), "403")):
         pool = make_pool(remote)
         with PoolClient(pool) as client:
             client.cache.sync()

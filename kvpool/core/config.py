@@ -1,0 +1,206 @@
+"""Configs as strict msgspec Structs: types and ranges declared once, checked by one function.
+
+A config class derives from :class:`Config` and declares each field's type and range in its annotation
+(``Annotated[int, Meta(ge=0, description="...")]``); the ``description`` is what the error tells the user to write.
+Its :meth:`Config.check` holds only the rules a type cannot say: one field against another, a path that must exist.
+
+Every way of making a config checks it: keyword construction (``PoolConfig(dram_bytes=...)``), ``msgspec.structs
+.replace``, unpickling (a config sent to a Ray actor is checked again where it lands, so the actor re-checks
+nothing by hand), and :func:`validated` for a mapping from outside (a TOML table, vLLM's extra config).  Every
+failure is a :class:`~kvpool.errors.ConfigError` naming the config, the field path and what to write::
+
+    PoolConfig: `watermarks.high` must be a fraction of DRAM capacity in (0, 1], got float 1.5 (expected `float` <= 1.0)
+
+Checking is strict: ``bool`` is not an ``int``, ``"16GiB"`` is not an ``int``, a dict is not a nested config, and
+unknown fields are refused.
+"""
+
+import contextvars
+import re
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from kvpool.errors import ConfigError
+
+__all__ = ["Config", "Finite", "NonNegative", "Positive", "Seconds", "default_of", "validated"]
+
+C = TypeVar("C", bound="Config")
+
+_FLOAT_MAX = 1.7976931348623157e308
+#: a finite float (NaN fails both bounds)
+Finite = typing.Annotated[float, Meta(ge=-_FLOAT_MAX, le=_FLOAT_MAX)]
+NonNegative = typing.Annotated[int, Meta(ge=0)]
+Positive = typing.Annotated[int, Meta(ge=1)]
+#: a finite number of seconds > 0
+Seconds = typing.Annotated[float, Meta(gt=0, le=_FLOAT_MAX, description="a number of seconds > 0")]
+
+# What __post_init__ does: a config made in code round-trips through msgspec.convert (_CHECK); the copy that
+# round trip makes checks nothing (_COPY); one converted by validated() is checked by msgspec already (_CONVERT).
+_CHECK, _COPY, _CONVERT = "check", "copy", "convert"
+_mode: contextvars.ContextVar[str] = contextvars.ContextVar("kvpool_config_mode", default=_CHECK)
+_SEGMENT = re.compile(r"\.([A-Za-z_]\w*)|\[(\d+|\.\.\.)\]")
+_AT = re.compile(r" - at (?:`key` in )?`\$(?P<path>[^`]*)`$")
+
+
+class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Base of kvpool's configs: frozen, unknown fields refused, every field's type and range checked on every
+    construction (see the module docstring).  Subclasses override :meth:`check` for cross-field rules."""
+
+    def __post_init__(self) -> None:
+        mode = _mode.get()
+        if mode == _COPY:
+            return
+        if mode == _CHECK:
+            _round_trip(self)
+        self.check()
+
+    def check(self) -> None:
+        """Rules across fields or outside the process (a file that must exist); ``ConfigError`` saying what to
+        write.  The fields' own types and ranges are checked before this runs."""
+
+
+def validated(cls: type[C], value: Mapping[str, Any] | C, where: str = "") -> C:
+    """``value`` (a mapping of field names, nested configs as mappings, or a ``cls`` already) as a checked
+    ``cls``; ``ConfigError`` naming ``where`` (default: the class name), the field path and what to write."""
+    if isinstance(value, cls):
+        return value
+    token = _mode.set(_CONVERT)
+    try:
+        return msgspec.convert(value, cls, strict=True)
+    except msgspec.ValidationError as exc:
+        raise _config_error(cls, exc, value, where or cls.__name__) from None
+    finally:
+        _mode.reset(token)
+
+
+def default_of(cls: type[msgspec.Struct], name: str) -> Any:
+    """The default of field ``name`` of ``cls`` (its factory's value, for a factory field), so that a default is
+    written once: where the field is declared."""
+    for f in msgspec.structs.fields(cls):
+        if f.name == name and f.default is not msgspec.NODEFAULT:
+            return f.default
+        if f.name == name and f.default_factory is not msgspec.NODEFAULT:
+            return f.default_factory()
+    raise LookupError(f"{cls.__name__} has no field {name!r} with a default")
+
+
+def _round_trip(config: "Config") -> None:
+    """Check a config made in code as :func:`validated` checks a mapping, and keep msgspec's normalised values
+    (a list given for a tuple field becomes a tuple, an int for a float field a float)."""
+    cls = type(config)
+    raw = msgspec.structs.asdict(config)
+    for name, kinds in _nested(cls).items():
+        if not isinstance(raw[name], kinds):
+            names = " or ".join("None" if k is types.NoneType else k.__name__ for k in kinds)
+            raise ConfigError(
+                f"{cls.__name__}: `{name}` expected {names}, got {_shown(raw[name])}: "
+                f"write {name}={kinds[0].__name__}(...)"
+            )
+    token = _mode.set(_COPY)
+    try:
+        copy = msgspec.convert(raw, cls, strict=True)
+    except msgspec.ValidationError as exc:
+        raise _config_error(cls, exc, raw, cls.__name__) from None
+    finally:
+        _mode.reset(token)
+    for name, value in raw.items():
+        normal = getattr(copy, name)
+        if normal is not value:
+            msgspec.structs.force_setattr(config, name, normal)
+
+
+_NESTED: dict[type, dict[str, tuple[type, ...]]] = {}
+_MISSING = object()
+
+
+def _nested(cls: type) -> dict[str, tuple[type, ...]]:
+    """The fields of ``cls`` declared as a Struct (or a Struct or None), and the types they take: a dict there
+    would be converted, and code must pass the config itself."""
+    if cls not in _NESTED:
+        hints = typing.get_type_hints(cls)
+        _NESTED[cls] = {}
+        for f in msgspec.structs.fields(cls):
+            kinds = typing.get_args(hints[f.name]) if isinstance(hints[f.name], types.UnionType) else (hints[f.name],)
+            if any(isinstance(k, type) and issubclass(k, msgspec.Struct) for k in kinds):
+                _NESTED[cls][f.name] = kinds
+    return _NESTED[cls]
+
+
+def _config_error(cls: type, exc: msgspec.ValidationError, raw: Any, where: str) -> ConfigError:
+    """``exc`` as a sentence: where, the field path, what msgspec expected, the value given, what to write."""
+    text = str(exc)
+    m = _AT.search(text)
+    if m is None and isinstance(exc.__cause__, ConfigError):  # the config's own check(): its sentence
+        return type(exc.__cause__)(f"{where}: {exc.__cause__}")
+    if m is None:  # the top level: an unknown field, or not a mapping at all
+        known = ", ".join(f.name for f in msgspec.structs.fields(cls))
+        return ConfigError(f"{where}: {_lower(text)}; its fields are {known}")
+    path, said = m["path"], text[: m.start()]
+    if not said.startswith(("Expected", "Object", "Invalid")):  # a check() of a nested config: its own sentence
+        return ConfigError(f"{where}: `{path.lstrip('.')}`: {said}")
+    shown, found, value, hint, kind = _walk(cls, raw, path)
+    expected = re.sub(r" matching regex '.*'$", "", _lower(said.split(", got `")[0]))
+    if said.startswith("Object contains unknown field") and isinstance(kind, type) and issubclass(kind, msgspec.Struct):
+        hint = "its fields are " + ", ".join(f.name for f in msgspec.structs.fields(kind))
+        return ConfigError(f"{where}: `{shown}` {expected}: {hint}")
+    got = f", got {_shown(value)}" if found and not said.startswith(("Invalid", "Object")) else ""
+    if hint:  # a pattern is said by the description alone
+        said_more = "" if " matching regex " in said else f" ({expected})"
+        return ConfigError(f"{where}: `{shown}` must be {hint}{got}{said_more}")
+    return ConfigError(f"{where}: `{shown}` {expected}{got}")
+
+
+def _walk(cls: Any, raw: Any, path: str) -> tuple[str, bool, Any, str, Any]:
+    """``(the path shown, found, the value at path in raw, the description declared for it, its type)``.  A dict's
+    key is ``[...]`` in msgspec's paths: the first key whose value fails is looked for and shown instead."""
+    shown, found, value, hint, kind = "", True, raw, "", cls
+    for m in _SEGMENT.finditer(path):
+        name, index = m[1], m[2]
+        if name is not None:
+            try:
+                kind, meta = _unwrap(typing.get_type_hints(kind, include_extras=True).get(name))
+            except TypeError:
+                kind, meta = None, []
+            hint = next((x.description for x in meta if isinstance(x, Meta) and x.description), "")
+            value = value.get(name, _MISSING) if isinstance(value, Mapping) else getattr(value, name, _MISSING)
+            found, shown = found and value is not _MISSING, f"{shown}.{name}" if shown else name
+            continue
+        args = typing.get_args(kind)
+        inner = args[-1] if args else Any
+        kind, meta = _unwrap(inner)
+        hint = next((x.description for x in meta if isinstance(x, Meta) and x.description), hint)
+        if index == "..." and found and isinstance(value, Mapping):
+            key = next((k for k, v in value.items() if not _fits(v, inner)), _MISSING)
+            found = key is not _MISSING
+            value, shown = (value[key], f"{shown}[{key!r}]") if found else (None, f"{shown}[...]")
+        else:
+            found = found and index != "..." and isinstance(value, (list, tuple)) and int(index) < len(value)
+            value, shown = value[int(index)] if found else None, f"{shown}[{index}]"
+    return shown, found, value, hint, kind
+
+
+def _fits(value: Any, kind: Any) -> bool:
+    try:
+        msgspec.convert(value, kind, strict=True)
+    except (msgspec.ValidationError, ConfigError):
+        return False
+    return True
+
+
+def _unwrap(kind: Any) -> tuple[Any, list[Any]]:
+    if typing.get_origin(kind) is typing.Annotated:
+        return kind.__origin__, list(kind.__metadata__)
+    return kind, []
+
+
+def _shown(value: Any) -> str:
+    return "None" if value is None else f"{type(value).__name__} {value!r:.60}"
+
+
+def _lower(text: str) -> str:
+    return text[:1].lower() + text[1:]

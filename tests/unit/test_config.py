@@ -1,0 +1,74 @@
+"""kvpool/core/config.py: every way of making a config checks it, and every failure says where and what to write."""
+
+import pickle
+from typing import Annotated
+
+import msgspec
+import pytest
+from msgspec import Meta
+
+from kvpool.core.config import Config, default_of, validated
+from kvpool.errors import ConfigError
+
+
+class Inner(Config, frozen=True):
+    high: Annotated[float, Meta(gt=0, le=1, description="a fraction in (0, 1]")] = 0.8
+    low: float = 0.5
+
+    def check(self) -> None:
+        if not self.low < self.high:
+            raise ConfigError(f"low {self.low} must be below high {self.high}")
+
+
+class Outer(Config, frozen=True):
+    inner: Inner = msgspec.field(default_factory=Inner)
+    size: Annotated[int, Meta(ge=0, description="an int number of bytes")] = 0
+    names: tuple[str, ...] = ()
+    spare: Inner | None = None
+
+
+def test_construction_checks_types_ranges_and_cross_field_rules() -> None:
+    with pytest.raises(ConfigError, match=r"Outer: `size` must be an int number of bytes, got str '1GiB'"):
+        Outer(size="1GiB")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"`size` must be an int number of bytes, got bool True"):
+        Outer(size=True)
+    with pytest.raises(ConfigError, match=r"Inner: `high` must be a fraction in \(0, 1\], got float 1.5"):
+        Inner(high=1.5)
+    with pytest.raises(ConfigError, match=r"low 0\.9 must be below high 0\.8"):
+        Inner(low=0.9)
+    with pytest.raises(ConfigError, match=r"`inner` expected Inner, got dict \{'high': 0.5\}: write inner=Inner"):
+        Outer(inner={"high": 0.5})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="`spare` expected Inner or None, got str 'x'"):
+        Outer(spare="x")  # type: ignore[arg-type]
+    assert Outer(names=["a"]).names == ("a",)  # type: ignore[arg-type]  # a list given for a tuple: the tuple
+
+
+def test_replace_and_unpickling_check_again() -> None:
+    with pytest.raises(ConfigError, match="`size`"):
+        msgspec.structs.replace(Outer(), size=-1)
+    good = Outer(size=3, spare=Inner(high=0.9))
+    assert pickle.loads(pickle.dumps(good)) == good
+    make, args = Inner(high=0.9, low=0.1).__reduce__()  # what unpickling calls: the constructor, so the checks
+    assert make is Inner and args == (0.9, 0.1)
+    with pytest.raises(ConfigError, match="must be below high"):
+        make(0.9, 0.95)
+
+
+def test_validated_names_the_path_and_the_unknown_field() -> None:
+    assert validated(Outer, {"inner": {"high": 0.9}, "size": 4}) == Outer(inner=Inner(high=0.9), size=4)
+    with pytest.raises(ConfigError, match=r"my settings: `inner.high` must be a fraction in \(0, 1\], got float 2.0"):
+        validated(Outer, {"inner": {"high": 2.0}}, "my settings")
+    with pytest.raises(ConfigError, match=r"Outer: `inner`: low 0\.9 must be below high 0\.8"):
+        validated(Outer, {"inner": {"low": 0.9}})
+    with pytest.raises(ConfigError, match="object contains unknown field `sise`; its fields are inner, size, names"):
+        validated(Outer, {"sise": 1})
+    with pytest.raises(ConfigError, match="`inner` object contains unknown field `hihg`: its fields are high, low"):
+        validated(Outer, {"inner": {"hihg": 1}})
+    with pytest.raises(ConfigError, match="expected `object`, got `array`"):
+        validated(Outer, [1])  # type: ignore[arg-type]
+
+
+def test_default_of_reads_the_declared_default() -> None:
+    assert default_of(Outer, "size") == 0 and default_of(Outer, "inner") == Inner()
+    with pytest.raises(LookupError):
+        default_of(Outer, "nothing")
