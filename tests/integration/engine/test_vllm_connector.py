@@ -22,8 +22,9 @@ from kvpool.pool.config import PoolConfig
 from kvpool.pool.node_handle import actor_name
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.tenants import Tenants
-from kvpool.prefill_decode.engine_config import ConnectorConfig
-from kvpool.prefill_decode.vllm_connector import KvPoolMetadata, Transfer, WorkerSide
+from kvpool.prefill_decode.vllm.config import ConnectorConfig
+from kvpool.prefill_decode.vllm.scheduler import KvPoolMetadata, Transfer
+from kvpool.prefill_decode.vllm.worker import WorkerSide
 
 LAYERS = 4
 #: each engine test starts vLLM engines (20-60 s each on 2 busy cores): more than the suite's 300 s per test
@@ -239,18 +240,18 @@ class EngineActor:
     def __init__(self, settings: dict[str, Any]) -> None:
         import os
 
-        from kvpool.prefill_decode.vllm_engine import ENGINE_ENV, start_engine
+        from kvpool.prefill_decode.vllm.engine import ENGINE_ENV, start_engine
 
         os.environ.update({**ENGINE_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"})
         self.llm = start_engine(settings)
 
     def generate(self, prompts: list[list[int]], reset: bool = False) -> list[dict[str, Any]]:
-        from kvpool.prefill_decode.vllm_engine import generate
+        from kvpool.prefill_decode.vllm.engine import generate
 
         return generate(self.llm, prompts, 8, reset)
 
     def totals(self) -> dict[str, float]:
-        from kvpool.prefill_decode.vllm_engine import connector_state
+        from kvpool.prefill_decode.vllm.engine import connector_state
 
         return connector_state()["totals"]  # type: ignore[no-any-return]
 

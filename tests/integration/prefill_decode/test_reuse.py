@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from kvpool.pool.client import PoolClient
-from kvpool.prefill_decode.calibrate import spec_of
-from kvpool.prefill_decode.connector import PoolConnector
-from kvpool.prefill_decode.cost import Action, CostModel, Hardware
-from kvpool.prefill_decode.layout import KVLayout
-from kvpool.prefill_decode.model import LoadedModel
-from kvpool.prefill_decode.router import Router
-from kvpool.prefill_decode.runner import ModelRunner
+from kvpool.prefill_decode.reference.calibrate import spec_of
+from kvpool.prefill_decode.reference.connector import PoolConnector
+from kvpool.prefill_decode.reference.layout import KVLayout
+from kvpool.prefill_decode.reference.model import LoadedModel
+from kvpool.prefill_decode.reference.runner import ModelRunner
+from kvpool.prefill_decode.routing.cost import Action, CostModel, Hardware
+from kvpool.prefill_decode.routing.router import Router
 
 CHUNK = 32  #: short chunks keep the prompts short
 #: fixed figures: routing in tests must not depend on how fast this machine is right now

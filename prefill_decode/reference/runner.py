@@ -19,8 +19,8 @@ from transformers import DynamicCache
 from kvpool.core.keys import token_array
 from kvpool.errors import ChunkNotFound, ConfigError
 from kvpool.metadata.misses import MissCause
-from kvpool.prefill_decode.connector import LoadTimes, PoolConnector
-from kvpool.prefill_decode.model import LoadedModel, forward, kv_cache
+from kvpool.prefill_decode.reference.connector import LoadTimes, PoolConnector
+from kvpool.prefill_decode.reference.model import LoadedModel, forward, kv_cache
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The worker side of :class:`~kvpool.prefill_decode.vllm_connector.KvPoolConnector`: moves KV bytes between
+"""The worker side of :class:`~kvpool.prefill_decode.vllm.connector.KvPoolConnector`: moves KV bytes between
 vLLM's paged cache and the pool on one I/O thread, as the scheduler side's :class:`KvPoolMetadata` says."""
 
 import contextlib
@@ -16,8 +16,8 @@ from kvpool.errors import ConfigError, KvPoolError
 from kvpool.metadata.identities import fingerprint
 from kvpool.pool.metrics import MISS_PREFIX
 from kvpool.pool.tenants import Tenants
-from kvpool.prefill_decode.engine_config import ConnectorConfig
-from kvpool.prefill_decode.vllm_scheduler import RETRY_S, KvPoolMetadata, Transfer
+from kvpool.prefill_decode.vllm.config import ConnectorConfig
+from kvpool.prefill_decode.vllm.scheduler import RETRY_S, KvPoolMetadata, Transfer
 
 log = logging.getLogger(__name__)
 

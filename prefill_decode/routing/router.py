@@ -20,8 +20,8 @@ from kvpool.core.keys import token_array
 from kvpool.core.types import Placement, Tier, nearest_first
 from kvpool.errors import ConfigError
 from kvpool.pool.tenants import Scope
-from kvpool.prefill_decode.connector import PoolConnector
-from kvpool.prefill_decode.cost import Action, CostModel, Decision
+from kvpool.prefill_decode.reference.connector import PoolConnector
+from kvpool.prefill_decode.routing.cost import Action, CostModel, Decision
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from kvpool.metadata.identities import fingerprint
 from kvpool.metadata.misses import miss_cause
 from kvpool.pool.client import PoolClient
 from kvpool.pool.tenants import Scope
-from kvpool.prefill_decode.layout import KVBuffer, KVLayout
+from kvpool.prefill_decode.reference.layout import KVBuffer, KVLayout
 
 log = logging.getLogger(__name__)
 

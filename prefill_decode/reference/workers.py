@@ -21,14 +21,14 @@ from kvpool.core.keys import DEFAULT_CHUNK_SIZE, CacheIdentity, token_array
 from kvpool.errors import ConfigError, PoolFull
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.tenants import Scope
-from kvpool.prefill_decode.calibrate import measure_hardware, spec_of
-from kvpool.prefill_decode.connector import PoolConnector
-from kvpool.prefill_decode.cost import CostModel, Hardware
-from kvpool.prefill_decode.device_tier import DeviceTier
-from kvpool.prefill_decode.layout import LAYOUTS, KVLayout, is_layout_name
-from kvpool.prefill_decode.model import MODELS, load_model
-from kvpool.prefill_decode.router import Route, Router
-from kvpool.prefill_decode.runner import ModelRunner, Prefilled
+from kvpool.prefill_decode.reference.calibrate import measure_hardware, spec_of
+from kvpool.prefill_decode.reference.connector import PoolConnector
+from kvpool.prefill_decode.reference.device_tier import DeviceTier
+from kvpool.prefill_decode.reference.layout import LAYOUTS, KVLayout, is_layout_name
+from kvpool.prefill_decode.reference.model import MODELS, load_model
+from kvpool.prefill_decode.reference.runner import ModelRunner, Prefilled
+from kvpool.prefill_decode.routing.cost import CostModel, Hardware
+from kvpool.prefill_decode.routing.router import Route, Router
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +36,10 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class WorkerConfig:
     pool: PoolConfig
-    model: str = "tiny-llama"  #: a name :func:`~kvpool.prefill_decode.model.load_model` knows
+    model: str = "tiny-llama"  #: a name :func:`~kvpool.prefill_decode.reference.model.load_model` knows
     model_options: tuple[tuple[str, Any], ...] = ()  #: keyword arguments of the loader, e.g. (("seed", 1),)
     chunk_size: int = DEFAULT_CHUNK_SIZE
-    layout: str = "auto"  #: see :mod:`kvpool.prefill_decode.layout`
+    layout: str = "auto"  #: see :mod:`kvpool.prefill_decode.reference.layout`
     hardware: Hardware | None = None  #: the cost model's figures; None: measured when the worker starts
     replicas: int = 1  #: copies of each chunk a prefill worker puts
     torch_threads: int = 0  #: 0: torch's default

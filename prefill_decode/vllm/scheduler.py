@@ -1,4 +1,4 @@
-"""The scheduler side of :class:`~kvpool.prefill_decode.vllm_connector.KvPoolConnector`: prefix lookups in the
+"""The scheduler side of :class:`~kvpool.prefill_decode.vllm.connector.KvPoolConnector`: prefix lookups in the
 etcd watch cache and, each step, the plan of loads and saves it sends the workers (:class:`KvPoolMetadata`)."""
 
 import logging
@@ -19,7 +19,7 @@ from kvpool.metadata.misses import miss_cause
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.advisor import AccessLog
 from kvpool.pool.tenants import Tenants
-from kvpool.prefill_decode.engine_config import ConnectorConfig
+from kvpool.prefill_decode.vllm.config import ConnectorConfig
 
 log = logging.getLogger(__name__)
 
