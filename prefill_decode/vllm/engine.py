@@ -111,7 +111,7 @@ def connector_state() -> dict[str, Any]:
     side = get_kv_transfer_group().side
     client = side.client
     return {
-        "totals": dict(side.totals),
+        "totals": dict(side.counts.totals),
         "identity": asdict(side.identity),
         "layers": len(side.layers),
         "node": client.node_id if client is not None else "",

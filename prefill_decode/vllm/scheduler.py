@@ -4,7 +4,6 @@ etcd watch cache and, each step, the plan of loads and saves it sends the worker
 import logging
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,10 +14,11 @@ from kvpool.errors import KvPoolError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.identities import register as register_identity
-from kvpool.metadata.misses import miss_cause
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.advisor import AccessLog
-from kvpool.pool.tenants import Tenants
+from kvpool.prefill_decode.connector_core.counts import EngineCounts
+from kvpool.prefill_decode.connector_core.lookup import Hit, PrefixLookup
+from kvpool.prefill_decode.connector_core.tenancy import TenantScope
 from kvpool.prefill_decode.vllm.config import ConnectorConfig
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,8 @@ class KvPoolMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
-    lookups: tuple[int, int] = (0, 0)  #: prompt tokens asked for and found in the pool since the last step
-    misses: dict[str, int] = field(default_factory=dict)  #: short lookups since the last step, by cause
+    #: the scheduler's counts since the last step (lookups, misses by cause): the workers report them to the pool
+    counts: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -86,11 +86,10 @@ class SchedulerSide:
         self._loads: dict[str, tuple[int, int]] = {}  #: req ids that will load, and what
         self._reqs: dict[str, _Request] = {}
         self._saving: set[str] = set()  #: requests with saves sent to the workers
-        self._asked = self._found = 0
-        self._misses: Counter[str] = Counter()  #: why lookups stopped short (kvpool_misses_total)
-        self.tenants = Tenants.load(config.tenants) if config.tenants else None
+        self.tenants = TenantScope.load(config.tenants)
         self._tenant_of: dict[str, str | None] = {}  #: req id → its tenant ("": none; None: refused, no pool use)
-        self.access_log = AccessLog.from_env()  #: sampled lookups for kvpool advise (KVPOOL_ACCESS_LOG)
+        self.lookup = PrefixLookup(AccessLog.from_env())  #: sampled lookups for kvpool advise (KVPOOL_ACCESS_LOG)
+        self.counts = EngineCounts()  #: handed to the workers with each step's plan
         self._connect()
 
     def _connect(self) -> None:
@@ -119,51 +118,31 @@ class SchedulerSide:
 
         threading.Thread(target=connect, name="kvpool-connector-etcd", daemon=True).start()
 
-    def tenant(self, request: Any) -> str | None:
-        """The tenant a request is for ("" without tenants), or None when tenants are on and its ``cache_salt`` is no
-        tenant's API key: then the pool is not used for it (vLLM's own cache separates salts as well)."""
-        if self.tenants is None:
-            return ""
-        salt = getattr(request, "cache_salt", None)
-        return self.tenants.by_api_key(salt) if salt and self.tenants.knows(salt) else None
-
-    def held_chunks(self, tokens: list[int], limit: int, tenant: str = "") -> int:
+    def held_chunks(self, tokens: list[int], limit: int, tenant: str = "") -> Hit:
         """Leading chunks of ``tokens`` (at most ``limit``) whose every layer, on every TP rank, the pool holds (in
         ``tenant``'s chain)."""
         cache = self.cache
         if cache is None:
             self._connect()
-            return 0
-        held = limit
-        scope = self.tenants.scope(tenant) if self.tenants is not None and tenant else None
-        for identity in self.identities:
-            keys = chunk_keys(identity, tokens[: limit * self.chunk], scope)
-            if self.access_log is not None:  # KVPOOL_ACCESS_LOG: every object the request needs, for kvpool advise
-                wanted = [layer_key(k, layer) for k in keys for layer in range(self.layers)]
-                self.access_log.record(wanted, cache.size_of)
-            for layer in range(self.layers):
-                held = min(held, cache.lookup_prefix([layer_key(k, layer) for k in keys[:held]]))
-            if held < limit:
-                missing = [layer_key(keys[held], layer) for layer in range(self.layers)]
-                self._misses[miss_cause(cache, missing)[0].value] += 1
-                return held
-        return held
+            return Hit(limit, 0)
+        scope = self.tenants.scope(tenant)
+        ranks = [chunk_keys(identity, tokens[: limit * self.chunk], scope) for identity in self.identities]
+        layers = range(self.layers)
+        return self.lookup(cache, [[layer_key(keys[c], x) for keys in ranks for x in layers] for c in range(limit)])
 
     def matched(self, request: Any, num_computed: int) -> int:
         tokens = list(request.prompt_token_ids or [])
-        tenant = self._tenant_of[request.request_id] = self.tenant(request)
+        tenant = self._tenant_of[request.request_id] = self.tenants.tenant_of(getattr(request, "cache_salt", None))
         if tenant is None:
             return 0
-        held = self.held_chunks(tokens, len(tokens) // self.chunk, tenant)
-        self._hits[request.request_id] = (num_computed, held * self.chunk)
+        hit = self.held_chunks(tokens, len(tokens) // self.chunk, tenant)
+        self.counts.lookup(hit, len(tokens), self.chunk)
+        self._hits[request.request_id] = (num_computed, hit.held * self.chunk)
         if not self.loads_kv:
             return 0
         # vLLM computes at least the last prompt token itself: a prompt whose every chunk is held loads them all
         # and has vLLM compute its last token again (its KV slot is then written twice, with the same values)
-        found = min(held * self.chunk, len(tokens) - 1)
-        self._asked += len(tokens)
-        self._found += found
-        return max(found - num_computed, 0)
+        return max(min(hit.held * self.chunk, len(tokens) - 1) - num_computed, 0)
 
     def allocated(self, request: Any, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
@@ -171,9 +150,7 @@ class SchedulerSide:
             self._loads[request.request_id] = (computed, computed + num_external_tokens)
 
     def build(self, out: Any) -> KvPoolMetadata:
-        meta = KvPoolMetadata(preempted=set(getattr(out, "preempted_req_ids", None) or ()))
-        meta.lookups, self._asked, self._found = (self._asked, self._found), 0, 0
-        meta.misses, self._misses = dict(self._misses), Counter()
+        meta = KvPoolMetadata(preempted=set(getattr(out, "preempted_req_ids", None) or ()), counts=self.counts.take())
         bpc = self.chunk // self.block_size
         computed: dict[str, int] = {}
         for new in out.scheduled_new_reqs:
@@ -246,8 +223,7 @@ class SchedulerSide:
         return False
 
     def close(self) -> None:
-        if self.access_log is not None:
-            self.access_log.close()
+        self.lookup.close()
         if self.cache is not None:
             self.cache.close()
             self.cache.etcd.close()

@@ -71,7 +71,7 @@ def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: 
     while saver.finished({"r1"}) != {"r1"}:
         assert time.monotonic() < deadline, "saves of r1 never reported done"
         time.sleep(0.05)
-    assert saver.totals["saved_tokens"] == 3 * 3 * 64 and "save_errors" not in saver.totals
+    assert saver.counts.totals["saved_tokens"] == 3 * 3 * 64 and "save_errors" not in saver.counts.totals
 
     dst = {name: torch.zeros_like(t) for name, t in src.items()}
     loader = WorkerSide(config, identity, bs, blocks)
@@ -96,7 +96,7 @@ def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: 
     for name in dst:
         loader.wait_layer(name)
     loader.end_step(load)
-    assert loader.take_load_errors() == {8, 10} and loader.totals["load_errors"] == 2
+    assert loader.take_load_errors() == {8, 10} and loader.counts.totals["load_errors"] == 2
     saver.close()
     loader.close()
 

@@ -55,7 +55,8 @@ def test_kv_round_trips_bit_for_bit(stack: tuple, model: LoadedModel) -> None:
     again = router.route(tokens)
     assert again.cached_chunks == 3 and again.decision.action is Action.RELOAD
     runner.connector.load(again.keys, 3).finish()
-    runner.connector._storage.fill_(float("nan"))  # the reused load buffer: only a real fetch can refill it
+    # the reused load buffer, every byte 0xff (NaN in any float dtype): only a real fetch can refill it
+    runner.connector.staging.get(runner.connector.client, 0).fill_(0xFF)
     loading = runner.connector.load(again.keys, 3)
     loading.finish()
     for layer in range(model.model.config.num_hidden_layers):
