@@ -195,8 +195,8 @@ def _ttft(
 ) -> list[dict[str, float]]:
     """Cold and warm TTFT of one prompt per length, through a prefill worker (first node) and a decode worker
     (last node): cold computes the prompt, warm reloads its KV from the pool."""
-    from kvpool.prefill_decode.service import Lane, Service
-    from kvpool.prefill_decode.workers import WorkerConfig, start_workers
+    from kvpool.prefill_decode.reference.service import Lane, Service
+    from kvpool.prefill_decode.reference.workers import WorkerConfig, start_workers
 
     progress(f"TTFT: starting {settings.ttft_model} workers", 1)
     prefill, decode = start_workers(

@@ -45,8 +45,8 @@ from kvpool.pool.tiers.codecs import Codec, parse_codec
 from kvpool.pool.tiers.crypto import KEY_BYTES, Keyring
 from kvpool.pool.tiers.lossless import ZSTD_LEVEL
 from kvpool.pool.tiers.quantizers import Int4, Quantizer
-from kvpool.prefill_decode.demo import demo_prompt
-from kvpool.prefill_decode.model import LoadedModel, forward, kv_cache, load_model
+from kvpool.prefill_decode.reference.demo import demo_prompt
+from kvpool.prefill_decode.reference.model import LoadedModel, forward, kv_cache, load_model
 
 console = Console(width=170)
 

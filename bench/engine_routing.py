@@ -2,9 +2,9 @@
 
 Starts embedded etcd, a local Ray cluster of ``--nodes`` nodes (127.0.0.2 and up) and, per routing policy, a fresh
 pool (a ``PoolNode`` per node) and fresh vLLM engines (CPU), one per node, each with kvpool's connector on its
-node and its KV events sent to the front (:class:`~kvpool.prefill_decode.engine_front.EngineFront`).  Fresh per
+node and its KV events sent to the front (:class:`~kvpool.prefill_decode.vllm.front.EngineFront`).  Fresh per
 policy, so no policy inherits another's caches; the engines' cost models are measured once, on the first
-policy's engines (:func:`~kvpool.prefill_decode.engine_front.calibrate`).
+policy's engines (:func:`~kvpool.prefill_decode.vllm.front.calibrate`).
 
 The trace is ``bench/routing.py``'s (documents with Zipf popularity and per-user questions, multi-turn
 conversations), replayed closed-loop with ``--concurrency`` requests in flight, one generated token each, so a
@@ -39,10 +39,10 @@ from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
-from kvpool.prefill_decode.cost import CostModel
-from kvpool.prefill_decode.engine_front import EngineFront, EngineLane, calibrate, model_spec, start_engine_lanes
-from kvpool.prefill_decode.engine_router import EngineEvents
-from kvpool.prefill_decode.router import Policy
+from kvpool.prefill_decode.routing.cost import CostModel
+from kvpool.prefill_decode.routing.engine_router import EngineEvents
+from kvpool.prefill_decode.routing.router import Policy
+from kvpool.prefill_decode.vllm.front import EngineFront, EngineLane, calibrate, model_spec, start_engine_lanes
 from kvpool.servers.etcd import EmbeddedEtcd
 from kvpool.servers.ray_cluster import LocalRayCluster
 

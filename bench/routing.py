@@ -10,7 +10,7 @@ random-weight Llama), then replays one trace, deterministic from ``--seed``:
   answer and a new question (the whole previous turn is the shared prefix).
 
 Each routing policy replays the trace on a fresh pool (same capacities, new workers), ``--concurrency`` requests
-in flight, through :class:`~kvpool.prefill_decode.service.Service` as the HTTP front runs it.  It prints, per
+in flight, through :class:`~kvpool.prefill_decode.reference.service.Service` as the HTTP front runs it.  It prints, per
 policy, the prefill's hit rate (prompt tokens reloaded / prompt tokens) beside the trace's **reuse ceiling** (the
 hit rate of one infinite cache), TTFT p50/p99 and throughput, beside the limits measured in the same run: one
 request alone, cold and warm.  Then two checks:
@@ -60,10 +60,10 @@ from kvpool.metadata.events import EventStream, replay
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
-from kvpool.prefill_decode.cost import Hardware
-from kvpool.prefill_decode.router import Policy
-from kvpool.prefill_decode.service import Completion, Lane, Service, lane_router
-from kvpool.prefill_decode.workers import WorkerConfig, start_lanes
+from kvpool.prefill_decode.reference.service import Completion, Lane, Service, lane_router
+from kvpool.prefill_decode.reference.workers import WorkerConfig, start_lanes
+from kvpool.prefill_decode.routing.cost import Hardware
+from kvpool.prefill_decode.routing.router import Policy
 
 console = Console(width=150)
 

@@ -36,13 +36,13 @@ from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
-from kvpool.prefill_decode.calibrate import measure_hardware, spec_of
-from kvpool.prefill_decode.connector import PoolConnector
-from kvpool.prefill_decode.cost import CostModel
-from kvpool.prefill_decode.layout import KVLayout
-from kvpool.prefill_decode.model import load_model
-from kvpool.prefill_decode.router import Router
-from kvpool.prefill_decode.runner import ModelRunner, Prefilled
+from kvpool.prefill_decode.reference.calibrate import measure_hardware, spec_of
+from kvpool.prefill_decode.reference.connector import PoolConnector
+from kvpool.prefill_decode.reference.layout import KVLayout
+from kvpool.prefill_decode.reference.model import load_model
+from kvpool.prefill_decode.reference.runner import ModelRunner, Prefilled
+from kvpool.prefill_decode.routing.cost import CostModel
+from kvpool.prefill_decode.routing.router import Router
 from kvpool.servers.etcd import EmbeddedEtcd
 from kvpool.servers.ray_cluster import LocalRayCluster
 

@@ -1,7 +1,7 @@
 """Time to first token on a real vLLM engine (CPU): cold, from kvpool, and from vLLM's own caches, in one run.
 
 Starts its own pool (embedded etcd, a 2-node local Ray cluster on 127.0.0.2-3, a PoolNode on each) and vLLM engines
-in processes of their own (``kvpool.prefill_decode.vllm_engine``), then for one long prompt per repeat measures the
+in processes of their own (``kvpool.prefill_decode.vllm.engine``), then for one long prompt per repeat measures the
 wall time of a 1-token generation (= TTFT):
 
 - cold: no connector, a prompt the engine has never seen;
@@ -36,7 +36,7 @@ from kvpool.bench.limits import memcpy_gbps
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
-from kvpool.prefill_decode.vllm_engine import EngineProcess
+from kvpool.prefill_decode.vllm.engine import EngineProcess
 from kvpool.servers.etcd import EmbeddedEtcd
 from kvpool.servers.ray_cluster import LocalRayCluster
 
@@ -46,11 +46,11 @@ console = Console(width=150)
 def model_dir(name: str, work: Path) -> tuple[Path, int, dict[str, int]]:
     """The model's directory, its longest context, and what sizes its KV (layers, kv heads, head size)."""
     if name == "smollm2":
-        from kvpool.prefill_decode.model import converted_smollm2
+        from kvpool.prefill_decode.reference.model import converted_smollm2
 
         path = converted_smollm2()
     else:
-        from kvpool.prefill_decode.model import tiny_llama
+        from kvpool.prefill_decode.reference.model import tiny_llama
 
         path = work / "tiny-llama"
         tiny_llama(layers=8, hidden=512, heads=8, kv_heads=2, vocab=4096, max_positions=8192).model.save_pretrained(

@@ -3,7 +3,7 @@
 ``running_pool`` starts an etcd (embedded, unless the config names endpoints) and Ray (a local cluster on
 127.0.0.2 and up, unless it names a cluster to attach to), then one ``PoolNode`` per Ray node, and stops all
 it started on exit.  ``demo_service`` puts a prefill worker and a decode worker on it.  ``kvpool up``,
-``kvpool bench``, ``kvpool plan --measure``, the demo (``prefill_decode/demo.py``) and tests call these; what
+``kvpool bench``, ``kvpool plan --measure``, the demo (``prefill_decode/reference/demo.py``) and tests call these; what
 they print goes through a :class:`Report`, so the library itself stays quiet.
 """
 
@@ -27,8 +27,8 @@ from kvpool.pool.config import PoolConfig
 
 if TYPE_CHECKING:
     from kvpool.pool.tenants import Tenants
-    from kvpool.prefill_decode.engine_front import EngineFront
-    from kvpool.prefill_decode.service import Service
+    from kvpool.prefill_decode.reference.service import Service
+    from kvpool.prefill_decode.vllm.front import EngineFront
 
 log = logging.getLogger(__name__)
 
@@ -163,10 +163,10 @@ def demo_service(
     from kvpool.metadata.cache import MetadataCache
     from kvpool.metadata.client import EtcdClient
     from kvpool.metadata.namespace import Namespace
-    from kvpool.prefill_decode.model import load_tokenizer
-    from kvpool.prefill_decode.router import Policy
-    from kvpool.prefill_decode.service import Lane, Service, lane_router
-    from kvpool.prefill_decode.workers import WorkerConfig, start_lanes
+    from kvpool.prefill_decode.reference.model import load_tokenizer
+    from kvpool.prefill_decode.reference.service import Lane, Service, lane_router
+    from kvpool.prefill_decode.reference.workers import WorkerConfig, start_lanes
+    from kvpool.prefill_decode.routing.router import Policy
 
     report = report or LogReport()
     policy = Policy.of(policy).value
@@ -199,7 +199,7 @@ def demo_service(
 
 def serve(service: "Service", port: int, report: Report | None = None) -> None:
     """Serve OpenAI-style ``/v1/completions`` over ``service`` on 127.0.0.1:``port`` (0: any) until Ctrl-C."""
-    from kvpool.prefill_decode.service import make_app
+    from kvpool.prefill_decode.reference.service import make_app
 
     _run_app(make_app(service), port, report, "")
 
@@ -240,10 +240,10 @@ def engine_service(
     from kvpool.metadata.cache import MetadataCache
     from kvpool.metadata.client import EtcdClient
     from kvpool.metadata.namespace import Namespace
-    from kvpool.prefill_decode.engine_front import EngineFront, calibrate, model_spec, start_engine_lanes
-    from kvpool.prefill_decode.engine_router import EngineEvents
-    from kvpool.prefill_decode.model import converted_smollm2, load_tokenizer
-    from kvpool.prefill_decode.router import Policy
+    from kvpool.prefill_decode.reference.model import converted_smollm2, load_tokenizer
+    from kvpool.prefill_decode.routing.engine_router import EngineEvents
+    from kvpool.prefill_decode.routing.router import Policy
+    from kvpool.prefill_decode.vllm.front import EngineFront, calibrate, model_spec, start_engine_lanes
 
     report = report or LogReport()
     policy = Policy.of(policy).value
@@ -290,7 +290,7 @@ def engine_service(
 
 def serve_engines(service: EngineService, port: int, report: Report | None = None) -> None:
     """Serve OpenAI-style ``/v1/completions`` over vLLM engines on 127.0.0.1:``port`` (0: any) until Ctrl-C."""
-    from kvpool.prefill_decode.engine_front import make_engine_app
+    from kvpool.prefill_decode.vllm.front import make_engine_app
 
     app = make_engine_app(service.front, service.model, service.tokenizer, service.vocab)
     _run_app(app, port, report, " over vLLM engines")

@@ -53,7 +53,7 @@ _GROUPED = re.compile(r"^[\w-]+:\[T,(?:(\d+|L),)?2,H,D\] L=(\d+) ")
 
 def objects_per_chunk(layout: str) -> int:
     """How many pool objects a chunk of an identity with this ``layout`` string is stored as: from the layouts of
-    :class:`~kvpool.prefill_decode.layout.KVLayout` (``per-layer``, ``groups-of-G``, ``all-layers``); vLLM's
+    :class:`~kvpool.prefill_decode.reference.layout.KVLayout` (``per-layer``, ``groups-of-G``, ``all-layers``); vLLM's
     (one object per layer, the layer count not in the string) and others count one, the first."""
     m = _GROUPED.match(layout)
     if m is None:

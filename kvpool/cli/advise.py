@@ -14,7 +14,7 @@ from kvpool.cli.figures import fig
 from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
 from kvpool.pool.advisor import MissRatioCurve, curve_of_log, read_access_logs, tier_hits
-from kvpool.prefill_decode.cost import KNOWN_MODELS, REFERENCE_HARDWARE, CostModel, model_spec
+from kvpool.prefill_decode.routing.cost import KNOWN_MODELS, REFERENCE_HARDWARE, CostModel, model_spec
 
 GiB = 2**30
 DEFAULT_CODECS = ["fp8-e4m3=2", "int4=3.6"]  #: nominal size ratios against 16-bit KV

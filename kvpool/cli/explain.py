@@ -44,7 +44,7 @@ def read_tokens(prompt: Path | None, tokens: str, tokenizer: str) -> list[int]:
         raise ConfigError("give the prompt as a file or as --tokens, one of the two")
     text = tokens if tokens else prompt.read_text() if prompt is not None else ""
     if tokenizer:
-        from kvpool.prefill_decode.model import load_tokenizer
+        from kvpool.prefill_decode.reference.model import load_tokenizer
 
         tok = load_tokenizer(tokenizer)
         if tok is None:

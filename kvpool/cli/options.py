@@ -17,8 +17,8 @@ from kvpool.errors import ConfigError
 from kvpool.metadata.config import ENDPOINTS_ENV, TLS_ENV, MetadataConfig
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.tiers.s3_config import RemoteConfig
-from kvpool.prefill_decode.cost import REFERENCE_HARDWARE, Hardware
-from kvpool.prefill_decode.engine_config import ConnectorConfig
+from kvpool.prefill_decode.routing.cost import REFERENCE_HARDWARE, Hardware
+from kvpool.prefill_decode.vllm.config import ConnectorConfig
 
 
 def parameter_default(func: Callable[..., Any], name: str) -> Any:

@@ -6,7 +6,7 @@ from rich.table import Table
 
 from kvpool.cli import options, root
 from kvpool.cli.figures import fig, si
-from kvpool.prefill_decode.cost import KNOWN_MODELS, REFERENCE_HARDWARE, Action, CostModel, Hardware, model_spec
+from kvpool.prefill_decode.routing.cost import KNOWN_MODELS, REFERENCE_HARDWARE, Action, CostModel, Hardware, model_spec
 
 TIMES = "\N{MULTIPLICATION SIGN}"
 #: the one-node pool ``--measure`` brings up for the tier bandwidths
@@ -47,9 +47,9 @@ def measure_hardware(probe: str) -> Hardware:
     from kvpool.metadata.config import MetadataConfig
     from kvpool.pool.client import PoolClient
     from kvpool.pool.config import MiB, PoolConfig
-    from kvpool.prefill_decode.calibrate import measure_hardware as measure
-    from kvpool.prefill_decode.layout import KVLayout
-    from kvpool.prefill_decode.model import load_model
+    from kvpool.prefill_decode.reference.calibrate import measure_hardware as measure
+    from kvpool.prefill_decode.reference.layout import KVLayout
+    from kvpool.prefill_decode.reference.model import load_model
     from kvpool.stack import StackConfig, running_pool
 
     local = PoolConfig(

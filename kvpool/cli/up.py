@@ -15,14 +15,14 @@ from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.tenants import Tenants
-from kvpool.prefill_decode.demo import MODELS, QUESTION
+from kvpool.prefill_decode.reference.demo import MODELS, QUESTION
 
 if TYPE_CHECKING:
     from kvpool.metadata.config import MetadataConfig
-    from kvpool.prefill_decode.demo import DemoRun
+    from kvpool.prefill_decode.reference.demo import DemoRun
     from kvpool.stack import PoolCheck
 
-#: ``--route``: the values of :class:`~kvpool.prefill_decode.router.Policy` (not imported here: it needs torch)
+#: ``--route``: the values of :class:`~kvpool.prefill_decode.routing.router.Policy` (not imported here: it needs torch)
 ROUTES = ("cache-aware", "least-loaded", "round-robin")
 #: the local pool ``up`` brings up by default: small, so it starts anywhere
 LOCAL_NODES, LOCAL_DRAM_MIB, LOCAL_NVME_MIB = 2, 256, 1024
@@ -115,7 +115,7 @@ def _run(
 ) -> None:
     """Everything ``up`` does on the running ``pool``."""
     from kvpool.cli import status  # here, not above: up comes first in --help
-    from kvpool.prefill_decode.demo import run_demo
+    from kvpool.prefill_decode.reference.demo import run_demo
     from kvpool.stack import check_pool, demo_service
     from kvpool.stack import serve as serve_http
 

@@ -8,7 +8,7 @@ import typer
 from kvpool import ray_auth
 from kvpool.cli import connect, options, root
 from kvpool.errors import ConfigError, RayAuthError
-from kvpool.prefill_decode.engine_config import ROLES, ConnectorConfig, kv_transfer_config
+from kvpool.prefill_decode.vllm.config import ROLES, ConnectorConfig, kv_transfer_config
 
 
 def _connector(name: str) -> object:

@@ -30,7 +30,7 @@ A codec is named by a spec: a base quantizer, then optional stages, joined by ``
   codes it makes zstd's output 1-5 % larger, so ``raw+delta+zstd`` and ``fp8-*+delta+zstd`` are refused.
 
 A chunk tensor is token-major, ``[T, ..., H, D]``: axis 0 is the tokens (every pool layout is, see
-``prefill_decode/layout.py``), the last axis the head dim.  Per-channel scales and the delta stage rely on that; a
+``prefill_decode/reference/layout.py``), the last axis the head dim.  Per-channel scales and the delta stage rely on that; a
 one-axis tensor is one token.  Codecs take float16, bfloat16 and float32 tensors; decode returns the input's dtype
 and shape.
 

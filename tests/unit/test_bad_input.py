@@ -41,7 +41,7 @@ from kvpool.pool.config import PoolConfig, Watermarks
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.s3_config import RemoteConfig
-from kvpool.prefill_decode.workers import WorkerConfig
+from kvpool.prefill_decode.reference.workers import WorkerConfig
 from kvpool.transport import nixl
 from kvpool.transport.base import Op
 

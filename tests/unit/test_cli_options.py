@@ -11,7 +11,7 @@ from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.tiers.s3 import collect_garbage
 from kvpool.pool.tiers.s3_config import GC_GRACE_S, RemoteConfig
-from kvpool.prefill_decode.engine_config import ConnectorConfig
+from kvpool.prefill_decode.vllm.config import ConnectorConfig
 
 COMMANDS = (
     "up",

@@ -7,9 +7,9 @@ from kvpool.cli.bench import render_bench
 from kvpool.cli.chunks import chunks_table
 from kvpool.cli.up import check_line, demo_lines, demo_table
 from kvpool.core.types import Placement, Tier
-from kvpool.prefill_decode.demo import DemoRun
-from kvpool.prefill_decode.service import Completion
-from kvpool.prefill_decode.workers import DecodeResult, PrefillResult, PrefillSummary
+from kvpool.prefill_decode.reference.demo import DemoRun
+from kvpool.prefill_decode.reference.service import Completion
+from kvpool.prefill_decode.reference.workers import DecodeResult, PrefillResult, PrefillSummary
 from kvpool.stack import PoolCheck
 
 

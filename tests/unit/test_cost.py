@@ -7,7 +7,7 @@ import pytest
 
 from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
-from kvpool.prefill_decode.cost import (
+from kvpool.prefill_decode.routing.cost import (
     KNOWN_MODELS,
     REFERENCE_HARDWARE,
     TIERS,

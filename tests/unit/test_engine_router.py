@@ -12,10 +12,10 @@ from kvpool.core.types import Placement, Tier
 from kvpool.errors import ConfigError
 from kvpool.metadata.zmq_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvpool.pool.tenants import Scope
-from kvpool.prefill_decode.cost import Action, CostModel, Hardware, model_spec
-from kvpool.prefill_decode.engine_front import model_spec as model_spec_of
-from kvpool.prefill_decode.engine_router import BlockIndex, EngineEvents, EngineRouter
-from kvpool.prefill_decode.router import Policy, decide
+from kvpool.prefill_decode.routing.cost import Action, CostModel, Hardware, model_spec
+from kvpool.prefill_decode.routing.engine_router import BlockIndex, EngineEvents, EngineRouter
+from kvpool.prefill_decode.routing.router import Policy, decide
+from kvpool.prefill_decode.vllm.front import model_spec as model_spec_of
 
 BS = 4  #: tokens per vLLM block here
 CHUNK = 8  #: tokens per pool chunk (two blocks)

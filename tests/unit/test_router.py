@@ -12,8 +12,8 @@ import pytest
 from kvpool.core.types import Placement, Tier
 from kvpool.errors import ConfigError
 from kvpool.pool.tenants import Scope
-from kvpool.prefill_decode.cost import Action, CostModel, Decision, Hardware, model_spec
-from kvpool.prefill_decode.router import PEER, LaneRouter, Policy, Quote, Route, choose, decide, read_path
+from kvpool.prefill_decode.routing.cost import Action, CostModel, Decision, Hardware, model_spec
+from kvpool.prefill_decode.routing.router import PEER, LaneRouter, Policy, Quote, Route, choose, decide, read_path
 
 L = 32_768
 

@@ -8,7 +8,7 @@ from kvpool.errors import MalformedRecord
 from kvpool.metadata.misses import object_keys, objects_per_chunk
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.records import decode_departure, decode_tombstone, encode_departure, encode_tombstone
-from kvpool.prefill_decode.layout import KVLayout
+from kvpool.prefill_decode.reference.layout import KVLayout
 
 KEY = bytes(range(32))
 

@@ -9,7 +9,7 @@ from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
-from kvpool.prefill_decode.demo import run_demo
+from kvpool.prefill_decode.reference.demo import run_demo
 from kvpool.stack import StackConfig, check_pool, demo_service, running_pool
 
 

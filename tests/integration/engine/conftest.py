@@ -20,7 +20,7 @@ from engines import P, Q, R, S, engine  # noqa: E402
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A 4-layer random Llama (head size 64, as vLLM's CPU attention needs) saved where vLLM can load it offline."""
-    from kvpool.prefill_decode.model import tiny_llama
+    from kvpool.prefill_decode.reference.model import tiny_llama
 
     path = tmp_path_factory.mktemp("tiny-llama-vllm")
     tiny_llama(layers=4, hidden=256, heads=4, kv_heads=2, vocab=4096, max_positions=4096).model.save_pretrained(path)

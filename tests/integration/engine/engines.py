@@ -6,7 +6,7 @@ from typing import Any
 import ray
 
 from kvpool.pool.config import PoolConfig
-from kvpool.prefill_decode.vllm_engine import EngineProcess
+from kvpool.prefill_decode.vllm.engine import EngineProcess
 
 CHUNK = 256  #: tokens per pool chunk in these tests (8 of vLLM's 32-token blocks)
 

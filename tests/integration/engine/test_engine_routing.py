@@ -14,15 +14,15 @@ from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.config import PoolConfig
-from kvpool.prefill_decode.engine_front import (
+from kvpool.prefill_decode.routing.engine_router import EngineEvents
+from kvpool.prefill_decode.routing.router import Policy
+from kvpool.prefill_decode.vllm.front import (
     EngineFront,
     calibrate,
     make_engine_app,
     model_spec,
     start_engine_lanes,
 )
-from kvpool.prefill_decode.engine_router import EngineEvents
-from kvpool.prefill_decode.router import Policy
 
 BLOCK = 32  #: vLLM's block size in these engines
 

@@ -22,8 +22,9 @@ from kvpool.pool.config import PoolConfig
 from kvpool.pool.node_handle import actor_name
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.tenants import Tenants
-from kvpool.prefill_decode.engine_config import ConnectorConfig
-from kvpool.prefill_decode.vllm_connector import KvPoolMetadata, Transfer, WorkerSide
+from kvpool.prefill_decode.vllm.config import ConnectorConfig
+from kvpool.prefill_decode.vllm.scheduler import KvPoolMetadata, Transfer
+from kvpool.prefill_decode.vllm.worker import WorkerSide
 
 LAYERS = 4
 #: each engine test starts vLLM engines (20-60 s each on 2 busy cores): more than the suite's 300 s per test
@@ -70,7 +71,7 @@ def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: 
     while saver.finished({"r1"}) != {"r1"}:
         assert time.monotonic() < deadline, "saves of r1 never reported done"
         time.sleep(0.05)
-    assert saver.totals["saved_tokens"] == 3 * 3 * 64 and "save_errors" not in saver.totals
+    assert saver.counts.totals["saved_tokens"] == 3 * 3 * 64 and "save_errors" not in saver.counts.totals
 
     dst = {name: torch.zeros_like(t) for name, t in src.items()}
     loader = WorkerSide(config, identity, bs, blocks)
@@ -95,7 +96,7 @@ def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: 
     for name in dst:
         loader.wait_layer(name)
     loader.end_step(load)
-    assert loader.take_load_errors() == {8, 10} and loader.totals["load_errors"] == 2
+    assert loader.take_load_errors() == {8, 10} and loader.counts.totals["load_errors"] == 2
     saver.close()
     loader.close()
 
@@ -239,18 +240,18 @@ class EngineActor:
     def __init__(self, settings: dict[str, Any]) -> None:
         import os
 
-        from kvpool.prefill_decode.vllm_engine import ENGINE_ENV, start_engine
+        from kvpool.prefill_decode.vllm.engine import ENGINE_ENV, start_engine
 
         os.environ.update({**ENGINE_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"})
         self.llm = start_engine(settings)
 
     def generate(self, prompts: list[list[int]], reset: bool = False) -> list[dict[str, Any]]:
-        from kvpool.prefill_decode.vllm_engine import generate
+        from kvpool.prefill_decode.vllm.engine import generate
 
         return generate(self.llm, prompts, 8, reset)
 
     def totals(self) -> dict[str, float]:
-        from kvpool.prefill_decode.vllm_engine import connector_state
+        from kvpool.prefill_decode.vllm.engine import connector_state
 
         return connector_state()["totals"]  # type: ignore[no-any-return]
 

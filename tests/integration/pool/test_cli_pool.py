@@ -119,7 +119,7 @@ def _bench(pool: PoolConfig, tmp_path: Path) -> None:
 
 def test_vllm_config_prints_the_kv_transfer_config_of_a_running_pool(pool: PoolConfig) -> None:
     """The JSON vLLM takes with --kv-transfer-config, checked by the connector's own validation; bad input is one line."""
-    from kvpool.prefill_decode.engine_config import ConnectorConfig
+    from kvpool.prefill_decode.vllm.config import ConnectorConfig
 
     where = ["--etcd", pool.metadata.endpoints[0], "--cluster", pool.metadata.cluster, "--namespace", pool.namespace]
     out = kvpool("vllm-config", *where, "--role", "kv_consumer", "--chunk-size", "512")

@@ -10,9 +10,9 @@ from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
-from kvpool.prefill_decode.cost import Hardware
-from kvpool.prefill_decode.model import LoadedModel, tiny_llama
-from kvpool.prefill_decode.workers import WorkerConfig
+from kvpool.prefill_decode.reference.model import LoadedModel, tiny_llama
+from kvpool.prefill_decode.reference.workers import WorkerConfig
+from kvpool.prefill_decode.routing.cost import Hardware
 from kvpool.servers.etcd import EmbeddedEtcd
 
 MODEL_OPTIONS = (("layers", 8), ("hidden", 128), ("heads", 4), ("kv_heads", 2), ("vocab", 512))

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from kvpool.pool.client import PoolClient
-from kvpool.prefill_decode.connector import PoolConnector
-from kvpool.prefill_decode.device_tier import DeviceTier, Priority, cache_bytes
-from kvpool.prefill_decode.layout import KVLayout
-from kvpool.prefill_decode.model import LoadedModel, kv_cache, tiny_llama
+from kvpool.prefill_decode.reference.connector import PoolConnector
+from kvpool.prefill_decode.reference.device_tier import DeviceTier, Priority, cache_bytes
+from kvpool.prefill_decode.reference.layout import KVLayout
+from kvpool.prefill_decode.reference.model import LoadedModel, kv_cache, tiny_llama
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 

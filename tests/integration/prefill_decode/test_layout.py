@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kvpool.errors import ConfigError
-from kvpool.prefill_decode.layout import KVBuffer, KVLayout, auto_layout
-from kvpool.prefill_decode.model import LoadedModel, forward, kv_cache
+from kvpool.prefill_decode.reference.layout import KVBuffer, KVLayout, auto_layout
+from kvpool.prefill_decode.reference.model import LoadedModel, forward, kv_cache
 
 
 @pytest.mark.parametrize("layout", ["per-layer", "all-layers", "groups-of-2"])

@@ -11,15 +11,15 @@ import torch
 from transformers import BatchEncoding
 
 from kvpool.errors import ConfigError
-from kvpool.prefill_decode import model as model_mod
-from kvpool.prefill_decode.model import LoadedModel, load_model, smollm2_cache_dir, tiny_llama
+from kvpool.prefill_decode.reference import model as model_mod
+from kvpool.prefill_decode.reference.model import LoadedModel, load_model, smollm2_cache_dir, tiny_llama
 
 SMALL: dict[str, Any] = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 256}
 
 # The same digest, computed in a fresh interpreter: weights must agree across processes, not just within one.
 DIGEST_SCRIPT = """
 import hashlib
-from kvpool.prefill_decode.model import tiny_llama
+from kvpool.prefill_decode.reference.model import tiny_llama
 h = hashlib.sha256()
 for name, t in sorted(tiny_llama({seed}, **{small!r}).model.state_dict().items()):
     h.update(name.encode()); h.update(t.contiguous().numpy().tobytes())

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from kvpool.pool.client import PoolClient
-from kvpool.prefill_decode.calibrate import spec_of
-from kvpool.prefill_decode.connector import PoolConnector
-from kvpool.prefill_decode.cost import Action, CostModel, Hardware
-from kvpool.prefill_decode.layout import KVLayout
-from kvpool.prefill_decode.model import LoadedModel
-from kvpool.prefill_decode.router import Router
-from kvpool.prefill_decode.runner import ModelRunner
+from kvpool.prefill_decode.reference.calibrate import spec_of
+from kvpool.prefill_decode.reference.connector import PoolConnector
+from kvpool.prefill_decode.reference.layout import KVLayout
+from kvpool.prefill_decode.reference.model import LoadedModel
+from kvpool.prefill_decode.reference.runner import ModelRunner
+from kvpool.prefill_decode.routing.cost import Action, CostModel, Hardware
+from kvpool.prefill_decode.routing.router import Router
 
 CHUNK = 32  #: short chunks keep the prompts short
 #: fixed figures: routing in tests must not depend on how fast this machine is right now
@@ -55,7 +55,8 @@ def test_kv_round_trips_bit_for_bit(stack: tuple, model: LoadedModel) -> None:
     again = router.route(tokens)
     assert again.cached_chunks == 3 and again.decision.action is Action.RELOAD
     runner.connector.load(again.keys, 3).finish()
-    runner.connector._storage.fill_(float("nan"))  # the reused load buffer: only a real fetch can refill it
+    # the reused load buffer, every byte 0xff (NaN in any float dtype): only a real fetch can refill it
+    runner.connector.staging.get(runner.connector.client, 0).fill_(0xFF)
     loading = runner.connector.load(again.keys, 3)
     loading.finish()
     for layer in range(model.model.config.num_hidden_layers):

@@ -10,10 +10,10 @@ import ray
 import torch
 
 from kvpool.pool.config import PoolConfig
-from kvpool.prefill_decode.demo import demo_prompt
-from kvpool.prefill_decode.model import LoadedModel, smollm2
-from kvpool.prefill_decode.service import Lane, Service
-from kvpool.prefill_decode.workers import WorkerConfig, start_workers
+from kvpool.prefill_decode.reference.demo import demo_prompt
+from kvpool.prefill_decode.reference.model import LoadedModel, smollm2
+from kvpool.prefill_decode.reference.service import Lane, Service
+from kvpool.prefill_decode.reference.workers import WorkerConfig, start_workers
 
 pytestmark = pytest.mark.slow
 POOL_MIB = 160  #: SmolLM2's KV is 46 KiB per token in float32

@@ -9,8 +9,8 @@ import ray
 import torch
 from http_asks import ask_app
 
-from kvpool.prefill_decode.model import LoadedModel
-from kvpool.prefill_decode.workers import WorkerConfig, start_lanes, start_workers
+from kvpool.prefill_decode.reference.model import LoadedModel
+from kvpool.prefill_decode.reference.workers import WorkerConfig, start_lanes, start_workers
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ def workers(ray_cluster: list[str], worker_config: WorkerConfig) -> Iterator[tup
 
 def serve(service: Any, asks: list[tuple[str, dict[str, Any]]]) -> list[tuple[int, dict[str, Any]]]:
     """``service``'s HTTP front asked ``asks`` (:func:`http_asks.ask_app`)."""
-    from kvpool.prefill_decode.service import make_app
+    from kvpool.prefill_decode.reference.service import make_app
 
     return ask_app(make_app(service), asks)
 
@@ -59,7 +59,7 @@ def test_decode_on_another_node_continues_from_the_pool(
 
 
 def test_http_completions_go_prefill_pool_decode(workers: tuple[Any, Any], model: LoadedModel) -> None:
-    from kvpool.prefill_decode.service import Lane, Service
+    from kvpool.prefill_decode.reference.service import Lane, Service
 
     tokens = torch.randint(0, 512, (3 * 32 + 4,), generator=torch.Generator().manual_seed(12)).tolist()
     service = Service(Lane(*workers), model=model.name)
@@ -94,7 +94,7 @@ def test_two_lanes_route_to_the_prefix(
     from kvpool.metadata.cache import MetadataCache
     from kvpool.metadata.client import EtcdClient
     from kvpool.metadata.namespace import Namespace
-    from kvpool.prefill_decode.service import Lane, Service, lane_router
+    from kvpool.prefill_decode.reference.service import Lane, Service, lane_router
 
     ((prefill2, decode2),) = start_lanes(worker_config, [(ray_cluster[2], ray_cluster[1])])
     lanes = [Lane(*workers), Lane(prefill2, decode2)]
@@ -137,7 +137,7 @@ def test_a_tenant_never_hits_another_tenants_prefix(
     in.  Another tenant's prompt, sent word for word, hits nothing (the probe learns nothing); a shared namespace is
     shared by the tenants that list it; a request without a tenant's key is refused; every answer is the model's."""
     from kvpool.pool.tenants import Tenants, new_secret
-    from kvpool.prefill_decode.service import Lane, Service
+    from kvpool.prefill_decode.reference.service import Lane, Service
 
     path = tmp_path / "tenants.toml"
     path.write_text(

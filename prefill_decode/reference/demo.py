@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvpool.prefill_decode.service import Completion, Service
+    from kvpool.prefill_decode.reference.service import Completion, Service
 
 MODELS = ("smollm2-135m", "tiny-llama")  #: the models the demo runs on (the first is the default)
 

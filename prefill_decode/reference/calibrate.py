@@ -10,8 +10,8 @@ import torch
 
 from kvpool.core.types import Tier
 from kvpool.pool.client import PoolClient
-from kvpool.prefill_decode.cost import CostModel, Hardware, ModelSpec
-from kvpool.prefill_decode.model import LoadedModel, forward, kv_cache
+from kvpool.prefill_decode.reference.model import LoadedModel, forward, kv_cache
+from kvpool.prefill_decode.routing.cost import CostModel, Hardware, ModelSpec
 
 
 def spec_of(loaded: LoadedModel) -> ModelSpec:

@@ -23,13 +23,15 @@ import torch
 from transformers import DynamicCache
 
 from kvpool.core.keys import CacheIdentity
-from kvpool.core.types import Placement, nearest_first
 from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError
 from kvpool.metadata.identities import fingerprint
-from kvpool.metadata.misses import miss_cause
+from kvpool.metadata.misses import MissCause
 from kvpool.pool.client import PoolClient
 from kvpool.pool.tenants import Scope
-from kvpool.prefill_decode.layout import KVBuffer, KVLayout
+from kvpool.prefill_decode.connector_core.counts import EngineCounts
+from kvpool.prefill_decode.connector_core.lookup import Hit, PrefixLookup, nearest
+from kvpool.prefill_decode.connector_core.staging import HostStaging
+from kvpool.prefill_decode.reference.layout import KVBuffer, KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +54,14 @@ class Loading:
     """A prefix being fetched into a :class:`KVBuffer`; ``cache`` views it from the start."""
 
     def __init__(
-        self, buffer: KVBuffer, rounds: list[tuple[list[bytes], list[torch.Tensor]]], tokens: int | None = None
+        self,
+        buffer: KVBuffer,
+        rounds: list[tuple[list[bytes], list[torch.Tensor]]],
+        tokens: int | None = None,
+        counts: EngineCounts | None = None,
     ) -> None:
         self.buffer = buffer
+        self._counts = counts  #: told what a fetch that completes loaded
         self.cache: DynamicCache = buffer.to_cache(tokens)
         self.times = LoadTimes()
         self._rounds = rounds
@@ -88,6 +95,13 @@ class Loading:
 
         try:
             client.get_into_batch(keys, views, on_done=landed)
+            if self._counts is not None:
+                layout = self.buffer.layout
+                self._counts.add(
+                    loaded_tokens=self.buffer.chunks * layout.chunk_size,
+                    loaded_bytes=self.buffer.chunks * layout.chunk_size * layout.token_bytes,
+                    load_seconds=time.perf_counter() - start,
+                )
         except BaseException as exc:
             self._error = exc
             for event in self._ready:
@@ -149,30 +163,26 @@ class PoolConnector:
             client.register_identity(identity)  # for kvpool status: what keys this connector's chunks
         except KvPoolError as exc:
             log.warning("cache identity not registered (%s); chunks are stored and read all the same", exc)
-        self._storage: torch.Tensor | None = None  #: reused by every load
-        self._registered = False  #: _storage is registered with the transport
+        self.lookup = PrefixLookup(client.access_log)  #: the process's access log is the client's
+        self.staging = HostStaging()  #: the buffer every load lands in
+        self.counts = EngineCounts()  #: reported to the client's node: kvpool_engine_*, kvpool_misses_total
 
     def keys(self, tokens: Any, scope: Scope | None = None) -> list[list[bytes]]:
         return self.layout.keys(self.identity, tokens, scope)
 
-    def cached_chunks(self, keys: Sequence[Sequence[bytes]]) -> int:
-        """How many leading chunks have every one of their objects in the pool (no etcd round trip)."""
-        n = 0
-        for chunk in keys:
-            if not all(self.client.exists_batch(chunk)):
-                break
-            n += 1
-        self.client.count_lookup(len(keys), n)
-        if n < len(keys):
-            self.client.count_miss(miss_cause(self.client.cache, keys[n])[0].value)
-        self.client.record_lookup([k for chunk in keys for k in chunk])
-        return n
+    def cached(self, keys: Sequence[Sequence[bytes]], prompt_tokens: int) -> Hit:
+        """How many leading chunks (of a prompt of ``prompt_tokens``, named by ``keys``) have every one of their
+        objects in the pool, from the watch cache (no etcd round trip); counted and logged."""
+        hit = self.lookup(self.client.cache, keys)
+        self.client.count_lookup(hit.asked, hit.held)  # the node's chunk hit rate (kvpool status)
+        self.counts.lookup(hit, prompt_tokens, self.layout.chunk_size)
+        self.counts.report(self.client)
+        return hit
 
-    def _nearest(self, key: bytes) -> Placement | None:
-        replicas = self.client.cache.replicas(key)
-        if not replicas:
-            return None
-        return min(replicas, key=nearest_first(self.client.node_id))
+    def fell_back(self) -> None:
+        """Count a reload that could not read a chunk it had found (the request was recomputed)."""
+        self.counts.miss(MissCause.READ_FAILED)
+        self.counts.report(self.client)
 
     def save(
         self,
@@ -194,8 +204,16 @@ class PoolConnector:
         """Put a filled buffer's chunks, named by ``keys`` (one entry per chunk of the buffer), under this connector's
         cache identity; bytes put."""
         items = [(keys[c][g], view) for c, g, view in buffer.object_views()]
+        started = time.perf_counter()
         self.client.put_batch(items, replicas=replicas, tenant=tenant, identity=self.fingerprint)
-        return buffer.chunks * self.layout.chunk_size * self.layout.token_bytes
+        nbytes = buffer.chunks * self.layout.chunk_size * self.layout.token_bytes
+        self.counts.add(
+            saved_tokens=buffer.chunks * self.layout.chunk_size,
+            saved_bytes=nbytes,
+            save_seconds=time.perf_counter() - started,
+        )
+        self.counts.report(self.client)
+        return nbytes
 
     def load(
         self, keys: Sequence[Sequence[bytes]], chunks: int, *, tokens: int | None = None, pipelined: bool = True
@@ -205,31 +223,26 @@ class PoolConnector:
         :meth:`Loading.attached` to wait on."""
         if not 0 < chunks <= len(keys):
             raise ConfigError(f"chunks must be in [1, {len(keys)}], got {chunks}")
+        here = self.client.node_id
         from_peer = any(
-            (p := self._nearest(k)) is not None and p.node != self.client.node_id for ks in keys[:chunks] for k in ks
+            (p := nearest(self.client.cache.replicas(k), here)) is not None and p.node != here
+            for ks in keys[:chunks]
+            for k in ks
         )
-        buffer = KVBuffer(self.layout, chunks, storage=self._buffer_storage(chunks, register=from_peer))
+        # registered with the transport (once) when chunks will come from another node, so they land in it
+        # directly (same-node loads copy from shared memory)
+        nbytes = chunks * self.layout.chunk_size * self.layout.token_bytes
+        storage = self.staging.get(self.client, nbytes, register=from_peer).view(self.layout.dtype)
+        buffer = KVBuffer(self.layout, chunks, storage=storage)
         by_round: dict[int, tuple[list[bytes], list[torch.Tensor]]] = {}
         for c, g, view in buffer.object_views():
             ks, vs = by_round.setdefault(g, ([], []))
             ks.append(keys[c][g])
             vs.append(view)
         rounds = [by_round[r] for r in sorted(by_round)]
-        return Loading(buffer, rounds, tokens).start(self.client, background=pipelined and self.layout.groups > 1)
-
-    def _buffer_storage(self, chunks: int, *, register: bool) -> torch.Tensor:
-        """The reusable load buffer, grown as needed; registered with the transport (once) when chunks
-        will come from another node, so they land in it directly (same-node loads copy from shared memory)."""
-        numel = chunks * self.layout.chunk_size * self.layout.token_bytes // self.layout.dtype.itemsize
-        if self._storage is None or self._storage.numel() < numel:
-            self.close()
-            self._storage = torch.empty(numel, dtype=self.layout.dtype)
-        if register and not self._registered:
-            self.client.register_buffer(self._storage)
-            self._registered = True
-        return self._storage
+        loading = Loading(buffer, rounds, tokens, self.counts)
+        return loading.start(self.client, background=pipelined and self.layout.groups > 1)
 
     def close(self) -> None:
-        if self._storage is not None and self._registered:
-            self.client.unregister_buffer(self._storage)
-        self._storage, self._registered = None, False
+        self.staging.close(self.client)
+        self.counts.report(self.client)

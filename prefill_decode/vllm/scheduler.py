@@ -1,10 +1,9 @@
-"""The scheduler side of :class:`~kvpool.prefill_decode.vllm_connector.KvPoolConnector`: prefix lookups in the
+"""The scheduler side of :class:`~kvpool.prefill_decode.vllm.connector.KvPoolConnector`: prefix lookups in the
 etcd watch cache and, each step, the plan of loads and saves it sends the workers (:class:`KvPoolMetadata`)."""
 
 import logging
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,11 +14,12 @@ from kvpool.errors import KvPoolError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.identities import register as register_identity
-from kvpool.metadata.misses import miss_cause
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.advisor import AccessLog
-from kvpool.pool.tenants import Tenants
-from kvpool.prefill_decode.engine_config import ConnectorConfig
+from kvpool.prefill_decode.connector_core.counts import EngineCounts
+from kvpool.prefill_decode.connector_core.lookup import Hit, PrefixLookup
+from kvpool.prefill_decode.connector_core.tenancy import TenantScope
+from kvpool.prefill_decode.vllm.config import ConnectorConfig
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +52,23 @@ class KvPoolMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
-    lookups: tuple[int, int] = (0, 0)  #: prompt tokens asked for and found in the pool since the last step
-    misses: dict[str, int] = field(default_factory=dict)  #: short lookups since the last step, by cause
+    #: the scheduler's counts since the last step (lookups, misses by cause): the workers report them to the pool
+    counts: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
-class _Request:
-    tokens: list[int]
-    block_ids: list[int]
-    tenant: str
-    saved: int  #: chunks already in the pool or queued for saving
+class RequestTracker:
+    """One request on the scheduler side, from its lookup to its end."""
+
+    tenant: str | None  #: whose chain its chunks are in ("": none); None: refused, the pool is not used for it
+    computed: int = 0  #: tokens vLLM had computed itself when the pool was asked
+    held: int = 0  #: leading chunks the pool held then
+    load: tuple[int, int] | None = None  #: tokens ``[from, to)`` to load this step, once vLLM allocated their blocks
+    running: bool = False  #: scheduled: ``tokens`` and ``block_ids`` are known
+    tokens: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0  #: chunks already in the pool or queued for saving
+    saving: bool = False  #: saves were sent to the workers: vLLM keeps its blocks until they are done
 
 
 class SchedulerSide:
@@ -82,15 +89,10 @@ class SchedulerSide:
         self.cache: MetadataCache | None = None
         self._connecting = threading.Lock()
         self._next_try = 0.0
-        self._hits: dict[str, tuple[int, int]] = {}  #: req id → (tokens vLLM had computed, tokens the pool has)
-        self._loads: dict[str, tuple[int, int]] = {}  #: req ids that will load, and what
-        self._reqs: dict[str, _Request] = {}
-        self._saving: set[str] = set()  #: requests with saves sent to the workers
-        self._asked = self._found = 0
-        self._misses: Counter[str] = Counter()  #: why lookups stopped short (kvpool_misses_total)
-        self.tenants = Tenants.load(config.tenants) if config.tenants else None
-        self._tenant_of: dict[str, str | None] = {}  #: req id → its tenant ("": none; None: refused, no pool use)
-        self.access_log = AccessLog.from_env()  #: sampled lookups for kvpool advise (KVPOOL_ACCESS_LOG)
+        self._requests: dict[str, RequestTracker] = {}
+        self.tenants = TenantScope.load(config.tenants)
+        self.lookup = PrefixLookup(AccessLog.from_env())  #: sampled lookups for kvpool advise (KVPOOL_ACCESS_LOG)
+        self.counts = EngineCounts()  #: handed to the workers with each step's plan
         self._connect()
 
     def _connect(self) -> None:
@@ -119,77 +121,53 @@ class SchedulerSide:
 
         threading.Thread(target=connect, name="kvpool-connector-etcd", daemon=True).start()
 
-    def tenant(self, request: Any) -> str | None:
-        """The tenant a request is for ("" without tenants), or None when tenants are on and its ``cache_salt`` is no
-        tenant's API key: then the pool is not used for it (vLLM's own cache separates salts as well)."""
-        if self.tenants is None:
-            return ""
-        salt = getattr(request, "cache_salt", None)
-        return self.tenants.by_api_key(salt) if salt and self.tenants.knows(salt) else None
-
-    def held_chunks(self, tokens: list[int], limit: int, tenant: str = "") -> int:
+    def held_chunks(self, tokens: list[int], limit: int, tenant: str = "") -> Hit:
         """Leading chunks of ``tokens`` (at most ``limit``) whose every layer, on every TP rank, the pool holds (in
         ``tenant``'s chain)."""
         cache = self.cache
         if cache is None:
             self._connect()
-            return 0
-        held = limit
-        scope = self.tenants.scope(tenant) if self.tenants is not None and tenant else None
-        for identity in self.identities:
-            keys = chunk_keys(identity, tokens[: limit * self.chunk], scope)
-            if self.access_log is not None:  # KVPOOL_ACCESS_LOG: every object the request needs, for kvpool advise
-                wanted = [layer_key(k, layer) for k in keys for layer in range(self.layers)]
-                self.access_log.record(wanted, cache.size_of)
-            for layer in range(self.layers):
-                held = min(held, cache.lookup_prefix([layer_key(k, layer) for k in keys[:held]]))
-            if held < limit:
-                missing = [layer_key(keys[held], layer) for layer in range(self.layers)]
-                self._misses[miss_cause(cache, missing)[0].value] += 1
-                return held
-        return held
+            return Hit(limit, 0)
+        scope = self.tenants.scope(tenant)
+        ranks = [chunk_keys(identity, tokens[: limit * self.chunk], scope) for identity in self.identities]
+        layers = range(self.layers)
+        return self.lookup(cache, [[layer_key(keys[c], x) for keys in ranks for x in layers] for c in range(limit)])
 
     def matched(self, request: Any, num_computed: int) -> int:
         tokens = list(request.prompt_token_ids or [])
-        tenant = self._tenant_of[request.request_id] = self.tenant(request)
+        tenant = self.tenants.tenant_of(getattr(request, "cache_salt", None))
+        req = self._requests.setdefault(request.request_id, RequestTracker(tenant))
+        req.tenant, req.computed, req.held = tenant, num_computed, 0
         if tenant is None:
             return 0
-        held = self.held_chunks(tokens, len(tokens) // self.chunk, tenant)
-        self._hits[request.request_id] = (num_computed, held * self.chunk)
+        hit = self.held_chunks(tokens, len(tokens) // self.chunk, tenant)
+        self.counts.lookup(hit, len(tokens), self.chunk)
+        req.held = hit.held
         if not self.loads_kv:
             return 0
         # vLLM computes at least the last prompt token itself: a prompt whose every chunk is held loads them all
         # and has vLLM compute its last token again (its KV slot is then written twice, with the same values)
-        found = min(held * self.chunk, len(tokens) - 1)
-        self._asked += len(tokens)
-        self._found += found
-        return max(found - num_computed, 0)
+        return max(min(hit.held * self.chunk, len(tokens) - 1) - num_computed, 0)
 
     def allocated(self, request: Any, num_external_tokens: int) -> None:
-        if num_external_tokens > 0:
-            computed, _ = self._hits[request.request_id]
-            self._loads[request.request_id] = (computed, computed + num_external_tokens)
+        req = self._requests.get(request.request_id)
+        if num_external_tokens > 0 and req is not None:
+            req.load = (req.computed, req.computed + num_external_tokens)
 
     def build(self, out: Any) -> KvPoolMetadata:
-        meta = KvPoolMetadata(preempted=set(getattr(out, "preempted_req_ids", None) or ()))
-        meta.lookups, self._asked, self._found = (self._asked, self._found), 0, 0
-        meta.misses, self._misses = dict(self._misses), Counter()
-        bpc = self.chunk // self.block_size
-        computed: dict[str, int] = {}
+        meta = KvPoolMetadata(preempted=set(getattr(out, "preempted_req_ids", None) or ()), counts=self.counts.take())
+        computed: dict[str, int] = {}  #: tokens computed before this step, of each running request scheduled in it
         for new in out.scheduled_new_reqs:
-            tokens = list(new.prompt_token_ids or [])
-            _, in_pool = self._hits.pop(new.req_id, (0, 0))
-            tenant = self._tenant_of.pop(new.req_id, "")
-            if tenant is None:  # refused: no loads were planned; nothing is saved
+            req = self._requests.setdefault(new.req_id, RequestTracker(""))
+            if req.tenant is None:  # refused: no loads were planned; nothing is saved
                 continue
-            req = self._reqs[new.req_id] = _Request(tokens, list(new.block_ids[0]), tenant, in_pool // self.chunk)
+            req.running, req.tokens, req.block_ids = True, list(new.prompt_token_ids or []), list(new.block_ids[0])
+            req.saved = req.held
             computed[new.req_id] = new.num_computed_tokens
-            if (load := self._loads.pop(new.req_id, None)) is not None:
-                meta.loads.append(self._transfer(new.req_id, req, load, bpc))
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            running = self._reqs.get(req_id)
-            if running is None:
+            running = self._requests.get(req_id)
+            if running is None or not running.running:
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:  # after a preemption every block is new (its saves were drained)
@@ -197,30 +175,17 @@ class SchedulerSide:
             elif new_blocks:
                 running.block_ids += new_blocks[0]
             computed[req_id] = cached.num_computed_tokens[i]
-            if (load := self._loads.pop(req_id, None)) is not None:
-                meta.loads.append(self._transfer(req_id, running, load, bpc))
+        for req_id in computed:
+            load, self._requests[req_id].load = self._requests[req_id].load, None
+            if load is not None:
+                meta.loads.append(self._load(req_id, self._requests[req_id], load))
         if self.saves_kv:
-            for req_id, done in computed.items():
-                req = self._reqs[req_id]
-                after = min(done + out.num_scheduled_tokens.get(req_id, 0), len(req.tokens))
-                full = min(after // self.chunk, len(req.block_ids) // bpc)
-                if full > req.saved:
-                    meta.saves.append(
-                        Transfer(
-                            req_id,
-                            req.tokens[: full * self.chunk],
-                            req.saved,
-                            full,
-                            req.block_ids[: full * bpc],
-                            tenant=req.tenant,
-                        )
-                    )
-                    req.saved = full
-                    self._saving.add(req_id)
-        self._loads.clear()
+            meta.saves = [t for req_id, done in computed.items() if (t := self._save(req_id, done, out)) is not None]
+        for req in self._requests.values():
+            req.load = None  # planned for a request vLLM did not schedule after all
         return meta
 
-    def _transfer(self, req_id: str, req: _Request, load: tuple[int, int], bpc: int) -> Transfer:
+    def _load(self, req_id: str, req: RequestTracker, load: tuple[int, int]) -> Transfer:
         computed, end_token = load
         first, end = computed // self.chunk, -(-end_token // self.chunk)  # the last chunk may end 1 token later
         return Transfer(
@@ -228,26 +193,30 @@ class SchedulerSide:
             req.tokens[: end * self.chunk],
             first,
             end,
-            req.block_ids[: end * bpc],
+            req.block_ids[: end * (self.chunk // self.block_size)],
             write_from=computed // self.block_size,
             whole_before_forward=end * self.chunk > end_token,
-            tenant=req.tenant,
+            tenant=req.tenant or "",
         )
+
+    def _save(self, req_id: str, done: int, out: Any) -> Transfer | None:
+        """The chunks of a running request that are complete after this step and not saved yet, if any."""
+        req, bpc = self._requests[req_id], self.chunk // self.block_size
+        after = min(done + out.num_scheduled_tokens.get(req_id, 0), len(req.tokens))
+        full = min(after // self.chunk, len(req.block_ids) // bpc)
+        if full <= req.saved:
+            return None
+        first, req.saved, req.saving = req.saved, full, True
+        tokens, blocks = req.tokens[: full * self.chunk], req.block_ids[: full * bpc]
+        return Transfer(req_id, tokens, first, full, blocks, tenant=req.tenant or "")
 
     def finished(self, req_id: str) -> bool:
         """Whether vLLM must keep the request's blocks until the workers report its saves done."""
-        self._reqs.pop(req_id, None)
-        self._hits.pop(req_id, None)
-        self._tenant_of.pop(req_id, None)
-        self._loads.pop(req_id, None)
-        if req_id in self._saving:
-            self._saving.discard(req_id)
-            return True
-        return False
+        req = self._requests.pop(req_id, None)
+        return req is not None and req.saving
 
     def close(self) -> None:
-        if self.access_log is not None:
-            self.access_log.close()
+        self.lookup.close()
         if self.cache is not None:
             self.cache.close()
             self.cache.etcd.close()

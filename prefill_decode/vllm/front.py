@@ -1,7 +1,7 @@
 """Serving over vLLM engines with the kvpool connector: each request goes to the engine the
-:class:`~kvpool.prefill_decode.engine_router.EngineRouter` predicts the least time to first token for.
+:class:`~kvpool.prefill_decode.routing.engine_router.EngineRouter` predicts the least time to first token for.
 
-The engines run in processes of their own (:class:`~kvpool.prefill_decode.vllm_engine.EngineProcess`), one per
+The engines run in processes of their own (:class:`~kvpool.prefill_decode.vllm.engine.EngineProcess`), one per
 pool node, each publishing its prefix cache's block events to the front's :class:`EngineEvents` socket.  Each
 engine's cost model is measured when the front starts (:func:`calibrate`): a cold prefill, the same prompt from the
 engine's own cache, from its node's pool DRAM, and from another node's: the figures the router prices with.
@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 from kvpool.core.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.errors import ConfigError, KvPoolError, WorkerUnavailable
 from kvpool.pool.tenants import Scope
-from kvpool.prefill_decode.cost import CostModel, Hardware, ModelSpec
-from kvpool.prefill_decode.engine_router import EngineEvents, EngineRouter
-from kvpool.prefill_decode.router import Policy, Quote
-from kvpool.prefill_decode.vllm_engine import EngineProcess
+from kvpool.prefill_decode.routing.cost import CostModel, Hardware, ModelSpec
+from kvpool.prefill_decode.routing.engine_router import EngineEvents, EngineRouter
+from kvpool.prefill_decode.routing.router import Policy, Quote
+from kvpool.prefill_decode.vllm.engine import EngineProcess
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -60,7 +60,7 @@ class EngineCompletion:
 
 def model_spec(model_dir: str | Path, kv_dtype_bytes: int = 4) -> ModelSpec:
     """The cost model's view of a Llama-style model directory (``config.json``): ``P`` counts the decoder layers'
-    weights (attention and gated MLP), as :func:`~kvpool.prefill_decode.calibrate.spec_of` does for a loaded one."""
+    weights (attention and gated MLP), as :func:`~kvpool.prefill_decode.reference.calibrate.spec_of` does for a loaded one."""
     path = Path(model_dir) / "config.json"
     try:
         cfg = json.loads(path.read_text())
@@ -231,7 +231,7 @@ def make_engine_app(front: EngineFront, model: str, tokenizer: Any = None, vocab
     above it are refused before they reach an engine.  Tenants are not served here (see docs/routing.md)."""
     from aiohttp import web
 
-    from kvpool.prefill_decode.service import completion_request, error_response, front_app, tokenize
+    from kvpool.prefill_decode.reference.service import completion_request, error_response, front_app, tokenize
 
     async def completions(request: web.Request) -> web.Response:
         try:

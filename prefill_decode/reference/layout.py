@@ -40,11 +40,6 @@ LAYOUTS = ("auto", "all-layers", "per-layer", "groups-of-G")  #: G: layers per o
 AUTO_OBJECT_BYTES = 512 << 10  #: the largest pool object ``auto`` makes of several layers
 
 
-def is_layout_name(layout: object) -> bool:
-    """Whether ``layout`` names a layout (G unchecked: that needs the model's layer count)."""
-    return isinstance(layout, str) and (layout in LAYOUTS[:3] or layout.removeprefix("groups-of-").isdigit())
-
-
 def auto_layout(layers: int, layer_object_bytes: int) -> str:
     """What ``auto`` means for a model of ``layers`` layers whose objects hold ``layer_object_bytes`` per layer."""
     fits = [g for g in range(1, layers // 2 + 1) if layers % g == 0 and g * layer_object_bytes <= AUTO_OBJECT_BYTES]

@@ -27,8 +27,8 @@ from transformers import DynamicCache
 
 from kvpool.errors import ConfigError
 from kvpool.pool.tenants import Scope
-from kvpool.prefill_decode.connector import PoolConnector
-from kvpool.prefill_decode.layout import KVBuffer
+from kvpool.prefill_decode.reference.connector import PoolConnector
+from kvpool.prefill_decode.reference.layout import KVBuffer
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,8 @@ from transformers import DynamicCache
 
 from kvpool.core.keys import token_array
 from kvpool.errors import ChunkNotFound, ConfigError
-from kvpool.metadata.misses import MissCause
-from kvpool.prefill_decode.connector import LoadTimes, PoolConnector
-from kvpool.prefill_decode.model import LoadedModel, forward, kv_cache
+from kvpool.prefill_decode.reference.connector import LoadTimes, PoolConnector
+from kvpool.prefill_decode.reference.model import LoadedModel, forward, kv_cache
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +72,7 @@ class ModelRunner:
                 return self._prefill_reusing(prompt, ids, keys, reuse_chunks, t0)
             except ChunkNotFound as exc:
                 log.warning("cached prefix lost mid-request (%s); recomputing all %d tokens", exc, len(prompt))
-                self.connector.client.count_miss(MissCause.READ_FAILED.value)
+                self.connector.fell_back()
         out = forward(self.model, ids, logits_to_keep=1)
         return Prefilled(
             prompt,

@@ -24,14 +24,14 @@ from kvpool.core.keys import DEFAULT_CHUNK_SIZE, CacheIdentity, token_array
 from kvpool.errors import ConfigError, PoolFull
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.tenants import Scope
-from kvpool.prefill_decode.calibrate import measure_hardware, spec_of
-from kvpool.prefill_decode.connector import PoolConnector
-from kvpool.prefill_decode.cost import CostModel, Hardware
-from kvpool.prefill_decode.device_tier import DeviceTier
-from kvpool.prefill_decode.layout import LAYOUTS, KVLayout
-from kvpool.prefill_decode.model import MODELS, load_model
-from kvpool.prefill_decode.router import Route, Router
-from kvpool.prefill_decode.runner import ModelRunner, Prefilled
+from kvpool.prefill_decode.reference.calibrate import measure_hardware, spec_of
+from kvpool.prefill_decode.reference.connector import PoolConnector
+from kvpool.prefill_decode.reference.device_tier import DeviceTier
+from kvpool.prefill_decode.reference.layout import LAYOUTS, KVLayout
+from kvpool.prefill_decode.reference.model import MODELS, load_model
+from kvpool.prefill_decode.reference.runner import ModelRunner, Prefilled
+from kvpool.prefill_decode.routing.cost import CostModel, Hardware
+from kvpool.prefill_decode.routing.router import Route, Router
 
 _MODELS = f"one of {', '.join(sorted(MODELS))}"
 _OPTIONS = "a tuple of (name, value) pairs, e.g. (('seed', 1),)"
@@ -42,12 +42,12 @@ log = logging.getLogger(__name__)
 
 class WorkerConfig(Config, frozen=True):
     pool: PoolConfig
-    #: a name :func:`~kvpool.prefill_decode.model.load_model` knows
+    #: a name :func:`~kvpool.prefill_decode.reference.model.load_model` knows
     model: Annotated[str, Meta(pattern=f"^({'|'.join(map(re.escape, MODELS))})\\Z", description=_MODELS)] = "tiny-llama"
     #: keyword arguments of the loader, e.g. (("seed", 1),)
     model_options: Annotated[tuple[tuple[str, Any], ...], Meta(description=_OPTIONS)] = ()
     chunk_size: Positive = DEFAULT_CHUNK_SIZE
-    #: see :mod:`kvpool.prefill_decode.layout`
+    #: see :mod:`kvpool.prefill_decode.reference.layout`
     layout: Annotated[str, Meta(pattern=r"^(auto|all-layers|per-layer|groups-of-[0-9]+)\Z", description=_LAYOUTS)] = (
         "auto"
     )

@@ -4,7 +4,7 @@ A vLLM engine keeps the KV of recent prompts in its own (GPU) blocks, and serves
 without reading anything; the pool serves the rest of what it holds at the cost of a read, nearest replica first.
 The :class:`EngineRouter` quotes each engine's time to first token from both: the prefix the engine holds itself
 (a :class:`BlockIndex` fed by the engine's KV events), the pool's chunks past it by read path (the watch cache, as
-:class:`~kvpool.prefill_decode.router.LaneRouter` does for our workers), and the engine's queue.
+:class:`~kvpool.prefill_decode.routing.router.LaneRouter` does for our workers), and the engine's queue.
 
 The events are vLLM's own (``--kv-events-config``): an engine given a non-wildcard endpoint *connects* its PUB
 socket there, so the router binds one SUB socket (:class:`EngineEvents`) and every engine publishes to it under its
@@ -25,8 +25,8 @@ from kvpool.core.types import Placement
 from kvpool.errors import ConfigError
 from kvpool.metadata.zmq_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvpool.pool.tenants import Scope
-from kvpool.prefill_decode.cost import CostModel
-from kvpool.prefill_decode.router import LaneRouter, Policy, Quote, by_path, decide, prefix_sources
+from kvpool.prefill_decode.routing.cost import CostModel
+from kvpool.prefill_decode.routing.router import LaneRouter, Policy, Quote, by_path, decide, prefix_sources
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 front on top of it (``POST /v1/completions``, ``GET /v1/models``, ``GET /health``, ``GET /stats``).
 
 The front tokenizes (when the model has a tokenizer; token-id prompts work for any model), picks a lane (a
-prefill worker and its decode worker; with several, by the :class:`~kvpool.prefill_decode.router.LaneRouter`'s
+prefill worker and its decode worker; with several, by the :class:`~kvpool.prefill_decode.routing.router.LaneRouter`'s
 policy), asks the prefill worker for the first token, hands the prompt and that token to the decode worker,
 and answers in the shape of OpenAI's completions API, with a ``kvpool`` field saying which lane served it and
 where the prompt's KV came from.
@@ -24,8 +24,8 @@ from aiohttp import web
 from kvpool.core.keys import token_array
 from kvpool.errors import ConfigError, KvPoolError, TenantRefused, WorkerUnavailable
 from kvpool.pool.tenants import Scope, Tenants
-from kvpool.prefill_decode.router import LaneRouter, Policy, Quote
-from kvpool.prefill_decode.workers import DecodeResult, PrefillResult
+from kvpool.prefill_decode.reference.workers import DecodeResult, PrefillResult
+from kvpool.prefill_decode.routing.router import LaneRouter, Policy, Quote
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.Response]]
@@ -63,7 +63,7 @@ class Completion:
 @dataclass(frozen=True)
 class Lane:
     """A prefill actor and the decode actor its requests go on to (a pair from
-    :func:`~kvpool.prefill_decode.workers.start_lanes`)."""
+    :func:`~kvpool.prefill_decode.reference.workers.start_lanes`)."""
 
     prefill: Any
     decode: Any

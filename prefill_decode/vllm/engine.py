@@ -1,6 +1,6 @@
 """A vLLM engine in a process of its own, driven by JSON lines: what ``bench/vllm.py`` and the engine tests run.
 
-``python -m kvpool.prefill_decode.vllm_engine '<settings>'`` starts an engine (``LLM``, in this process:
+``python -m kvpool.prefill_decode.vllm.engine '<settings>'`` starts an engine (``LLM``, in this process:
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so a connector's pool client lives here too), prints ``READY``, then answers
 each JSON line on stdin with a line ``RESULT <json>``:
 
@@ -16,7 +16,7 @@ each JSON line on stdin with a line ``RESULT <json>``:
 Settings: ``model`` (a directory), ``connector`` (kvpool's ``kv_connector_extra_config``; with ``role``) or
 ``kv_transfer`` (any vLLM ``KVTransferConfig``, e.g. vLLM's own connectors), ``max_model_len``, ``block_size``,
 ``kv_events`` (``{"endpoint", "topic"}``: vLLM publishes its prefix cache's block events there, see
-:mod:`~kvpool.prefill_decode.engine_router`).
+:mod:`~kvpool.prefill_decode.routing.engine_router`).
 :class:`EngineProcess` runs one from Python.
 """
 
@@ -47,7 +47,7 @@ def start_engine(settings: dict[str, Any]) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from kvpool.prefill_decode.engine_config import ConnectorConfig, kv_transfer_config
+    from kvpool.prefill_decode.vllm.config import ConnectorConfig, kv_transfer_config
 
     for name, value in ENGINE_ENV.items():
         os.environ.setdefault(name, value)
@@ -112,7 +112,7 @@ def connector_state() -> dict[str, Any]:
     side = get_kv_transfer_group().side
     client = side.client
     return {
-        "totals": dict(side.totals),
+        "totals": dict(side.counts.totals),
         "identity": asdict(side.identity),
         "layers": len(side.layers),
         "node": client.node_id if client is not None else "",

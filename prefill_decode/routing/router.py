@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.core.keys import token_array
-from kvpool.core.types import Placement, Tier, nearest_first
+from kvpool.core.types import Placement, Tier
 from kvpool.errors import ConfigError
 from kvpool.pool.tenants import Scope
-from kvpool.prefill_decode.connector import PoolConnector
-from kvpool.prefill_decode.cost import Action, CostModel, Decision
+from kvpool.prefill_decode.connector_core.lookup import nearest
+from kvpool.prefill_decode.reference.connector import PoolConnector
+from kvpool.prefill_decode.routing.cost import Action, CostModel, Decision
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +43,9 @@ def prefix_sources(
     out: Counter[tuple[str, str]] = Counter()
     for chunk in keys[:chunks]:
         for key in chunk:
-            found = replicas(key)
-            if found:
-                nearest = min(found, key=nearest_first(node))
-                out[(nearest.tier.value, nearest.node)] += nearest.size
+            read = nearest(replicas(key), node)
+            if read is not None:
+                out[(read.tier.value, read.node)] += read.size
     return out
 
 
@@ -113,7 +113,7 @@ class Router:
     def route(self, tokens: Sequence[int], scope: Scope | None = None) -> Route:
         n = len(token_array(tokens))
         keys = self.connector.keys(tokens, scope)
-        cached = self.connector.cached_chunks(keys)
+        cached = self.connector.cached(keys, n).held
         here = self.connector.client.node_id
         by_place = prefix_sources(self.connector.client.cache.replicas, keys, cached, here)
         cached_tokens = min(cached * self.connector.layout.chunk_size, n) if by_place else 0  # gone meanwhile

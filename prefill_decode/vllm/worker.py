@@ -1,4 +1,4 @@
-"""The worker side of :class:`~kvpool.prefill_decode.vllm_connector.KvPoolConnector`: moves KV bytes between
+"""The worker side of :class:`~kvpool.prefill_decode.vllm.connector.KvPoolConnector`: moves KV bytes between
 vLLM's paged cache and the pool on one I/O thread, as the scheduler side's :class:`KvPoolMetadata` says."""
 
 import contextlib
@@ -14,10 +14,12 @@ import torch
 from kvpool.core.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.metadata.identities import fingerprint
-from kvpool.pool.metrics import MISS_PREFIX
-from kvpool.pool.tenants import Tenants
-from kvpool.prefill_decode.engine_config import ConnectorConfig
-from kvpool.prefill_decode.vllm_scheduler import RETRY_S, KvPoolMetadata, Transfer
+from kvpool.metadata.misses import MissCause
+from kvpool.prefill_decode.connector_core.counts import EngineCounts
+from kvpool.prefill_decode.connector_core.staging import HostStaging
+from kvpool.prefill_decode.connector_core.tenancy import TenantScope
+from kvpool.prefill_decode.vllm.config import ConnectorConfig
+from kvpool.prefill_decode.vllm.scheduler import RETRY_S, KvPoolMetadata, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ class WorkerSide:
         self.config, self.identity, self.block_size, self.num_blocks = config, identity, block_size, num_blocks
         self.fingerprint = fingerprint(identity)  #: every put carries it to the placements (and chunk events)
         self.loads_kv = loads_kv
-        self.tenants = Tenants.load(config.tenants) if config.tenants else None
+        self.tenants = TenantScope.load(config.tenants)
         self.bpc = config.chunk_size // block_size  #: blocks per chunk
         self.layers: dict[str, _Layer] = {}
         self.client: Any = None
@@ -77,14 +79,14 @@ class WorkerSide:
         self._load: Future[None] | None = None
         self._load_errors: set[int] = set()
         self._errors_lock = threading.Lock()
-        self._buffers: dict[str, torch.Tensor] = {}  #: reused host staging ("load", "save"), grown as needed
+        self._load_staging, self._save_staging = HostStaging(), HostStaging()  #: reused host buffers
         self._queued: list[tuple[_Layer, Transfer]] = []  #: layers to save, taken together by the next _put
         self._unsaved: dict[str, int] = {}  #: per request, queued layer saves not yet put
         self._saving = threading.Lock()
         self._finished: set[str] = set()  #: requests vLLM finished, whose saves may still run
-        self._pending_report: dict[str, float] = {}  #: counts not yet handed to the pool client (metrics)
-        self.totals: dict[str, float] = {}  #: every count since the start (tokens, bytes, seconds, errors)
-        self._counting = threading.Lock()
+        #: what this worker did, and the scheduler's lookups it hands on: reported to its pool node (kvpool_engine_*)
+        #: from the I/O thread, the one that uses the client
+        self.counts = EngineCounts()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         for index, (name, kv) in enumerate(kv_caches.items()):
@@ -130,10 +132,7 @@ class WorkerSide:
 
     def start_step(self, meta: KvPoolMetadata) -> None:
         self._load = None
-        if meta.lookups != (0, 0):
-            self._count(lookup_tokens=meta.lookups[0], hit_tokens=meta.lookups[1])
-        if meta.misses:
-            self._count(**{f"{MISS_PREFIX}{cause}": n for cause, n in meta.misses.items()})
+        self.counts.add(**meta.counts)
         if not meta.loads or not self.layers:
             self._layer_ready = {}
             return
@@ -165,23 +164,26 @@ class WorkerSide:
             with self._errors_lock:
                 self._load_errors |= errors
             tokens = sum((t.end - t.first) * self.config.chunk_size for t in loads)
-            self._count(
+            self.counts.add(
                 loaded_tokens=tokens,
                 loaded_bytes=loaded_bytes,
                 load_errors=len(errors),
                 load_seconds=time.perf_counter() - started,
             )
             if errors:  # the chunks were there when looked up, and could not be read: recomputed
-                self._count(**{f"{MISS_PREFIX}read_failed": sum(1 for bad in failed if bad)})
+                self.counts.miss(MissCause.READ_FAILED, sum(1 for bad in failed if bad))
         finally:
             for ready in self._layer_ready.values():
                 ready.set()  # never leave a layer waiting
+            self._report()
 
     def _load_layer(self, client: Any, layer: _Layer, t: Transfer, keys: list[bytes], bad: set[int]) -> int:
         """Load one layer of ``t``'s chunks into a reused staging buffer, then into the paged blocks; the indices
         of chunks that did not come are added to ``bad``."""
         bpc = self.bpc
-        staging = layer.view(self._buffer(client, "load", len(keys) * bpc * layer.block_bytes), len(keys) * bpc)
+        # registered once the client has a transport (it read from a peer): reads from other nodes then land in it
+        nbytes = len(keys) * bpc * layer.block_bytes
+        staging = layer.view(self._load_staging.get(client, nbytes, register=client.registrations > 0), len(keys) * bpc)
         views = [staging[i * bpc : (i + 1) * bpc] for i in range(len(keys))]
         lkeys = [layer_key(k, layer.index) for k in keys]
         try:
@@ -203,20 +205,6 @@ class WorkerSide:
             ids = [t.block_ids[t.first * bpc + r] for r in rows]
             layer.write(ids, staging if len(rows) == len(staging) else staging[rows])
         return len(rows) * layer.block_bytes
-
-    def _buffer(self, client: Any, name: str, nbytes: int) -> torch.Tensor:
-        """A reused flat host buffer of at least ``nbytes`` (no page faults per step).  Registered with the
-        transport once the client has one, so reads from other nodes land in it without a second copy."""
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() < nbytes:
-            if buf is not None and client.registrations:
-                client.unregister_buffer(buf)
-            buf = self._buffers[name] = torch.empty(
-                max(nbytes, 2 * (0 if buf is None else buf.numel())), dtype=torch.uint8
-            )
-        if client.registrations and name == "load":
-            client.register_buffer(buf)  # a no-op once registered
-        return buf
 
     def _blocks_of(self, t: Transfer, bad: set[int]) -> list[int]:
         bpc = self.bpc
@@ -244,10 +232,10 @@ class WorkerSide:
         try:
             client = self._pool()
             if client is None:
-                self._count(save_errors=len(batch))
+                self.counts.add(save_errors=len(batch))
                 return
             bpc = self.bpc
-            buf = self._buffer(client, "save", sum((t.end - t.first) * bpc * layer.block_bytes for layer, t in batch))
+            buf = self._save_staging.get(client, sum((t.end - t.first) * bpc * layer.block_bytes for layer, t in batch))
             items: dict[str, list[tuple[bytes, torch.Tensor]]] = {}  #: per tenant: its quota, its chain
             at = 0
             for layer, t in batch:
@@ -264,9 +252,9 @@ class WorkerSide:
                     )
             except KvPoolError as exc:  # a full pool, etcd or a node gone: a future miss, never an engine error
                 log.warning("kvpool: could not save %d chunk layers: %s", sum(map(len, items.values())), exc)
-                self._count(save_errors=len(batch))
+                self.counts.add(save_errors=len(batch))
                 return
-            self._count(
+            self.counts.add(
                 saved_tokens=sum((t.end - t.first) * self.config.chunk_size for _, t in batch),
                 saved_bytes=at,
                 save_seconds=time.perf_counter() - started,
@@ -275,11 +263,11 @@ class WorkerSide:
             with self._saving:
                 for _, t in batch:
                     self._unsaved[t.req_id] -= 1
+            self._report()
 
     def _keys(self, t: Transfer) -> list[bytes]:
         """The chunk keys of a transfer's chunks, in its tenant's chain."""
-        scope = self.tenants.scope(t.tenant) if self.tenants is not None and t.tenant else None
-        return chunk_keys(self.identity, t.tokens, scope)[t.first : t.end]
+        return chunk_keys(self.identity, t.tokens, self.tenants.scope(t.tenant))[t.first : t.end]
 
     def end_step(self, meta: KvPoolMetadata) -> None:
         """A producer's step ends when its saves are in the pool (a decode engine asked next finds them); the
@@ -314,17 +302,10 @@ class WorkerSide:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def _count(self, **counts: float) -> None:
-        """Add to what this worker reports to its pool node's metrics (kvpool_engine_*)."""
-        with self._counting:
-            for name, n in counts.items():
-                self._pending_report[name] = self._pending_report.get(name, 0) + n
-                self.totals[name] = self.totals.get(name, 0) + n
-            client = self.client
-            if client is None or not threading.current_thread().name.startswith("kvpool-connector-io"):
-                return  # the client is used on its I/O thread only: reported with the next count made there
-            pending, self._pending_report = self._pending_report, {}
-        client.record_engine(pending)
+    def _report(self) -> None:
+        """Hand the counts to the pool client (on the I/O thread, the one that uses it)."""
+        if self.client is not None:
+            self.counts.report(self.client)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -333,7 +314,8 @@ class WorkerSide:
 
     def _close_client(self) -> None:
         if self.client is not None:
-            if self._pending_report:
-                self.client.record_engine(self._pending_report)
+            self._report()
+            self._load_staging.close(self.client)
+            self._save_staging.close(self.client)
             self.client.close()
             self.client = None

@@ -1,0 +1,55 @@
+"""The one place an engine's connector counts what it did, for its pool node's metrics."""
+
+import threading
+from typing import Protocol
+
+from kvpool.metadata.misses import MissCause
+from kvpool.pool.metrics import MISS_PREFIX
+from kvpool.prefill_decode.connector_core.lookup import Hit
+
+
+class EngineSink(Protocol):
+    """Where counts go: ``PoolClient.record_engine`` (to its node: ``kvpool_engine_*``, ``kvpool_misses_total``)."""
+
+    def record_engine(self, counts: dict[str, float]) -> None: ...
+
+
+class EngineCounts:
+    """Counts by name (thread-safe): ``{lookup,hit,loaded,saved}_tokens``, ``{loaded,saved}_bytes``,
+    ``{load,save}_seconds``, ``{load,save}_errors`` and ``miss_<cause>`` (a short lookup or a failed load).
+
+    ``totals`` keeps every count since the start; what was not yet reported waits for :meth:`report` (a pool client
+    is used by one thread: the engine reports from the thread that owns it) or is handed on with :meth:`take` (vLLM's
+    scheduler has no client: its counts travel to the workers with each step's plan)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self._pending: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, **counts: float) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                self._pending[name] = self._pending.get(name, 0) + n
+                self.totals[name] = self.totals.get(name, 0) + n
+
+    def lookup(self, hit: Hit, prompt_tokens: int, chunk_size: int) -> None:
+        """A prefix lookup for a prompt of ``prompt_tokens``: those are looked up, and those of the chunks held are
+        hit, but for the last prompt token (every engine computes it, for its logits)."""
+        self.add(lookup_tokens=prompt_tokens, hit_tokens=max(0, min(hit.held * chunk_size, prompt_tokens - 1)))
+        if hit.cause is not None:
+            self.miss(hit.cause)
+
+    def miss(self, cause: MissCause, n: int = 1) -> None:
+        self.add(**{f"{MISS_PREFIX}{cause.value}": n})
+
+    def take(self) -> dict[str, float]:
+        """What was not yet reported, now counted as reported."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        return pending
+
+    def report(self, sink: EngineSink) -> None:
+        pending = self.take()
+        if pending:
+            sink.record_engine(pending)

@@ -1,0 +1,3 @@
+"""Where a request goes and whether its cached prefix is reloaded: the cost model (``cost``), reload-or-recompute and
+the lane router of the reference engine's HTTP front (``router``), routing over vLLM engines from their KV events
+(``engine_router``).  Runs in the HTTP front's process (and in the reference prefill workers, for ``Router``)."""

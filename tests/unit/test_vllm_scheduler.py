@@ -1,0 +1,82 @@
+"""The scheduler side of vLLM's connector over a fake watch cache and fake scheduler outputs: the lookup vLLM asks
+for, the loads and saves planned per step from one tracker per request, and when vLLM may free a request's blocks.
+Needs vLLM's connector base class (a skip where vLLM is optional and absent, as the engine tests)."""
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from engine_needed import vllm_module
+from test_connector_core import FakeCache
+
+from kvpool.core.keys import CacheIdentity, chunk_keys, layer_key
+from kvpool.prefill_decode.vllm.config import ConnectorConfig
+
+pytestmark = pytest.mark.slow  # imports vLLM (20-30 s on a busy box), once for the whole run
+
+CHUNK, BLOCK, LAYERS = 8, 4, 2
+IDENTITY = CacheIdentity(model="m", kv_dtype="float32", layout="vllm-test", chunk_size=CHUNK)
+
+
+@pytest.fixture
+def scheduler(monkeypatch: pytest.MonkeyPatch) -> Any:
+    module = vllm_module("kvpool.prefill_decode.vllm.scheduler")
+    monkeypatch.setattr(module.SchedulerSide, "_connect", lambda self: None)  # no etcd: the fake cache below
+    side = module.SchedulerSide(ConnectorConfig(chunk_size=CHUNK), [IDENTITY], LAYERS, BLOCK)
+    return module, side
+
+
+def hold(side: Any, tokens: list[int], chunks: int) -> None:
+    keys = chunk_keys(IDENTITY, tokens)[:chunks]
+    side.cache = FakeCache({layer_key(k, layer) for k in keys for layer in range(LAYERS)})
+
+
+def step(new: tuple[Any, ...] = (), cached: Any = None, scheduled: dict[str, int] | None = None) -> Any:
+    none = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new), scheduled_cached_reqs=cached or none, num_scheduled_tokens=scheduled or {}
+    )
+
+
+def test_a_partial_hit_loads_the_held_chunks_and_saves_the_next(scheduler: Any) -> None:
+    module, side = scheduler
+    tokens = list(range(26))  # 3 full chunks and 2 tokens; the pool holds the first 2 chunks
+    hold(side, tokens, 2)
+    request = SimpleNamespace(request_id="r1", prompt_token_ids=tokens)
+    assert side.matched(request, 0) == 2 * CHUNK
+    side.allocated(request, 2 * CHUNK)
+    blocks = list(range(10, 17))
+    new = SimpleNamespace(req_id="r1", prompt_token_ids=tokens, block_ids=[blocks], num_computed_tokens=0)
+    meta = side.build(step((new,), scheduled={"r1": 26}))
+    assert meta.loads == [module.Transfer("r1", tokens[:16], 0, 2, blocks[:4])]
+    assert meta.saves == [module.Transfer("r1", tokens[:24], 2, 3, blocks[:6])]  # chunk 2, computed this step
+    assert meta.counts == {"lookup_tokens": 26, "hit_tokens": 16, "miss_never_stored": 1}
+    assert side.build(step()).loads == [] and side.finished("r1") is True  # keep its blocks until saved
+    assert side.finished("r1") is False
+
+
+def test_a_chunked_prefill_saves_each_chunk_as_it_completes(scheduler: Any) -> None:
+    module, side = scheduler
+    tokens = list(range(100, 116))
+    hold(side, [], 0)
+    side.matched(SimpleNamespace(request_id="r2", prompt_token_ids=tokens), 0)
+    new = SimpleNamespace(req_id="r2", prompt_token_ids=tokens, block_ids=[[1, 2]], num_computed_tokens=0)
+    first = side.build(step((new,), scheduled={"r2": 8}))
+    assert first.loads == [] and first.saves == [module.Transfer("r2", tokens[:8], 0, 1, [1, 2])]
+    cached = SimpleNamespace(req_ids=["r2"], new_block_ids=[[[3, 4]]], resumed_req_ids=set(), num_computed_tokens=[8])
+    second = side.build(step(cached=cached, scheduled={"r2": 8}))
+    assert second.saves == [module.Transfer("r2", tokens[:16], 1, 2, [1, 2, 3, 4])]
+    assert side.build(step(cached=cached, scheduled={"r2": 0})).saves == []  # nothing new is complete
+
+
+def test_without_a_cache_yet_nothing_is_held_and_a_producer_loads_nothing(scheduler: Any) -> None:
+    _, side = scheduler
+    tokens = list(range(200, 224))
+    request = SimpleNamespace(request_id="r3", prompt_token_ids=tokens)
+    assert side.matched(request, 0) == 0 and side.build(step()).counts == {"lookup_tokens": 24, "hit_tokens": 0}
+    hold(side, tokens, 3)
+    side.loads_kv = False  # kv_producer: looks up (to skip saving what is held), never loads
+    assert side.matched(request, 0) == 0
+    new = SimpleNamespace(req_id="r3", prompt_token_ids=tokens, block_ids=[list(range(6))], num_computed_tokens=0)
+    assert side.build(step((new,), scheduled={"r3": 24})).saves == []  # every chunk is in the pool already
+    assert side.finished("r3") is False
