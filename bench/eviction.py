@@ -36,7 +36,7 @@ from rich.table import Table
 
 from kvpool.clock import ManualClock
 from kvpool.core.types import Tier
-from kvpool.pool.eviction import ChunkState, EvictionPolicy
+from kvpool.pool.node.eviction import ChunkState, EvictionPolicy
 
 console = Console(width=170)
 TIER = Tier.DRAM

@@ -82,7 +82,7 @@ class StoredChunk:
 
 @dataclass(frozen=True)
 class Recoded:
-    """A chunk's bytes under some codec (see :func:`kvpool.pool.moves.recode`)."""
+    """A chunk's bytes under some codec (see :func:`kvpool.pool.node.moves.recode`)."""
 
     data: Buffer
     codec: str

@@ -53,7 +53,7 @@ class PoolConfig:
     busy_wait_s: float = 10.0  #: a move or remove of a chunk being read waits this long for the read, then ChunkBusy
     nvme_codec: str = "raw"  #: how chunks put as tensors are stored on NVMe (pool/tiers/codecs.py), e.g. "fp8-e4m3"
     #: with ``nvme_dir`` set, keep the NVMe segment and its journal across restarts: a node started again on the same
-    #: host and address takes back every chunk that verifies (pool/journal.py); off: a fresh segment every start
+    #: host and address takes back every chunk that verifies (pool/node/journal.py); off: a fresh segment every start
     warm_restart: bool = True
     #: tenant -> (DRAM bytes, NVMe bytes) its chunks may take on each node (0: no limit): over it, its own least
     #: recently used chunks go first (pool/tenants.py; ``Tenants.quotas()`` gives these from a tenants file)

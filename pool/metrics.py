@@ -7,7 +7,7 @@ published in the node record, so ``kvpool status`` and a Prometheus file-SD job 
 import bisect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -17,8 +17,10 @@ from kvpool import ray_auth
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
-from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.gds import nvme_io_path
+
+if TYPE_CHECKING:  # the node side's store; importing it here would run the node package from the client's side
+    from kvpool.pool.node.store import ChunkStore
 
 #: store counter → (metric name, help, labels): migrations and promotions are moves between tiers
 _COUNTERS = {
@@ -201,7 +203,7 @@ class StoreCollector(Collector):
     def __init__(
         self,
         node_id: str,
-        store: ChunkStore,
+        store: "ChunkStore",
         published: Callable[[], dict[str, int]],
         clients: ClientStats | None = None,
     ) -> None:

@@ -20,7 +20,7 @@ from kvpool.errors import KvPoolError
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
-from kvpool.pool.node_handle import actor_name
+from kvpool.pool.protocol import actor_name
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.servers.etcd import EmbeddedEtcd
 

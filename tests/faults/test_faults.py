@@ -22,7 +22,7 @@ from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig, Watermarks
 from kvpool.pool.node import start_pool, stop_pool
-from kvpool.pool.node_handle import actor_name
+from kvpool.pool.protocol import actor_name
 
 CHUNK = 64 * 1024
 

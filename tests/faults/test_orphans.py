@@ -17,7 +17,7 @@ from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
-from kvpool.pool.node_handle import actor_name
+from kvpool.pool.protocol import actor_name
 
 TTL_S = 1.0
 KILLED_WRITER = textwrap.dedent(

@@ -35,11 +35,11 @@ from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError, MalformedReco
 from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.records import SCHEMA_VERSION, decode_node, decode_placement, encode_node, encode_placement
-from kvpool.pool.allocator import OffsetAllocator
 from kvpool.pool.chunks import ChangeKind
 from kvpool.pool.config import PoolConfig, Watermarks
+from kvpool.pool.node.allocator import OffsetAllocator
+from kvpool.pool.node.store import ChunkStore
 from kvpool.pool.segment import DramSegment, NvmeSegment
-from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.s3_config import RemoteConfig
 from kvpool.prefill_decode.workers import WorkerConfig
 from kvpool.transport import nixl

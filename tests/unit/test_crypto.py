@@ -14,7 +14,7 @@ from kvpool.core.types import Tier
 from kvpool.errors import ChunkNotFound, ConfigError, UndecodableChunk
 from kvpool.pool.chunks import Origin, StoredChunk, checksum
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.moves import recode
+from kvpool.pool.node.moves import recode
 from kvpool.pool.tiers.codecs import TensorFormat, codec_key, decode, parse_codec
 from kvpool.pool.tiers.crypto import (
     KEY_BYTES,

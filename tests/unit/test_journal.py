@@ -11,11 +11,11 @@ import pytest
 
 from kvpool.core.types import DropCause, Tier
 from kvpool.errors import ConfigError
-from kvpool.pool import journal as journal_module
+from kvpool.pool.node import journal as journal_module
 from kvpool.pool.chunks import ChangeKind, checksum
-from kvpool.pool.journal import NvmeJournal, segment_name, take_back
+from kvpool.pool.node.journal import NvmeJournal, segment_name, take_back
+from kvpool.pool.node.store import ChunkStore
 from kvpool.pool.segment import DramSegment, NvmeSegment
-from kvpool.pool.store import ChunkStore
 
 BLOCK = 64 * 1024
 NVME = 16 * BLOCK

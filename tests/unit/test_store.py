@@ -11,8 +11,8 @@ from kvpool.core.types import Tier
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, PoolFull
 from kvpool.pool.chunks import ChangeKind
 from kvpool.pool.config import Watermarks
+from kvpool.pool.node.store import ChunkStore
 from kvpool.pool.segment import DramSegment, NvmeSegment
-from kvpool.pool.store import ChunkStore
 
 BLOCK = 64 * 1024
 

@@ -11,9 +11,9 @@ from kvpool.core.types import Tier
 from kvpool.errors import ConfigError, CorruptChunk
 from kvpool.pool.chunks import ChangeKind, checksum
 from kvpool.pool.config import Watermarks
-from kvpool.pool.flush import idle
+from kvpool.pool.node.flush import idle
+from kvpool.pool.node.store import ChunkStore
 from kvpool.pool.segment import DramSegment, NvmeSegment
-from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.codecs import TensorFormat
 
 SHAPE = (64, 2, 4, 32)  # [tokens, K/V, heads, head dim]: 64 KiB of float32

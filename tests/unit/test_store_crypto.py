@@ -12,8 +12,8 @@ from kvpool.core.types import Tier
 from kvpool.errors import CorruptChunk
 from kvpool.pool.chunks import checksum
 from kvpool.pool.config import Watermarks
+from kvpool.pool.node.store import ChunkStore
 from kvpool.pool.segment import DramSegment, NvmeSegment
-from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.crypto import KEY_BYTES, Keyring
 

@@ -16,7 +16,8 @@ from kvpool.core.types import Tier
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, CorruptChunk, PoolFull
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
-from kvpool.pool.node import actor_name, start_pool, stop_pool
+from kvpool.pool.node import start_pool, stop_pool
+from kvpool.pool.protocol import actor_name
 
 IDENT = CacheIdentity(model="test", kv_dtype="uint8", layout="bytes", chunk_size=4)
 

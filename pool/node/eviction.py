@@ -3,7 +3,7 @@
 The node's store asks this policy for candidates and does the moving itself, re-trying its allocator
 after each one, because freed bytes are only useful once they form an extent large enough.  Recency is
 ``(last access time, access sequence)``: the clock orders accesses, the sequence breaks ties.  The unpinned chunks
-are kept in that order (:class:`~kvpool.pool.recency.RecencyIndex`) by tier and copy, and by tier and tenant, so
+are kept in that order (:class:`~kvpool.pool.node.recency.RecencyIndex`) by tier and copy, and by tier and tenant, so
 that each candidate costs O(log n), not a sort of the tier.
 """
 
@@ -16,7 +16,7 @@ from typing import TypeVar
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
-from kvpool.pool.recency import RecencyIndex
+from kvpool.pool.node.recency import RecencyIndex
 
 K = TypeVar("K", bound=Hashable)
 

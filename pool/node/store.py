@@ -28,7 +28,6 @@ from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.core.keys import check_key
 from kvpool.core.types import DropCause, Tier
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, PoolFull
-from kvpool.pool.allocator import OffsetAllocator
 from kvpool.pool.chunks import (
     Change,
     ChangeKind,
@@ -42,10 +41,11 @@ from kvpool.pool.chunks import (
     short,
 )
 from kvpool.pool.config import Watermarks
-from kvpool.pool.eviction import EvictionPolicy
-from kvpool.pool.holds import Holds
-from kvpool.pool.move_books import MoveBooks
-from kvpool.pool.moves import Move, read_stored
+from kvpool.pool.node.allocator import OffsetAllocator
+from kvpool.pool.node.eviction import EvictionPolicy
+from kvpool.pool.node.holds import Holds
+from kvpool.pool.node.move_books import MoveBooks
+from kvpool.pool.node.moves import Move, read_stored
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import TensorFormat, parse_codec
 from kvpool.pool.tiers.crypto import Keyring
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 class ChunkStore:
     """One node's chunks: writes, reads and removes; where they go between tiers is kept by ``moves``
-    (:class:`~kvpool.pool.move_books.MoveBooks`)."""
+    (:class:`~kvpool.pool.node.move_books.MoveBooks`)."""
 
     def __init__(
         self,
@@ -323,11 +323,11 @@ class ChunkStore:
         """The chunk held under ``key`` (None: none, or not a key)."""
         return self._chunks.get(key) if isinstance(key, bytes) else None
 
-    # -- the remote tier: which chunks have a copy there (pool/flush.py picks what to flush) ---------
+    # -- the remote tier: which chunks have a copy there (pool/node/flush.py picks what to flush) ---------
 
     def adopt(self, chunks: Iterable[StoredChunk], corrupt: Iterable[StoredChunk] = ()) -> None:
         """Take back the NVMe chunks a node before this one left in the segment (verified: see
-        :mod:`kvpool.pool.journal`), oldest first, as if just stored; ``corrupt``: those that failed, published as
+        :mod:`kvpool.pool.node.journal`), oldest first, as if just stored; ``corrupt``: those that failed, published as
         dropped (their tombstones say why they are gone)."""
         allocator = self.allocators[Tier.NVME]
         for chunk in chunks:

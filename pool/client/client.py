@@ -15,9 +15,9 @@ replicas of a chunk) are answered by a local watch-synced copy of etcd, without 
 - **the S3 (remote) tier**: a chunk whose only copies are there is fetched by the client itself (boto3,
   several GETs at once), verified, decoded and, with ``remote.promote_on_hit``, put back into the pool.
 
-The paths live in their own modules: :mod:`~kvpool.pool.writes` (puts), :mod:`~kvpool.pool.reads` (reads from
-nodes), :mod:`~kvpool.pool.peers` (the transport), :mod:`~kvpool.pool.tiers.s3_reads` (the S3 tier),
-:mod:`~kvpool.pool.device_reads` (into device memory) and :mod:`~kvpool.pool.node_handle` (node calls); this
+The paths live in their own modules: :mod:`~kvpool.pool.client.writes` (puts), :mod:`~kvpool.pool.client.reads` (reads from
+nodes), :mod:`~kvpool.pool.client.peers` (the transport), :mod:`~kvpool.pool.tiers.s3_reads` (the S3 tier),
+:mod:`~kvpool.pool.client.device_reads` (into device memory) and :mod:`~kvpool.pool.protocol` (node calls); this
 class picks the holders and replicas, and retries.
 
 A chunk stored with a codec (NVMe ``nvme_codec``, remote ``remote.codec``) is verified on its stored bytes
@@ -58,17 +58,17 @@ from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.advisor import AccessLog
 from kvpool.pool.buffers import byte_view
 from kvpool.pool.chunks import Origin, checksum, short
+from kvpool.pool.client.device_reads import DeviceReads, device_bytes
+from kvpool.pool.client.peers import Peers, node_record
+from kvpool.pool.client.reads import NodeReads, Outcome
+from kvpool.pool.client.writes import Item, Rooms, Summary, put_local, put_peer, targets
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.device_reads import DeviceReads, device_bytes
 from kvpool.pool.metrics import SOURCES, StatsReporter
-from kvpool.pool.node_handle import NodeHandles, NodeInfo, call
-from kvpool.pool.peers import Peers, node_record
-from kvpool.pool.reads import NodeReads, Outcome
+from kvpool.pool.protocol import NodeHandles, NodeInfo, call
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.s3_config import GC_GRACE_S
 from kvpool.pool.tiers.s3_reads import S3Reads
-from kvpool.pool.writes import Item, Rooms, Summary, put_local, put_peer, targets
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +297,7 @@ class PoolClient:
         """``get_into_batch`` for tensors in device (GPU) memory, each exactly its chunk's size.
 
         Chunks this node holds raw on NVMe go straight from the segment file into the tensor (see
-        :mod:`~kvpool.pool.device_reads`); every other chunk, and one that fails its checksum, is read into host
+        :mod:`~kvpool.pool.client.device_reads`); every other chunk, and one that fails its checksum, is read into host
         memory the usual way and copied over.  CPU tensors work too: the direct path is then the O_DIRECT read
         into their memory.  ``device_reads`` counts both paths."""
         keys, tensors = check_keys(keys), check_list(tensors, "tensors")
@@ -431,7 +431,7 @@ class PoolClient:
         returned.  Returns how many of ``keys`` had a replica.
 
         Keys a reader had pinned are asked again for up to ``config.busy_wait_s`` (see
-        :meth:`~kvpool.pool.node_handle.NodeHandles.settle`), then :class:`ChunkBusy`."""
+        :meth:`~kvpool.pool.protocol.NodeHandles.settle`), then :class:`ChunkBusy`."""
         by_node: dict[str, list[bytes]] = {}
         held = 0
         for key in keys:

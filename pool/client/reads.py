@@ -16,8 +16,8 @@ from kvpool.core.types import Placement, Tier
 from kvpool.errors import ChunkNotFound, UndecodableChunk
 from kvpool.pool.buffers import byte_view
 from kvpool.pool.chunks import SEGMENT_NAMES, StoredChunk, checksum, short
-from kvpool.pool.node_handle import NodeHandles, NodeInfo, call
-from kvpool.pool.peers import STAGING_BYTES, Peers, rounds
+from kvpool.pool.client.peers import STAGING_BYTES, Peers, rounds
+from kvpool.pool.protocol import NodeHandles, NodeInfo, call
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import decode
 from kvpool.pool.tiers.crypto import Keyring, unseal

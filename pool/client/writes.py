@@ -20,8 +20,8 @@ from typing import Any
 from kvpool.core.types import NodeRecord, Tier
 from kvpool.errors import ChunkNotFound, PoolFull
 from kvpool.pool.chunks import SEGMENT_NAMES, Origin, Room
-from kvpool.pool.node_handle import call
-from kvpool.pool.peers import STAGING_BYTES, Peers, rounds
+from kvpool.pool.client.peers import STAGING_BYTES, Peers, rounds
+from kvpool.pool.protocol import call
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.transport.base import Op

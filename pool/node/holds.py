@@ -11,8 +11,8 @@ import logging
 import secrets
 
 from kvpool.clock import Clock
-from kvpool.pool.allocator import OffsetAllocator
 from kvpool.pool.chunks import Reservation, Room, short
+from kvpool.pool.node.allocator import OffsetAllocator
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The ``PoolNode`` Ray actor: one per node, contributing its DRAM and NVMe segments to the pool.
 
 A thin shell around :class:`ChunkStore`: it creates the segments and has a
-:class:`~kvpool.pool.publish.Publisher` join the node registry on a lease and publish every change of the store as
+:class:`~kvpool.pool.node.publish.Publisher` join the node registry on a lease and publish every change of the store as
 placement records in etcd (bound to its lease, so they vanish with the node).  With a remote tier configured it also flushes NVMe chunks that have been idle for
 ``remote.flush_after_s`` to S3, publishing their remote placements on no lease (they outlive the node);
 the chunk stays on NVMe, marked as having a copy, so a full NVMe drops it first.  It is named
@@ -33,14 +33,14 @@ from kvpool.core.types import NodeRecord, SegmentInfo, Tier
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, MetadataUnavailable, PoolFull, RemoteUnavailable
 from kvpool.pool.chunks import SEGMENT_NAMES, Origin, Room, StoredChunk, check_length, check_origin
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.flush import FLUSH_BYTES, Flusher
-from kvpool.pool.journal import NvmeJournal, segment_name, take_back
 from kvpool.pool.metrics import ClientStats, StoreCollector, serve_metrics
-from kvpool.pool.moves import read_stored
-from kvpool.pool.node_handle import NodeInfo, Settled, actor_name
-from kvpool.pool.publish import Publisher
+from kvpool.pool.node.flush import FLUSH_BYTES, Flusher
+from kvpool.pool.node.journal import NvmeJournal, segment_name, take_back
+from kvpool.pool.node.moves import read_stored
+from kvpool.pool.node.publish import Publisher
+from kvpool.pool.node.store import ChunkStore
+from kvpool.pool.protocol import NodeInfo, Settled, actor_name
 from kvpool.pool.segment import DramSegment, NvmeSegment, reap_stale_segments
-from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.gds import nvme_io_path
 from kvpool.pool.tiers.s3 import RemoteStore

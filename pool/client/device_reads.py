@@ -13,7 +13,7 @@ from kvpool.core.types import Placement, Tier
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.pool.buffers import byte_view
 from kvpool.pool.chunks import StoredChunk, checksum, short
-from kvpool.pool.node_handle import NodeInfo, call
+from kvpool.pool.protocol import NodeInfo, call
 from kvpool.pool.segment import NvmeSegment
 from kvpool.pool.tiers.gds import DeviceIO
 
