@@ -17,6 +17,7 @@ from kvpool import ray_auth
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
+from kvpool.pool.protocol import NodeHandle
 from kvpool.pool.tiers.gds import nvme_io_path
 
 if TYPE_CHECKING:  # the node side's store; importing it here would run the node package from the client's side
@@ -185,14 +186,14 @@ class StatsReporter:
     """A client's :class:`ClientStats`, handed to its node's ``PoolNode`` (``node``; None: the client's Ray node has
     no pool node, so nobody to report to) at most about once every ``period_s``, without waiting."""
 
-    def __init__(self, node: Any, period_s: float = 1.0, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, node: NodeHandle | None, period_s: float = 1.0, clock: Clock = SYSTEM_CLOCK) -> None:
         self.node, self.period_s, self.clock = node, period_s, clock
         self.seen, self._sent_at = ClientStats(), clock.monotonic()
 
     def report(self, force: bool = False) -> None:
         if self.node is None or not self.seen or (not force and self.clock.monotonic() - self._sent_at < self.period_s):
             return
-        self.node.report_clients.remote(self.seen)
+        self.node.report_clients(self.seen)
         self.seen, self._sent_at = ClientStats(), self.clock.monotonic()
 
 

@@ -17,7 +17,7 @@ replicas of a chunk) are answered by a local watch-synced copy of etcd, without 
 
 The paths live in their own modules: :mod:`~kvpool.pool.client.writes` (puts), :mod:`~kvpool.pool.client.reads` (reads from
 nodes), :mod:`~kvpool.pool.client.peers` (the transport), :mod:`~kvpool.pool.tiers.s3_reads` (the S3 tier),
-:mod:`~kvpool.pool.client.device_reads` (into device memory) and :mod:`~kvpool.pool.protocol` (node calls); this
+:mod:`~kvpool.pool.client.device_reads` (into device memory) and :mod:`~kvpool.pool.protocol` (the typed node calls); this
 class picks the holders and replicas, and retries.
 
 A chunk stored with a codec (NVMe ``nvme_codec``, remote ``remote.codec``) is verified on its stored bytes
@@ -64,7 +64,7 @@ from kvpool.pool.client.reads import NodeReads, Outcome
 from kvpool.pool.client.writes import Item, Rooms, Summary, put_local, put_peer, targets
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.metrics import SOURCES, StatsReporter
-from kvpool.pool.protocol import NodeHandles, NodeInfo, call
+from kvpool.pool.protocol import NodeHandle, NodeHandles, NodeInfo, Settled
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.s3_config import GC_GRACE_S
@@ -97,11 +97,11 @@ class PoolClient:
             config.remote, config.metadata.cluster, self.cache, self.placements, self.put_batch, self._wait_s
         )
         self._segment: DramSegment | None = None
-        self._local: Any = None
+        self._local: NodeHandle | None = None
         info: NodeInfo | None = None
         try:
             self._local = self.nodes[self.node_id]
-            info = call(self._local.info.remote())
+            info = self._local.info()
             self._segment = DramSegment.attach(info.dram_path, info.dram_capacity)
         except NodeUnreachable:
             log.info("no pool node on this Ray node (%s): every transfer goes to peers", self.node_id[:12])
@@ -172,7 +172,7 @@ class PoolClient:
         segment = self._segment if self.node_id in chosen else None
         with ThreadPoolExecutor(1, thread_name_prefix="kvpool-put") as pool:  # this node's copy beside the peers'
             mine = None
-            if segment is not None:
+            if segment is not None and self._local is not None:
                 mine = pool.submit(
                     put_local, self._local, self.node_id, self.rooms, segment, views, sums, replicated, origin
                 )
@@ -339,7 +339,7 @@ class PoolClient:
                 self.s3.drop([replica])
             return
         with contextlib.suppress(NodeUnreachable):
-            self._caught_up(call(self.nodes[replica.node].remove_batch.remote([replica.key], True)).revision)
+            self._caught_up(self.nodes[replica.node].remove([replica.key], corrupt=True).revision)
 
     def remote_gc(self, grace_s: float = GC_GRACE_S) -> tuple[int, int]:
         """Reconcile the S3 tier with etcd (see :func:`~kvpool.pool.tiers.s3.collect_garbage`)."""
@@ -412,7 +412,7 @@ class PoolClient:
         keys = check_keys(keys)
         in_s3 = [p for key in keys for p in self.cache.replicas(key) if p.tier is Tier.REMOTE]
         try:
-            return self._per_holder(keys, lambda actor, node_keys: actor.remove_batch.remote(node_keys))
+            return self._per_holder(keys, lambda node, node_keys: node.remove(node_keys))
         finally:  # even when some node copies are still being read (ChunkBusy): the caller wants them all gone
             if in_s3:
                 self.s3.drop(in_s3)
@@ -423,10 +423,10 @@ class PoolClient:
         keys = check_keys(keys)
         if not isinstance(tier, Tier) or tier not in (Tier.DRAM, Tier.NVME):
             raise ConfigError(f"tier must be Tier.DRAM or Tier.NVME, got {tier!r:.40}")
-        self._per_holder(keys, lambda actor, node_keys: actor.move_batch.remote(node_keys, tier))
+        self._per_holder(keys, lambda node, node_keys: node.move(node_keys, tier))
 
-    def _per_holder(self, keys: Sequence[bytes], change: Callable[[Any, list[bytes]], Any]) -> int:
-        """``change(actor, keys it holds)`` once per node holding a replica of any of ``keys`` (a node gone
+    def _per_holder(self, keys: Sequence[bytes], change: Callable[[NodeHandle, list[bytes]], Settled]) -> int:
+        """``change(node, keys it holds)`` once per node holding a replica of any of ``keys`` (a node gone
         meanwhile is skipped), then wait until the local placement cache shows the etcd revision the calls
         returned.  Returns how many of ``keys`` had a replica.
 
@@ -453,7 +453,7 @@ class PoolClient:
         nodes = {}
         for n in self.cache.nodes():
             try:
-                nodes[n.node_id] = call(self.nodes[n.node_id].stats.remote(), timeout_s=10)
+                nodes[n.node_id] = self.nodes[n.node_id].stats(timeout_s=10)
             except Exception as exc:  # a node dying right now: report, don't fail the whole view
                 nodes[n.node_id] = {"error": f"{type(exc).__name__}: {exc}"}
         return {"nodes": nodes, "chunks": self.cache.chunk_count(), "replicas": self.cache.replica_count()}

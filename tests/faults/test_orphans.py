@@ -25,7 +25,7 @@ KILLED_WRITER = textwrap.dedent(
     import os, sys, ray
     ray.init(address=sys.argv[1], namespace=sys.argv[2], logging_level="ERROR")
     node = ray.get_actor(sys.argv[3], namespace=sys.argv[2])
-    ray.get(node.open_room.remote(3 << 20))  # 3 MiB set aside for a batch ...
+    ray.get(node.prepare_store.remote(3 << 20))  # 3 MiB set aside for a batch ...
     print("opened", flush=True)
     os._exit(9)  # ... and the writer dies before handing it over
     """
