@@ -316,11 +316,11 @@ class PoolClient:
         return "remote_tier" if p.tier is Tier.REMOTE else "local" if p.node == self.node_id else "peer"
 
     def _replicas(self, key: bytes) -> list[Placement]:
-        """Nearest first: this node, then DRAM before NVMe before the S3 tier."""
+        """Nearest first (:func:`~kvpool.core.types.nearest_first`)."""
         return self._replicas_of([key])[0]
 
     def _replicas_of(self, keys: Sequence[bytes]) -> list[list[Placement]]:
-        """The replicas of each key, nearest first; ``ChunkNotFound`` for a key the pool does not hold.  A key this
+        """The replicas of each key, nearest first (:func:`~kvpool.core.types.nearest_first`); ``ChunkNotFound`` for a key the pool does not hold.  A key this
         watch cache does not show may have been put by another client a moment ago: the cache is caught up with
         etcd once (a read-your-writes barrier, one etcd write) before it counts as missing."""
         found = [self.cache.replicas(check_key(k)) for k in keys]
