@@ -36,7 +36,7 @@ from rich.table import Table
 
 from kvpool.clock import ManualClock
 from kvpool.core.types import Tier
-from kvpool.pool.node.eviction import ChunkState, EvictionPolicy
+from kvpool.pool.node.eviction import Entry, EvictionPolicy
 
 console = Console(width=170)
 TIER = Tier.DRAM
@@ -46,7 +46,7 @@ TENANTS = ("", "acme", "globex")
 class FullSort:
     """The reference: the policy's questions answered by sorting the tier every time, over the policy's records."""
 
-    def __init__(self, states: dict[bytes, ChunkState]) -> None:
+    def __init__(self, states: dict[bytes, Entry]) -> None:
         self.states = states
 
     def lru(self, tier: Tier, tenant: str | None = None) -> Iterator[bytes]:

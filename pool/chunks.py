@@ -89,6 +89,16 @@ class Recoded:
     checksum: int
 
 
+class ChunkState(enum.Enum):
+    """Where a chunk is in its life on one node, in the words ``audit()`` reports (after Mooncake's ``ReplicaStatus``).
+    Each state owns one extent of a tier's allocator: that is what the audit checks."""
+
+    ROOM = "room"  #: DRAM given to a writer (``prepare_store``), its keys unknown to the node until ``complete_store``
+    STORED = "stored"  #: visible: its placement is published, it may be moved, dropped or read
+    PINNED = "pinned"  #: stored, and a reader holds it (``prepare_load`` to ``complete_load``): never moved or dropped
+    MOVING = "moving"  #: stored, with a copy under way to another tier, whose extent there the move holds
+
+
 class ChangeKind(enum.Enum):
     ADDED = "added"
     MOVED = "moved"

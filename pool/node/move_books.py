@@ -217,6 +217,10 @@ class MoveBooks:
         """Whether the chunk under ``move``'s key still holds the pin the move took (it was not dropped meanwhile)."""
         return move.key in self.policy and self.policy.state(move.key) is move.pin
 
+    def moving(self, key: bytes) -> bool:
+        """Whether a move of ``key`` has begun and not finished."""
+        return key in self._moving
+
     def offsets(self, tier: Tier) -> list[int]:
         """Where the rooms given to moves to ``tier`` start (for the store's audit)."""
         return [m.offset for m in self._moving.values() if m.tier is tier and m.offset is not None]

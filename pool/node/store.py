@@ -27,7 +27,7 @@ from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.core.keys import check_key
 from kvpool.core.types import DropCause, Tier
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError
-from kvpool.pool.chunks import Change, ChangeKind, Origin, StoredChunk, check_length, short
+from kvpool.pool.chunks import Change, ChangeKind, ChunkState, Origin, StoredChunk, check_length, short
 from kvpool.pool.config import Watermarks
 from kvpool.pool.node.allocator import OffsetAllocator
 from kvpool.pool.node.eviction import EvictionPolicy
@@ -295,10 +295,17 @@ class ChunkStore:
     def __contains__(self, key: object) -> bool:
         return isinstance(key, bytes) and key in self._chunks
 
+    def state(self, key: bytes) -> ChunkState:
+        """Where a held chunk is in its life (``ChunkNotFound`` if it is not held)."""
+        self._require(key)
+        if self.moves.moving(key):
+            return ChunkState.MOVING
+        return ChunkState.PINNED if self.policy.state(key).pins else ChunkState.STORED
+
     def audit(self) -> list[str]:
-        """What disagrees between the allocators and the chunks, reservations and moves they hold (empty: nothing):
-        every allocation belongs to exactly one chunk, reservation or move in flight, and the eviction policy
-        tracks every chunk in its tier, in the order its books say."""
+        """What disagrees between the allocators and what holds their extents (empty: nothing): every allocation
+        belongs to exactly one chunk (stored or pinned), writer's room, or move's target (:class:`ChunkState`), and
+        the eviction policy tracks every chunk in its tier, in the order its books say."""
         problems = []
         try:
             self.policy.check_invariants()
@@ -309,22 +316,32 @@ class ChunkStore:
                 alloc.check_invariants()
             except AssertionError as exc:
                 problems.append(f"{tier.value} allocator: {exc}")
-            owners = [c.offset for c in self._chunks.values() if c.tier is tier]
-            if tier is Tier.DRAM:
-                owners += self.holds.offsets()
-            owners += self.moves.offsets(tier)
-            if len(set(owners)) != len(owners):
-                problems.append(f"{tier.value}: two chunks or reservations share an offset")
+            owners: dict[int, ChunkState] = {}
+            for offset, state in self._owners(tier):
+                if offset in owners:
+                    problems.append(f"{tier.value}: a {owners[offset].value} and a {state.value} share offset {offset}")
+                owners[offset] = state
             try:
-                held = sum(alloc.size_of(o) for o in set(owners))
+                held = sum(alloc.size_of(o) for o in owners)
             except ConfigError as exc:
-                problems.append(f"{tier.value}: a chunk or reservation is not allocated: {exc}")
+                problems.append(f"{tier.value}: a chunk, room or move holds an extent not allocated: {exc}")
                 continue
             if held != alloc.used:
-                problems.append(f"{tier.value}: {alloc.used} bytes allocated, chunks and reservations hold {held}")
+                problems.append(f"{tier.value}: {alloc.used} bytes allocated, its {len(owners)} extents hold {held}")
             if self.policy.count(tier) != sum(1 for c in self._chunks.values() if c.tier is tier):
                 problems.append(f"{tier.value}: the eviction policy tracks other chunks than the store holds")
         return problems
+
+    def _owners(self, tier: Tier) -> list[tuple[int, ChunkState]]:
+        """Each extent of ``tier``'s allocator that something holds, and its state."""
+        owners = [
+            (c.offset, ChunkState.PINNED if self.policy.state(c.key).pins else ChunkState.STORED)
+            for c in self._chunks.values()
+            if c.tier is tier
+        ]
+        if tier is Tier.DRAM:
+            owners += [(o, ChunkState.ROOM) for o in self.holds.offsets()]
+        return owners + [(o, ChunkState.MOVING) for o in self.moves.offsets(tier)]
 
     def chunks(self) -> list[StoredChunk]:
         return list(self._chunks.values())

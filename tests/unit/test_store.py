@@ -3,13 +3,14 @@
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
 from kvpool.clock import ManualClock
 from kvpool.core.types import Tier
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, PoolFull
-from kvpool.pool.chunks import ChangeKind
+from kvpool.pool.chunks import ChangeKind, ChunkState
 from kvpool.pool.config import Watermarks
 from kvpool.pool.node.store import ChunkStore
 from kvpool.pool.segment import DramSegment, NvmeSegment
@@ -221,3 +222,20 @@ def test_move_demotes_and_promotes_on_request(segments: tuple[DramSegment, NvmeS
     assert store.move(key(0), Tier.DRAM).tier is Tier.DRAM
     with pytest.raises(ChunkNotFound):
         store.move(key(9), Tier.NVME)
+
+
+def test_a_chunk_state_is_what_the_audit_says(segments: tuple[DramSegment, NvmeSegment]) -> None:
+    store = make(segments, ManualClock())
+    store.put(key(1), data(1), checksum=1)
+    assert store.state(key(1)) is ChunkState.STORED
+    store.locate(key(1))
+    assert store.state(key(1)) is ChunkState.PINNED
+    store.release(key(1))
+    move = store.begin_move(key(1), Tier.NVME)
+    store.place(move)
+    assert store.state(key(1)) is ChunkState.MOVING and store.audit() == []
+    room = store.open_room(BLOCK, ttl_s=30.0)
+    at = store.chunks()[0].offset
+    store.holds._rooms[room.id] = msgspec.structs.replace(room, offset=at)  # a room over a stored chunk's extent
+    store.allocators[Tier.DRAM].free(room.offset)
+    assert f"dram: a pinned and a room share offset {at}" in store.audit()  # a move pins its chunk
