@@ -1,17 +1,14 @@
 """The ``PoolNode`` Ray actor: one per node, contributing its DRAM and NVMe segments to the pool.
 
-A thin shell around :class:`ChunkStore`: it creates the segments and has a
-:class:`~kvpool.pool.node.publish.Publisher` join the node registry on a lease and publish every change of the store as
-placement records in etcd (bound to its lease, so they vanish with the node).  With a remote tier configured it also flushes NVMe chunks that have been idle for
-``remote.flush_after_s`` to S3, publishing their remote placements on no lease (they outlive the node);
-the chunk stays on NVMe, marked as having a copy, so a full NVMe drops it first.  It is named
-``kvpool-node-<ray node id>`` in the pool's Ray namespace, detached, and pinned to its node with
-``NodeAffinitySchedulingStrategy``.
+A thin shell around :class:`ChunkStore`: it creates the segments and has a :class:`~kvpool.pool.node.publish.Publisher`
+join the node registry on a lease and publish every change of the store as placement records in etcd (bound to its
+lease, so they vanish with the node).  With a remote tier it also flushes NVMe chunks idle for
+``remote.flush_after_s`` to S3 (placements on no lease: they outlive the node); the chunk stays on NVMe, marked as
+having a copy, so a full NVMe drops it first.  Its calls are the node protocol (:mod:`kvpool.pool.protocol`).
 
-Its calls run in several threads at once (a threaded actor): the store's books are kept under one lock, held
-only between I/O steps, so an NVMe read, a demotion or an S3 upload never holds up another caller's reserve,
-commit or pin.  Publishing is ordered by the publisher's own lock (an etcd round trip does not hold the store).  Demotions
-above the high watermark and flushes to S3 run on the node's own threads, not as calls.
+A threaded actor: the store's books are kept under one lock, held only between I/O steps, so an NVMe read, a
+demotion or an S3 upload never holds up another caller's room, fill or pin.  Publishing is ordered by the
+publisher's own lock.  Demotions above the high watermark and flushes to S3 run on the node's own threads.
 """
 
 import contextlib
@@ -27,7 +24,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvpool.core.types import NodeRecord, SegmentInfo, Tier
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, MetadataUnavailable, PoolFull, RemoteUnavailable
@@ -39,21 +35,20 @@ from kvpool.pool.node.journal import NvmeJournal, segment_name, take_back
 from kvpool.pool.node.moves import read_stored
 from kvpool.pool.node.publish import Publisher
 from kvpool.pool.node.store import ChunkStore
-from kvpool.pool.protocol import Loaded, NodeInfo, Room, Settled, Stored, actor_name
+from kvpool.pool.protocol import Loaded, NodeInfo, Room, Settled, Stored
 from kvpool.pool.segment import DramSegment, NvmeSegment, reap_stale_segments
 from kvpool.pool.tiers.gds import nvme_io_path
 from kvpool.pool.tiers.s3 import RemoteStore
 from kvpool.transport.nixl import NixlTransport
 
 log = logging.getLogger(__name__)
-NODE_CALLS = 8  #: calls the actor runs at once
 IO_THREADS = 4  #: NVMe reads and writes of a batch (promotions, demotions) in flight at once
 DEMOTE_BYTES = 64 << 20  #: one demotion step moves at most this much from DRAM to NVMe, then publishes
 LATER_S = 0.1  #: what a call leaves to publish later is published within this
 
 
 class PoolNode:
-    """Plain class; :func:`start_pool` wraps it as a threaded Ray actor."""
+    """Plain class; :func:`~kvpool.pool.node.launch.start_pool` wraps it as a threaded Ray actor."""
 
     def __init__(self, config: PoolConfig, node_id: str) -> None:
         self.config = config
@@ -119,10 +114,8 @@ class PoolNode:
 
     def _published(self) -> dict[str, int]:
         """What the publisher counts, for the metrics (which are served, and collected once, before it exists)."""
-        publisher: Publisher | None = getattr(self, "publisher", None)
-        if publisher is None:
-            return {}
-        return {"etcd_errors": publisher.errors, "tombstones_unrecorded": publisher.tombstones.unrecorded}
+        p: Publisher | None = getattr(self, "publisher", None)
+        return {} if p is None else {"etcd_errors": p.errors, "tombstones_unrecorded": p.tombstones.unrecorded}
 
     def _record(self) -> NodeRecord:
         with self._lock:
@@ -351,9 +344,8 @@ class PoolNode:
             return len(placements)
 
     def audit(self) -> list[str]:
-        """What disagrees in this node (empty: nothing): its allocators against its chunks and reservations
-        (``ChunkStore.audit``), and its chunks against the placements etcd shows for it, after publishing
-        what is pending."""
+        """What disagrees in this node (empty: nothing): its store's books (``ChunkStore.audit``), and its chunks
+        against the placements etcd shows for it, after publishing what is pending."""
         with self._lock:
             problems = self.store.audit()
         try:
@@ -363,21 +355,11 @@ class PoolNode:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return self._stats()
-
-    def _stats(self) -> dict[str, Any]:
+            usage = self.store.tier_figures()
+            counters = dict(self.store.counters)
         return {
             "node_id": self.node_id,
-            "tiers": {
-                t.value: {
-                    "used": a.used,
-                    "capacity": a.capacity,
-                    "chunks": self.store.policy.count(t),
-                    "largest_free": a.largest_free,
-                    "fragmentation": a.stats().fragmentation,
-                }
-                for t, a in self.store.allocators.items()
-            },
+            "tiers": usage,
             "watermarks": {"high": self.config.watermarks.high, "low": self.config.watermarks.low},
             "nvme_direct": bool(self.nvme and self.nvme.direct),
             "registrations": self.transport.registrations,
@@ -386,7 +368,7 @@ class PoolNode:
             "restart": self.recovery.figures() if self.recovery else {},
             "codecs": {Tier.DRAM.value: "raw", Tier.NVME.value: self.config.nvme_codec}
             | ({Tier.REMOTE.value: self.config.remote.codec} if self.s3 else {}),
-            **self.store.counters,
+            **counters,
         }
 
     def shutdown(self) -> None:
@@ -407,42 +389,3 @@ class PoolNode:
             self.journal.close()
         if self._own_nvme_dir:
             shutil.rmtree(self._nvme_dir, ignore_errors=True)
-
-
-def start_pool(config: PoolConfig, node_ids: Sequence[str] | None = None) -> dict[str, Any]:
-    """One ``PoolNode`` actor on each alive Ray node (or on ``node_ids``); returns ``node id → handle``.
-
-    Already running actors are reused (``get_if_exists``), so calling it twice is harmless.
-    """
-    ids = list(node_ids) if node_ids is not None else [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-    actor_cls = ray.remote(num_cpus=0, max_restarts=0)(PoolNode)
-    handles: dict[str, Any] = {
-        nid: actor_cls.options(
-            name=actor_name(nid),
-            namespace=config.namespace,
-            lifetime="detached",
-            get_if_exists=True,
-            max_concurrency=NODE_CALLS,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
-        ).remote(config, nid)
-        for nid in ids
-    }
-    ray.get([h.info.remote() for h in handles.values()])  # constructed, registered, serving
-    return handles
-
-
-def stop_pool(config: PoolConfig) -> int:
-    """Shut every PoolNode of ``config.namespace`` down and remove the actors; returns how many there were."""
-    stopped = 0
-    for n in ray.nodes():
-        try:
-            handle = ray.get_actor(actor_name(n["NodeID"]), namespace=config.namespace)
-        except ValueError:
-            continue
-        try:
-            ray.get(handle.shutdown.remote(), timeout=30)
-        except Exception as exc:  # a dead actor: its lease expires on its own
-            log.warning("pool node %s did not shut down cleanly: %s", n["NodeID"], exc)
-        ray.kill(handle)
-        stopped += 1
-    return stopped

@@ -42,6 +42,23 @@ from kvpool.pool.tiers.crypto import Keyring
 log = logging.getLogger(__name__)
 
 
+COUNTERS = (  #: what a store counts (``ChunkStore.counters``), from 0
+    "puts",
+    "gets",
+    "misses",
+    "migrations",
+    "promotions",
+    "drops",
+    "corrupt",
+    "reaped",
+    "busy",  #: moves and removes refused because a reader had the chunk pinned
+    "quota_drops",  #: chunks dropped because their tenant was over its quota
+    "encoded",
+    "decoded",  #: chunks re-stored with another codec on a move (down, up)
+    "bytes_via_ray",  #: KV bytes that came or went as Ray call arguments/results, not one-sided
+)
+
+
 class ChunkStore:
     """One node's chunks: writes, reads and removes; where they go between tiers is kept by ``moves``
     (:class:`~kvpool.pool.node.move_books.MoveBooks`)."""
@@ -78,21 +95,7 @@ class ChunkStore:
         self._chunks: dict[bytes, StoredChunk] = {}
         self.holds = Holds(self.allocators[Tier.DRAM], clock)  #: DRAM given to writers, not yet chunks
         self._changes: list[Change] = []  #: since the last take_changes()
-        self.counters = {
-            "puts": 0,
-            "gets": 0,
-            "misses": 0,
-            "migrations": 0,
-            "promotions": 0,
-            "drops": 0,
-            "corrupt": 0,
-            "reaped": 0,
-            "busy": 0,  #: moves and removes refused because a reader had the chunk pinned
-            "quota_drops": 0,  #: chunks dropped because their tenant was over its quota
-            "encoded": 0,
-            "decoded": 0,  #: chunks re-stored with another codec on a move (down, up)
-            "bytes_via_ray": 0,  #: KV bytes that came or went as Ray call arguments/results, not one-sided
-        }
+        self.counters = dict.fromkeys(COUNTERS, 0)
         #: moves between tiers, the room a full tier makes, tenants' quotas: all kept in step with the above
         self.moves = MoveBooks(
             self.segments,
@@ -345,6 +348,19 @@ class ChunkStore:
 
     def chunks(self) -> list[StoredChunk]:
         return list(self._chunks.values())
+
+    def tier_figures(self) -> dict[str, dict[str, float]]:
+        """Per tier: bytes used and capacity, chunks, the largest free extent and fragmentation (``PoolNode.stats``)."""
+        return {
+            t.value: {
+                "used": a.used,
+                "capacity": a.capacity,
+                "chunks": self.policy.count(t),
+                "largest_free": a.largest_free,
+                "fragmentation": a.stats().fragmentation,
+            }
+            for t, a in self.allocators.items()
+        }
 
     def usage(self) -> dict[Tier, tuple[int, int]]:
         """``tier → (used, capacity)`` in bytes."""
