@@ -29,7 +29,8 @@ from kvpool.core.types import NodeRecord, SegmentInfo, Tier
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, MetadataUnavailable, PoolFull, RemoteUnavailable
 from kvpool.pool.chunks import SEGMENT_NAMES, Origin, StoredChunk, check_length, check_origin
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.metrics import ClientStats, StoreCollector, serve_metrics
+from kvpool.pool.metrics import ClientStats
+from kvpool.pool.node.collector import StoreCollector, serve_metrics
 from kvpool.pool.node.flush import FLUSH_BYTES, Flusher
 from kvpool.pool.node.journal import NvmeJournal, segment_name, take_back
 from kvpool.pool.node.moves import read_stored
