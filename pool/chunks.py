@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass
 
 import crc32c
+import msgspec
 
 from kvpool.core.types import DropCause, Tier
 from kvpool.errors import ConfigError
@@ -57,8 +58,10 @@ def check_origin(origin: object) -> Origin:
     return Origin(sys.intern(check_tenant(origin.tenant)), sys.intern(check_fingerprint(origin.identity)))
 
 
-@dataclass(frozen=True)
-class StoredChunk:
+class StoredChunk(msgspec.Struct, frozen=True):
+    """One chunk a node holds: where it is stored and how, and whose it is.  Crosses the wire in ``prepare_load``'s
+    reply (:class:`~kvpool.pool.protocol.Loaded`)."""
+
     key: bytes
     tier: Tier
     offset: int

@@ -15,7 +15,8 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import replace
+
+from msgspec.structs import replace
 
 from kvpool.core.types import DropCause, Tier
 from kvpool.errors import ChunkBusy, ConfigError, CorruptChunk, PoolFull

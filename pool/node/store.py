@@ -21,7 +21,8 @@ one-sided, straight into their buffers.
 import logging
 import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
+
+from msgspec.structs import replace
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.core.keys import check_key

@@ -4,11 +4,11 @@ import base64
 import os
 import pickle
 import stat
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from msgspec.structs import replace
 
 from kvpool.core.types import Tier
 from kvpool.errors import ChunkNotFound, ConfigError, UndecodableChunk
