@@ -1,7 +1,7 @@
 """What a batch costs in calls: the latency of puts and gets of small chunks, where the calls dominate, beside
 the calls themselves (a bare round trip to the node actor, one etcd transaction) measured in the same run.
 
-A put of a batch is one ``fill_room`` call (which publishes the placements in one etcd transaction) plus the wait
+A put of a batch is one ``complete_store`` call (which publishes the placements in one etcd transaction) plus the wait
 for the writer's own watch cache to show them; a same-node get of chunks in DRAM is no call at all (checksummed
 copies out of the mapped segment, the node told of the hits without waiting).  So a put's floor is about one round
 trip plus one transaction plus a watch event, and a get's is the copy.
@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import ray
 from rich.console import Console
 from rich.table import Table
 
@@ -49,11 +48,11 @@ def measure(client: PoolClient, chunks: int, size: int, repeat: int) -> dict[str
     keys = chunk_keys(ident, range(chunks * (repeat + repeat // 10 + 1)))
     batches = [keys[i : i + chunks] for i in range(0, len(keys), chunks)]
     bufs = [np.empty(size, dtype=np.uint8) for _ in range(chunks)]
-    node = client._local  # the node actor on this Ray node
+    node = client.nodes[client.node_id]  # the pool node on this Ray node
     out = {
         "put": percentiles(lambda i: client.put_batch([(k, data) for k in batches[i]]), repeat),
         "get (same node, DRAM)": percentiles(lambda i: client.get_into_batch(batches[i], bufs), repeat),
-        "actor round trip": percentiles(lambda i: ray.get(node.info.remote()), repeat),
+        "actor round trip": percentiles(lambda i: node.info(), repeat),
         "etcd transaction": percentiles(lambda i: client.etcd.put(b"/kvpool-bench-calls/x", b"%d" % i), repeat),
     }
     client.remove_batch(keys)

@@ -12,7 +12,7 @@ sorts them, over copies of the policy's chunk records.  Each way is timed on its
   (``--victims`` times; the time per victim, its removal included);
 - demotion batch: ``moves.demotions``: walk the LRU order, pinning each of ``--batch`` chunks (per batch);
 - over quota: a tenant ``--batch`` chunks over its quota, ``policy.over_quota`` (per call);
-- touch, and read: what a read pays, a touch alone (``touch_batch``) or a pin, touch and release (``locate`` and
+- touch, and read: what a read pays, a touch alone (``touch``) or a pin, touch and release (``locate`` and
   ``release``); the reference sets the record's fields and nothing else.
 
 Times are the median of ``--repeat`` rounds, in microseconds per operation.
@@ -36,7 +36,7 @@ from rich.table import Table
 
 from kvpool.clock import ManualClock
 from kvpool.core.types import Tier
-from kvpool.pool.eviction import ChunkState, EvictionPolicy
+from kvpool.pool.node.eviction import Entry, EvictionPolicy
 
 console = Console(width=170)
 TIER = Tier.DRAM
@@ -46,7 +46,7 @@ TENANTS = ("", "acme", "globex")
 class FullSort:
     """The reference: the policy's questions answered by sorting the tier every time, over the policy's records."""
 
-    def __init__(self, states: dict[bytes, ChunkState]) -> None:
+    def __init__(self, states: dict[bytes, Entry]) -> None:
         self.states = states
 
     def lru(self, tier: Tier, tenant: str | None = None) -> Iterator[bytes]:
@@ -174,7 +174,7 @@ def evict_in_a_row(policy: EvictionPolicy, ref: FullSort, victims: int) -> tuple
 
 
 def reads(policy: EvictionPolicy, ref: FullSort, rng: random.Random, repeat: int) -> dict[str, tuple[float, float]]:
-    """What reads pay: a touch (``touch_batch``), and a pin, touch and release (``locate``, then ``release``), of a
+    """What reads pay: a touch (``touch``), and a pin, touch and release (``locate``, then ``release``), of a
     random chunk: (policy µs, reference µs) per read; the reference sets the record's fields and nothing else."""
     calls = 1000
     keys = rng.sample(list(ref.states), min(1000, len(ref.states)))

@@ -1,6 +1,6 @@
 """Warm restart: how long a node takes to take back the NVMe chunks its last run left, beside the disk's own read rate.
 
-No Ray, no etcd: the same steps a ``PoolNode`` runs at start (``kvpool.pool.journal``), on a real segment file.  A
+No Ray, no etcd: the same steps a ``PoolNode`` runs at start (``kvpool.pool.node.journal``), on a real segment file.  A
 store fills ``--nvme-mib`` of NVMe with chunks of ``--chunk-kib`` (put in DRAM, moved down, every change told to the
 journal as the node's publisher tells it); the node "dies" (files closed); a new one opens the segment, replays the
 journal, reads and checks every chunk (``IO_THREADS`` reads at once, as the node does) and adopts them.  Printed beside
@@ -28,10 +28,10 @@ from kvpool.bench.limits import disk_gbps, gbps
 from kvpool.core.types import Tier
 from kvpool.pool.chunks import checksum
 from kvpool.pool.config import MiB
-from kvpool.pool.journal import NvmeJournal, recover, segment_name
-from kvpool.pool.node import IO_THREADS
+from kvpool.pool.node.journal import NvmeJournal, recover, segment_name
+from kvpool.pool.node.node import IO_THREADS
+from kvpool.pool.node.store import ChunkStore
 from kvpool.pool.segment import DramSegment
-from kvpool.pool.store import ChunkStore
 
 NAME = segment_name("bench", "127.0.0.1")
 

@@ -1,15 +1,15 @@
 """What a node knows of each chunk it holds, and the records its store hands out: where a chunk is stored and
-under which codec, whose it is, a reservation of DRAM room for a key or a room for a batch, a change to publish."""
+under which codec, whose it is, a change to publish.  (A writer's room and the other records of the node calls are in
+:mod:`kvpool.pool.protocol`.)"""
 
 import enum
 import re
 import sys
 from dataclasses import dataclass
-from itertools import pairwise
 
 import crc32c
+import msgspec
 
-from kvpool.core.keys import check_key
 from kvpool.core.types import DropCause, Tier
 from kvpool.errors import ConfigError
 from kvpool.metadata.namespace import FINGERPRINT_HEX
@@ -58,8 +58,10 @@ def check_origin(origin: object) -> Origin:
     return Origin(sys.intern(check_tenant(origin.tenant)), sys.intern(check_fingerprint(origin.identity)))
 
 
-@dataclass(frozen=True)
-class StoredChunk:
+class StoredChunk(msgspec.Struct, frozen=True):
+    """One chunk a node holds: where it is stored and how, and whose it is.  Crosses the wire in ``prepare_load``'s
+    reply (:class:`~kvpool.pool.protocol.Loaded`)."""
+
     key: bytes
     tier: Tier
     offset: int
@@ -82,12 +84,22 @@ class StoredChunk:
 
 @dataclass(frozen=True)
 class Recoded:
-    """A chunk's bytes under some codec (see :func:`kvpool.pool.moves.recode`)."""
+    """A chunk's bytes under some codec (see :func:`kvpool.pool.node.moves.recode`)."""
 
     data: Buffer
     codec: str
     fmt: TensorFormat | None
     checksum: int
+
+
+class ChunkState(enum.Enum):
+    """Where a chunk is in its life on one node, in the words ``audit()`` reports (after Mooncake's ``ReplicaStatus``).
+    Each state owns one extent of a tier's allocator: that is what the audit checks."""
+
+    ROOM = "room"  #: DRAM given to a writer (``prepare_store``), its keys unknown to the node until ``complete_store``
+    STORED = "stored"  #: visible: its placement is published, it may be moved, dropped or read
+    PINNED = "pinned"  #: stored, and a reader holds it (``prepare_load`` to ``complete_load``): never moved or dropped
+    MOVING = "moving"  #: stored, with a copy under way to another tier, whose extent there the move holds
 
 
 class ChangeKind(enum.Enum):
@@ -103,81 +115,11 @@ class Change:
     cause: DropCause | None = None  #: why a DROPPED chunk was let go
 
 
-@dataclass(frozen=True)
-class Reservation:
-    key: bytes
-    offset: int  #: where to write in the DRAM segment
-    length: int
-    already_stored: bool = False  #: the key is held already (keys name content): nothing to write
-    at: float = 0.0  #: when it was made (the store's monotonic clock): an unpublished one expires
-
-
-RoomChunk = tuple[
-    bytes, int, int, int, TensorFormat | None
-]  #: a chunk put into a room: key, offset, length, crc, format
-
-
-@dataclass(frozen=True)
-class Room:
-    """DRAM a writer holds for its next batch, whose keys it does not know yet: it writes chunks into it at
-    offsets of its choosing (multiples of ``alignment``) and hands them over with one call, which opens the
-    next room in the same reply.  A room not handed over within the reservation TTL is reclaimed."""
-
-    id: int
-    offset: int
-    length: int
-    alignment: int
-    ttl_s: float = 30.0  #: the holder reclaims it this long after it opened it, unless filled
-    at: float = 0.0  #: when it was opened (the store's monotonic clock)
-
-    def carve(self, sizes: "list[int]") -> list[int] | None:
-        """Offsets in the segment for chunks of ``sizes``, laid one after the other on ``alignment``
-        boundaries; None when they do not fit."""
-        offsets, at = [], self.offset
-        for size in sizes:
-            offsets.append(at)
-            at += -(-size // self.alignment) * self.alignment
-        return offsets if at <= self.offset + self.length else None
-
-    def checked(self, items: object) -> list[RoomChunk]:
-        """``items``, the chunks a writer says it put here, if each is ``(key, offset, length, checksum, format or
-        None)`` inside this room on an ``alignment`` boundary and none overlaps another; ``ConfigError`` otherwise."""
-        if not isinstance(items, (list, tuple)):
-            raise ConfigError(f"fill_room takes a list of chunks, got {type(items).__name__}")
-        out = [self._checked(item) for item in items]
-        spans = sorted((offset, offset + length) for _, offset, length, _, _ in out)
-        if any(end > start for (_, end), (start, _) in pairwise(spans)):
-            raise ConfigError(f"chunks put into room {self.id} overlap")
-        return out
-
-    def _checked(self, item: object) -> RoomChunk:
-        if not isinstance(item, tuple) or len(item) != 5:
-            raise ConfigError(f"a chunk put into a room is (key, offset, length, checksum, format), got {item!r:.60}")
-        key, offset, length, checksum, fmt = item
-        check_key(key)
-        check_checksum(checksum)
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (offset, length)) or length <= 0:
-            raise ConfigError(f"chunk {short(key)}: offset and length must be ints (length > 0)")
-        if offset % self.alignment or not self.offset <= offset <= offset + length <= self.offset + self.length:
-            raise ConfigError(
-                f"chunk {short(key)} at [{offset}, +{length}) is not inside room {self.id} "
-                f"[{self.offset}, +{self.length}) on a {self.alignment}-byte boundary"
-            )
-        if fmt is not None and (not isinstance(fmt, TensorFormat) or fmt.nbytes != length):
-            raise ConfigError(f"chunk {short(key)}: its format {fmt!r:.60} does not describe {length} bytes")
-        return key, offset, length, checksum, fmt
-
-
 def check_length(length: int, what: str = "length") -> int:
     """``length`` if it is a byte count > 0; ``ConfigError`` naming ``what`` otherwise."""
     if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
         raise ConfigError(f"{what} must be an int > 0 (bytes), got {length!r:.60}")
     return length
-
-
-def check_checksum(checksum: int) -> None:
-    if not isinstance(checksum, int) or isinstance(checksum, bool) or not 0 <= checksum < 2**64:
-        raise ConfigError(f"checksum must be an int in [0, 2**64), got {checksum!r:.60}")
 
 
 def short(key: bytes) -> str:

@@ -62,7 +62,7 @@ class PoolConfig(Config, frozen=True):
     busy_wait_s: Annotated[float, Meta(ge=0, le=sys.float_info.max, description="a number of seconds >= 0")] = 10.0
     nvme_codec: str = "raw"  #: how chunks put as tensors are stored on NVMe (pool/tiers/codecs.py), e.g. "fp8-e4m3"
     #: with ``nvme_dir`` set, keep the NVMe segment and its journal across restarts: a node started again on the same
-    #: host and address takes back every chunk that verifies (pool/journal.py); off: a fresh segment every start
+    #: host and address takes back every chunk that verifies (pool/node/journal.py); off: a fresh segment every start
     warm_restart: bool = True
     #: tenant -> (DRAM bytes, NVMe bytes) its chunks may take on each node (0: no limit): over it, its own least
     #: recently used chunks go first (pool/tenants.py; ``Tenants.quotas()`` gives these from a tenants file)

@@ -221,7 +221,7 @@ class NvmeSegment(_Segment):
 
     @classmethod
     def reopen(cls, path: str, capacity: int, direct: bool | None = None) -> Self:
-        """Open a segment file an earlier node left (see :mod:`kvpool.pool.journal`) read/write, as :meth:`create`
+        """Open a segment file an earlier node left (see :mod:`kvpool.pool.node.journal`) read/write, as :meth:`create`
         would have; it must hold ``capacity`` bytes (rounded up to ``ALIGN``).  Closing it keeps the file."""
         fd = os.open(path, os.O_RDWR)
         if os.fstat(fd).st_size != _round_up(capacity):

@@ -41,9 +41,18 @@ class Placement:
     identity: str = ""  #: fingerprint of the cache identity the writer keyed the chunk under ("": it gave none)
 
 
-def nearest_first(node: str) -> Callable[["Placement"], tuple[bool, int]]:
-    """Sort key of the replicas a reader on ``node`` tries: its own node's first, then the nearest tier."""
-    return lambda p: (p.node != node, p.tier.rank)
+def nearest_first(node: str) -> Callable[["Placement"], tuple[bool, bool, int]]:
+    """Sort key of a chunk's replicas, in the order a reader on Ray node ``node`` tries them (the one replica order of
+    the project, as Mooncake's ``SelectBestReplica`` documents its own):
+
+    1. this node's DRAM (a copy out of the mapped segment, no call),
+    2. this node's NVMe (read from the segment file, no byte through Ray),
+    3. a peer's DRAM (one-sided READ),
+    4. a peer's NVMe (promoted by the peer, or sent back with its ``prepare_load`` reply),
+    5. the S3 (remote) tier, whose placements name the tier, not a node.
+
+    ``min(replicas, key=nearest_first(node))`` is the best one, ``sorted`` the order to fall back in."""
+    return lambda p: (p.tier is Tier.REMOTE, p.node != node, p.tier.rank)
 
 
 @dataclass(frozen=True)

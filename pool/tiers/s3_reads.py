@@ -15,7 +15,7 @@ from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError, MetadataUnava
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.chunks import checksum, short
-from kvpool.pool.reads import Outcome, fill
+from kvpool.pool.client.reads import Outcome, fill
 from kvpool.pool.tiers.codecs import Buffer, TensorFormat
 from kvpool.pool.tiers.crypto import Keyring, UndecryptableChunk, split, unseal
 from kvpool.pool.tiers.s3 import RemoteStore, collect_garbage

@@ -20,7 +20,7 @@ from kvpool.errors import KvPoolError
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
-from kvpool.pool.node_handle import actor_name
+from kvpool.pool.protocol import actor_name
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.servers.etcd import EmbeddedEtcd
 
@@ -40,27 +40,24 @@ length = st.one_of(
 )
 checksum = st.one_of(st.integers(0, 2**32), st.sampled_from([-1, 2**64]), st.text(max_size=3), st.none(), st.booleans())
 fmt = st.one_of(st.none(), st.just(TensorFormat("float32", (16,))), st.just("float32"), st.integers())
-data = st.one_of(st.binary(min_size=1, max_size=4096), st.text(max_size=3), st.none())
 tier = st.one_of(st.sampled_from([Tier.DRAM, Tier.NVME, Tier.REMOTE]), st.text(max_size=5))
 #: a room opened earlier in the sequence (by index), else sent as it is
 room_ref = st.one_of(st.integers(0, 3), st.integers(0, 3), st.sampled_from([-1, 10**9]), st.text(max_size=3), st.none())
 in_room = st.one_of(st.sampled_from([0, 4096, 8192]), st.integers(-8192, 2**20), st.none(), st.text(max_size=2))
 op = st.one_of(
-    st.tuples(st.just("open_room"), length),
+    st.tuples(st.just("prepare_store"), length),
     st.tuples(
-        st.just("fill_room"),
+        st.just("complete_store"),
         room_ref,
         st.lists(st.tuples(key, in_room, length, checksum, fmt), max_size=3),
         st.booleans(),
         st.one_of(st.integers(0, 2 * MiB), st.sampled_from([-1, 2**40]), st.none(), st.text(max_size=2)),
     ),
-    st.tuples(st.just("close_room"), room_ref),
-    st.tuples(st.just("put_batch"), st.lists(st.tuples(key, data, checksum), min_size=1, max_size=3)),
-    st.tuples(st.just("locate_batch"), st.lists(key, min_size=1, max_size=3)),
-    st.tuples(st.just("remove_batch"), st.lists(key, min_size=1, max_size=3)),
-    st.tuples(st.just("touch_batch"), st.lists(key, min_size=1, max_size=3)),
-    st.tuples(st.just("read_batch"), st.lists(key, min_size=1, max_size=3)),
-    st.tuples(st.just("move_batch"), st.lists(key, min_size=1, max_size=3), tier),
+    st.tuples(st.just("abort_store"), room_ref),
+    st.tuples(st.just("prepare_load"), st.lists(key, min_size=1, max_size=3), st.none(), st.booleans()),
+    st.tuples(st.just("remove"), st.lists(key, min_size=1, max_size=3)),
+    st.tuples(st.just("touch"), st.lists(key, min_size=1, max_size=3)),
+    st.tuples(st.just("move"), st.lists(key, min_size=1, max_size=3), tier),
 )
 
 
@@ -78,13 +75,13 @@ def node(ray_cluster: list[str], etcd_server: EmbeddedEtcd) -> Iterator[Any]:
 def resolve(name: str, args: list[Any], rooms: list[Any]) -> list[Any]:
     """A room call's arguments with a room reference turned into that room's id, and offsets in it into offsets
     in the segment."""
-    if name not in ("fill_room", "close_room"):
+    if name not in ("complete_store", "abort_store"):
         return args
     ref, *rest = args
     room = rooms[ref] if isinstance(ref, int) and 0 <= ref < len(rooms) else None
     if room is None:
         return args
-    if name == "fill_room":
+    if name == "complete_store":
         items, *tail = rest
         at = [(k, room.offset + o if isinstance(o, int) else o, *more) for k, o, *more in items]
         return [room.id, at, *tail]
@@ -107,14 +104,14 @@ def run_calls(node: Any, calls: list[tuple[Any, ...]], seen: Counter[str]) -> No
                 seen[f"refused {type(cause).__name__}"] += 1
                 continue
             seen["ok"] += 1
-            if name == "open_room":
+            if name == "prepare_store":
                 rooms.append(result)
-            elif name == "fill_room" and result[1] is not None:
-                rooms.append(result[1])
-            if name == "locate_batch":  # pinned for a reader: let go
-                ray.get(node.release_batch.remote([c.key for c in result if c is not None]))
+            elif name == "complete_store" and result.next_room is not None:
+                rooms.append(result.next_room)
+            if name == "prepare_load":  # pinned for a reader: let go
+                ray.get(node.complete_load.remote([c.key for c in result.chunks if c is not None]))
     finally:  # rooms left open would fill DRAM until the reaper's turn
-        ray.get([node.close_room.remote(r.id) for r in rooms])
+        ray.get([node.abort_store.remote(r.id) for r in rooms])
     assert ray.get(node.audit.remote()) == []
 
 

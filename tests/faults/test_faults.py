@@ -22,7 +22,7 @@ from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig, Watermarks
 from kvpool.pool.node import start_pool, stop_pool
-from kvpool.pool.node_handle import actor_name
+from kvpool.pool.protocol import actor_name
 
 CHUNK = 64 * 1024
 
@@ -107,14 +107,14 @@ def test_a_full_pool_with_every_chunk_pinned_refuses_puts_and_keeps_serving_read
         client.put_batch([(k, blob(i)) for i, k in enumerate(keys[:30])])  # 1.9 MiB of 2
         node = ray.get_actor(actor_name(client.node_id), namespace=pool.namespace)
         held = [k for k in keys[:30] if client.exists(k)]
-        ray.get(node.locate_batch.remote(held))  # a reader pins every chunk
+        ray.get(node.prepare_load.remote(held))  # a reader pins every chunk
         try:
             with pytest.raises(PoolFull):
                 client.put_batch([(k, blob(i)) for i, k in enumerate(keys[30:], start=30)])
             assert not any(client.exists(k) for k in keys[30:])  # no partial placement
             assert client.get_batch(held[:5]) == [blob(keys.index(k)) for k in held[:5]]
         finally:
-            ray.get(node.release_batch.remote(held))
+            ray.get(node.complete_load.remote(held))
         client.put_batch([(k, blob(i)) for i, k in enumerate(keys[30:], start=30)])
         assert client.get(keys[-1]) == blob(len(keys) - 1)
         ray.get(node.stats.remote())  # still answering

@@ -17,7 +17,7 @@ from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
-from kvpool.pool.node_handle import actor_name
+from kvpool.pool.protocol import actor_name
 
 TTL_S = 1.0
 KILLED_WRITER = textwrap.dedent(
@@ -25,7 +25,7 @@ KILLED_WRITER = textwrap.dedent(
     import os, sys, ray
     ray.init(address=sys.argv[1], namespace=sys.argv[2], logging_level="ERROR")
     node = ray.get_actor(sys.argv[3], namespace=sys.argv[2])
-    ray.get(node.open_room.remote(3 << 20))  # 3 MiB set aside for a batch ...
+    ray.get(node.prepare_store.remote(3 << 20))  # 3 MiB set aside for a batch ...
     print("opened", flush=True)
     os._exit(9)  # ... and the writer dies before handing it over
     """

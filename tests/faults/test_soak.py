@@ -24,7 +24,7 @@ from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
-from kvpool.pool.node_handle import NodeInfo, actor_name
+from kvpool.pool.protocol import NodeInfo, actor_name
 from kvpool.pool.segment import DramSegment
 
 WARM_UP = 0.3  #: the first 30 % of the run fills the tiers and the allocators; growth is measured after it

@@ -20,9 +20,9 @@ from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.misses import MissCause, miss_cause
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
-from kvpool.pool.journal import segment_name
 from kvpool.pool.node import start_pool, stop_pool
-from kvpool.pool.node_handle import actor_name
+from kvpool.pool.node.journal import segment_name
+from kvpool.pool.protocol import actor_name
 
 IP = "127.0.0.11"
 CHUNK = 256 * 1024

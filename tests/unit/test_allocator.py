@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvpool.errors import ConfigError, PoolFull
-from kvpool.pool.allocator import OffsetAllocator
+from kvpool.pool.node.allocator import OffsetAllocator
 
 MiB = 1 << 20
 

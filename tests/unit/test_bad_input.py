@@ -35,11 +35,11 @@ from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError, MalformedReco
 from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.records import SCHEMA_VERSION, decode_node, decode_placement, encode_node, encode_placement
-from kvpool.pool.allocator import OffsetAllocator
 from kvpool.pool.chunks import ChangeKind
 from kvpool.pool.config import PoolConfig, Watermarks
+from kvpool.pool.node.allocator import OffsetAllocator
+from kvpool.pool.node.store import ChunkStore
 from kvpool.pool.segment import DramSegment, NvmeSegment
-from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.s3_config import RemoteConfig
 from kvpool.prefill_decode.reference.workers import WorkerConfig
 from kvpool.transport import nixl
@@ -397,11 +397,6 @@ STORE_KEYS = [i.to_bytes(32, "big") for i in range(6)]
 store_calls = st.lists(
     st.one_of(
         st.tuples(st.just("put"), st.sampled_from(STORE_KEYS), st.integers(1, 3 * BLOCK)),
-        st.tuples(st.just("reserve"), st.one_of(st.sampled_from(STORE_KEYS), key_values), st.one_of(sizes, junk)),
-        st.tuples(
-            st.just("commit"), st.one_of(st.sampled_from(STORE_KEYS), key_values), st.one_of(st.integers(0, 9), junk)
-        ),
-        st.tuples(st.just("abort"), st.one_of(st.sampled_from(STORE_KEYS), key_values), st.none()),
         st.tuples(st.just("locate"), st.one_of(st.sampled_from(STORE_KEYS), key_values), st.none()),
         st.tuples(st.just("release"), st.one_of(st.sampled_from(STORE_KEYS), key_values), st.none()),
         st.tuples(st.just("remove"), st.one_of(st.sampled_from(STORE_KEYS), key_values), st.none()),
@@ -421,7 +416,7 @@ def segments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DramSeg
 
 
 def store_state(store: ChunkStore) -> tuple[Any, ...]:
-    return dict(store._chunks), dict(store.holds._reserved), [snapshot(a) for a in store.allocators.values()]
+    return dict(store._chunks), store.holds.offsets(), [snapshot(a) for a in store.allocators.values()]
 
 
 @cases(200)
@@ -436,14 +431,6 @@ def test_store_refuses_bad_calls_and_its_published_changes_match_its_chunks(
         before = store_state(store)
         if op == "put":
             out = typed((PoolFull, ConfigError), store.put, key, memoryview(bytes(arg)), 7)
-        elif op == "reserve":
-            out = typed((PoolFull, ConfigError), store.reserve, key, arg)  # ConfigError: reserved already
-            if not (isinstance(key, bytes) and len(key) == 32 and good_size(arg)):
-                assert isinstance(out, ConfigError) and ("key" in str(out) or "length" in str(out)), out
-        elif op == "commit":
-            out = typed(ConfigError, store.commit, key, arg)
-        elif op == "abort":
-            out = typed(ConfigError, store.abort, key)
         elif op == "locate":
             out = typed(ChunkNotFound, store.locate, key)
             if not isinstance(out, KvPoolError):
@@ -464,13 +451,11 @@ def test_store_refuses_bad_calls_and_its_published_changes_match_its_chunks(
         assert published == {c.key: (c.tier, c.offset, c.stored) for c in store.chunks()}
         for tier, alloc in store.allocators.items():
             alloc.check_invariants()
-            held = [c for c in store.chunks() if c.tier is tier] + (
-                [r for r in store.holds._reserved.values()] if tier is Tier.DRAM else []
+            held = [c.offset for c in store.chunks() if c.tier is tier] + (
+                store.holds.offsets() if tier is Tier.DRAM else []
             )
             assert alloc.allocations == len(held)
-            assert alloc.used == sum(alloc.size_of(c.offset) for c in held)
-    for key in list(store.holds._reserved):
-        store.abort(key)
+            assert alloc.used == sum(alloc.size_of(offset) for offset in held)
     for c in store.chunks():
         store.remove(c.key)
     assert all(a.used == 0 for a in store.allocators.values()), "the store leaked space"

@@ -21,12 +21,12 @@ from kvpool.metadata.events import ChunkEvent, EventKind
 from kvpool.metadata.identities import fingerprint
 from kvpool.metadata.records import decode_placement, encode_placement
 from kvpool.metadata.zmq_events import BlockRemoved, BlockStored, vllm_batch
-from kvpool.pool import journal as journal_module
 from kvpool.pool.chunks import Origin, check_origin, checksum
-from kvpool.pool.journal import NvmeJournal, segment_name, take_back
-from kvpool.pool.metrics import StoreCollector
+from kvpool.pool.node import journal as journal_module
+from kvpool.pool.node.collector import StoreCollector
+from kvpool.pool.node.journal import NvmeJournal, segment_name, take_back
+from kvpool.pool.node.store import ChunkStore
 from kvpool.pool.segment import DramSegment
-from kvpool.pool.store import ChunkStore
 
 IDENTITY = CacheIdentity(model="identity-test", kv_dtype="u8", layout="bytes")
 FP = fingerprint(IDENTITY)

@@ -4,17 +4,17 @@ import base64
 import os
 import pickle
 import stat
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from msgspec.structs import replace
 
 from kvpool.core.types import Tier
 from kvpool.errors import ChunkNotFound, ConfigError, UndecodableChunk
 from kvpool.pool.chunks import Origin, StoredChunk, checksum
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.moves import recode
+from kvpool.pool.node.moves import recode
 from kvpool.pool.tiers.codecs import TensorFormat, codec_key, decode, parse_codec
 from kvpool.pool.tiers.crypto import (
     KEY_BYTES,

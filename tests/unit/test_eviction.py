@@ -9,8 +9,8 @@ from kvpool.clock import ManualClock
 from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
 from kvpool.pool.config import Watermarks
-from kvpool.pool.eviction import EvictionPolicy
-from kvpool.pool.recency import RecencyIndex
+from kvpool.pool.node.eviction import EvictionPolicy
+from kvpool.pool.node.recency import RecencyIndex
 
 
 def key(i: int) -> bytes:

@@ -1,7 +1,7 @@
 """The import graph of the installed package: no two units import each other, and no files import in a circle.
 
 A unit is the first name after ``kvpool.``: ``pool``, ``metadata``, ``cli``, ``stack``, ``bench``, ...  Files are named as
-pyproject.toml installs them (``pool/store.py`` is ``kvpool.pool.store``).  Every import statement counts, wherever it
+pyproject.toml installs them (``pool/node/store.py`` is ``kvpool.pool.node.store``).  Every import statement counts, wherever it
 is in a file: at the top, inside a function, under ``if TYPE_CHECKING:`` or ``if __name__ == "__main__":``.  A lazy
 import is still a dependency.  The graph is read from the source with ``ast``, so nothing gets imported.
 
@@ -191,8 +191,8 @@ def lazy() -> None:
 
 def test_the_graph_is_of_the_installed_layout() -> None:
     g = graph()
-    assert g.modules["kvpool.pool.store"] == ROOT / "pool" / "store.py"
+    assert g.modules["kvpool.pool.node.store"] == ROOT / "pool" / "node" / "store.py"
     assert g.modules["kvpool.pool.tiers"] == ROOT / "pool" / "tiers" / "__init__.py"
     assert g.modules["kvpool.cli"] == ROOT / "kvpool" / "cli" / "__init__.py"
     assert g.modules["kvpool.bench.limits"] == ROOT / "bench" / "limits.py"
-    assert ("kvpool.pool.store", "kvpool.pool.allocator") in g.sites
+    assert ("kvpool.pool.node.store", "kvpool.pool.node.allocator") in g.sites

@@ -11,11 +11,11 @@ import pytest
 
 from kvpool.core.types import DropCause, Tier
 from kvpool.errors import ConfigError
-from kvpool.pool import journal as journal_module
 from kvpool.pool.chunks import ChangeKind, checksum
-from kvpool.pool.journal import NvmeJournal, segment_name, take_back
+from kvpool.pool.node import journal as journal_module
+from kvpool.pool.node.journal import NvmeJournal, segment_name, take_back
+from kvpool.pool.node.store import ChunkStore
 from kvpool.pool.segment import DramSegment, NvmeSegment
-from kvpool.pool.store import ChunkStore
 
 BLOCK = 64 * 1024
 NVME = 16 * BLOCK
@@ -86,7 +86,7 @@ def test_a_restarted_node_takes_back_every_nvme_chunk_and_nothing_else(tmp_path:
 def test_a_flipped_byte_is_dropped_as_corrupt_never_served(tmp_path: Path, io: ThreadPoolExecutor) -> None:
     first = Node(tmp_path, io)
     first.put_on_nvme(range(4))
-    victim = first.store.locate(key(2), promote=False)
+    victim = first.store.locate(key(2))
     first.store.release(key(2))
     first.stop()
     with open(tmp_path / f"kvpool-{NAME}.nvme", "r+b") as f:
@@ -107,12 +107,12 @@ def test_a_flipped_byte_is_dropped_as_corrupt_never_served(tmp_path: Path, io: T
 def test_newer_record_wins_a_range_and_a_torn_tail_ends_the_replay(tmp_path: Path, io: ThreadPoolExecutor) -> None:
     first = Node(tmp_path, io)
     first.put_on_nvme(range(2))
-    old = first.store.locate(key(0), promote=False)
+    old = first.store.locate(key(0))
     first.store.release(key(0))
     first.store.remove(key(0))
     first.store.take_changes()  # the "gone" of key 0 never reaches the journal (a crash before it was written)
     first.put_on_nvme(range(5, 6))  # lands where key 0 was
-    assert first.store.locate(key(5), promote=False).offset == old.offset
+    assert first.store.locate(key(5)).offset == old.offset
     first.stop()
     with open(tmp_path / f"kvpool-{NAME}.journal", "ab") as f:
         f.write(b"\x40\x00\x00\x00torn")  # a record cut short by a crash mid-append

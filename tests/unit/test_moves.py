@@ -1,4 +1,4 @@
-"""Moves between tiers in steps (pool/moves.py, pool/move_books.py): what happens when readers, removes or corruption
+"""Moves between tiers in steps (pool/node/moves.py, pool/node/move_books.py): what happens when readers, removes or corruption
 come between the steps that a ``PoolNode`` runs without its lock — real segments, no Ray/etcd."""
 
 import threading
@@ -15,9 +15,9 @@ from kvpool.core.types import Tier
 from kvpool.errors import ChunkBusy
 from kvpool.pool.chunks import ChangeKind, checksum
 from kvpool.pool.config import Watermarks
-from kvpool.pool.moves import load, write
+from kvpool.pool.node.moves import load, write
+from kvpool.pool.node.store import ChunkStore
 from kvpool.pool.segment import DramSegment, NvmeSegment
-from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.codecs import TensorFormat
 
 BLOCK = 64 * 1024

@@ -3,16 +3,17 @@
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
 from kvpool.clock import ManualClock
 from kvpool.core.types import Tier
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, PoolFull
-from kvpool.pool.chunks import ChangeKind
+from kvpool.pool.chunks import ChangeKind, ChunkState
 from kvpool.pool.config import Watermarks
+from kvpool.pool.node.store import ChunkStore
 from kvpool.pool.segment import DramSegment, NvmeSegment
-from kvpool.pool.store import ChunkStore
 
 BLOCK = 64 * 1024
 
@@ -86,20 +87,17 @@ def test_pinned_chunks_are_never_moved(segments: tuple[DramSegment, NvmeSegment]
 
 
 def test_hit_on_nvme_is_promoted(segments: tuple[DramSegment, NvmeSegment]) -> None:
+    """As ``PoolNode.prepare_load`` does it: promotions of a reader's hits first, then the pins where they are."""
     clock = ManualClock()
     store = make(segments, clock)
     put_n(store, clock, range(9))
+    assert store.locate(key(1)).tier is Tier.NVME  # a pin alone moves nothing
+    store.release(key(1))
+    store.moves.run(store.moves.promotions([key(1)]))
     assert store.locate(key(1)).tier is Tier.DRAM  # was on NVMe
     store.release(key(1))
     assert store.counters["promotions"] == 1
     assert store.read(key(1)) == data(1).tobytes()
-
-
-def test_no_promotion_when_disabled(segments: tuple[DramSegment, NvmeSegment]) -> None:
-    clock = ManualClock()
-    store = make(segments, clock, promote_on_hit=False)
-    put_n(store, clock, range(9))
-    assert store.locate(key(1)).tier is Tier.NVME
 
 
 def test_full_pool_with_everything_pinned_is_pool_full(segments: tuple[DramSegment, NvmeSegment]) -> None:
@@ -149,37 +147,6 @@ def test_unknown_key_and_remove(segments: tuple[DramSegment, NvmeSegment]) -> No
     assert key(5) not in store and store.usage()[Tier.DRAM][0] == 0
 
 
-def test_reserve_then_commit_and_abort(segments: tuple[DramSegment, NvmeSegment]) -> None:
-    dram, _ = segments
-    store = make(segments, ManualClock())
-    r = store.reserve(key(3), BLOCK)
-    dram.write(r.offset, data(3))  # as a same-node client writes into the mapped segment
-    assert key(3) not in store  # not visible before commit
-    store.commit(key(3), checksum=3)
-    assert store.read(key(3)) == data(3).tobytes()
-    r2 = store.reserve(key(4), BLOCK)
-    store.abort(key(4))
-    assert store.usage()[Tier.DRAM][0] == BLOCK and r2.offset >= 0
-
-
-def test_reservations_never_committed_are_reaped_after_their_ttl(
-    segments: tuple[DramSegment, NvmeSegment],
-) -> None:
-    """A writer that died between reserve and commit leaves no orphan space once the TTL has passed."""
-    clock = ManualClock()
-    store = make(segments, clock)
-    store.reserve(key(1), BLOCK)
-    clock.advance(20)
-    store.reserve(key(2), BLOCK)
-    assert store.reap(30.0) == 0 and store.usage()[Tier.DRAM][0] == 2 * BLOCK
-    clock.advance(11)  # key 1 is 31 s old, key 2 is 11 s old
-    assert store.reap(30.0) == 1 and store.usage()[Tier.DRAM][0] == BLOCK
-    store.commit(key(2), checksum=2)  # its writer was only slow: it still commits
-    clock.advance(60)
-    assert store.reap(30.0) == 0 and key(2) in store and store.counters["reaped"] == 1
-    store.allocators[Tier.DRAM].check_invariants()
-
-
 def test_a_room_filled_with_a_batch_holds_its_chunks_and_frees_the_rest(
     segments: tuple[DramSegment, NvmeSegment],
 ) -> None:
@@ -219,7 +186,8 @@ def test_a_room_refuses_chunks_outside_it_or_overlapping_and_keeps_nothing(
         lambda r: [(key(1), r.offset, BLOCK, 1, None), (key(2), r.offset + 4096, 10, 2, None)],  # overlapping
         lambda r: [(b"short", r.offset, 10, 1, None)],
         lambda r: [(key(1), r.offset, 10, -1, None)],
-        lambda r: [(key(1), r.offset, 10)],
+        lambda r: [(key(1), r.offset, 10)],  # no format
+        lambda r: [(key(1), r.offset, True, 1, None)],
     ):
         room = store.open_room(2 * BLOCK, ttl_s=30.0)
         with pytest.raises(ConfigError):
@@ -232,7 +200,7 @@ def test_rooms_left_idle_are_reaped_after_their_own_ttl(segments: tuple[DramSegm
     store = make(segments, clock)
     short_lived, long_lived = store.open_room(BLOCK, ttl_s=5.0), store.open_room(BLOCK, ttl_s=60.0)
     clock.advance(6)
-    assert store.reap(30.0) == 1 and store.usage()[Tier.DRAM][0] == BLOCK
+    assert store.reap() == 1 and store.usage()[Tier.DRAM][0] == BLOCK
     with pytest.raises(ChunkNotFound):
         store.fill_room(short_lived.id, [])
     store.fill_room(long_lived.id, [])
@@ -254,3 +222,20 @@ def test_move_demotes_and_promotes_on_request(segments: tuple[DramSegment, NvmeS
     assert store.move(key(0), Tier.DRAM).tier is Tier.DRAM
     with pytest.raises(ChunkNotFound):
         store.move(key(9), Tier.NVME)
+
+
+def test_a_chunk_state_is_what_the_audit_says(segments: tuple[DramSegment, NvmeSegment]) -> None:
+    store = make(segments, ManualClock())
+    store.put(key(1), data(1), checksum=1)
+    assert store.state(key(1)) is ChunkState.STORED
+    store.locate(key(1))
+    assert store.state(key(1)) is ChunkState.PINNED
+    store.release(key(1))
+    move = store.begin_move(key(1), Tier.NVME)
+    store.place(move)
+    assert store.state(key(1)) is ChunkState.MOVING and store.audit() == []
+    room = store.open_room(BLOCK, ttl_s=30.0)
+    at = store.chunks()[0].offset
+    store.holds._rooms[room.id] = msgspec.structs.replace(room, offset=at)  # a room over a stored chunk's extent
+    store.allocators[Tier.DRAM].free(room.offset)
+    assert f"dram: a pinned and a room share offset {at}" in store.audit()  # a move pins its chunk

@@ -8,12 +8,12 @@ import torch
 
 from kvpool.clock import ManualClock
 from kvpool.core.types import Tier
-from kvpool.errors import ConfigError, CorruptChunk
+from kvpool.errors import ConfigError
 from kvpool.pool.chunks import ChangeKind, checksum
 from kvpool.pool.config import Watermarks
-from kvpool.pool.flush import idle
+from kvpool.pool.node.flush import idle
+from kvpool.pool.node.store import ChunkStore
 from kvpool.pool.segment import DramSegment, NvmeSegment
-from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.codecs import TensorFormat
 
 SHAPE = (64, 2, 4, 32)  # [tokens, K/V, heads, head dim]: 64 KiB of float32
@@ -66,7 +66,8 @@ def test_a_chunk_is_encoded_going_down_and_decoded_coming_back(
     assert down.codec == codec and down.stored < t.nbytes / smaller and down.size == t.nbytes
     assert down.checksum == checksum(store.read(key(1)))  # the checksum is of the stored (encoded) bytes
     assert [(c.kind, c.chunk.codec) for c in store.take_changes()] == [(ChangeKind.MOVED, codec)]
-    up = store.locate(key(1))  # promote on hit: decoded back into DRAM, raw
+    store.moves.run(store.moves.promotions([key(1)]))  # promote on hit: decoded back into DRAM, raw
+    up = store.locate(key(1))
     store.release(key(1))
     assert up.tier is Tier.DRAM and up.codec == "raw" and up.stored == t.nbytes
     back = TensorFormat.of(t)
@@ -99,8 +100,7 @@ def test_a_corrupt_chunk_is_dropped_not_reencoded(segments: tuple[DramSegment, N
     flipped = bytearray(store.read(key(4)))
     flipped[100] ^= 0xFF
     store.segments[Tier.NVME].write(chunk.offset, flipped)
-    with pytest.raises(CorruptChunk, match="dropped"):
-        store.locate(key(4))
+    assert store.moves.run(store.moves.promotions([key(4)])) == [None]  # a promotion finds it corrupt
     assert key(4) not in store and store.counters["corrupt"] == 1
     assert [c.kind for c in store.take_changes()] == [ChangeKind.DROPPED]
     assert store.usage()[Tier.NVME][0] == 0
@@ -112,10 +112,9 @@ def test_codec_config_is_checked(segments: tuple[DramSegment, NvmeSegment]) -> N
     with pytest.raises(ConfigError, match="unknown codec"):
         ChunkStore(*segments, codecs={Tier.NVME: "fp7"})
     store = make(segments, "raw")
-    r = store.reserve(key(5), 1000)
     with pytest.raises(ConfigError, match="its format"):
-        store.commit(key(5), 0, fmt=TensorFormat("float32", (10,)))
-    assert store.usage()[Tier.DRAM][0] == 0 and r.length == 1000  # the reservation was given back
+        store.put(key(5), memoryview(bytes(1000)), 0, fmt=TensorFormat("float32", (10,)))
+    assert store.usage()[Tier.DRAM][0] == 0  # the room was given back
 
 
 def test_idle_chunks_for_the_remote_tier_and_their_drop_order(segments: tuple[DramSegment, NvmeSegment]) -> None:

@@ -12,8 +12,8 @@ from kvpool.core.types import Tier
 from kvpool.errors import CorruptChunk
 from kvpool.pool.chunks import checksum
 from kvpool.pool.config import Watermarks
+from kvpool.pool.node.store import ChunkStore
 from kvpool.pool.segment import DramSegment, NvmeSegment
-from kvpool.pool.store import ChunkStore
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.crypto import KEY_BYTES, Keyring
 
@@ -60,7 +60,7 @@ def test_every_chunk_on_nvme_is_sealed_and_comes_back(segments: tuple[DramSegmen
     assert all(c.checksum == checksum(store.read(c.key)) for c in down)  # over the sealed bytes
     on_disk = nvme_file(segments)
     assert plain[:64] not in on_disk and tensor[:64] not in on_disk and tensor[-64:] not in on_disk
-    up = [store.locate(key(i)) for i in (1, 2)]  # promoted: opened (and decoded) back into raw DRAM
+    up = store.moves.run(store.moves.promotions([key(1), key(2)]))  # promoted: opened (and decoded) back into raw DRAM
     assert [(c.tier, c.codec) for c in up] == [(Tier.DRAM, "raw")] * 2
     assert store.read(key(1)) == plain
     back = torch.frombuffer(bytearray(store.read(key(2))), dtype=torch.float32).view(t.shape)

@@ -12,8 +12,8 @@ from kvpool.core.types import DropCause, Tier
 from kvpool.errors import ConfigError
 from kvpool.pool.chunks import ChangeKind, Origin
 from kvpool.pool.config import PoolConfig
+from kvpool.pool.node.store import ChunkStore
 from kvpool.pool.segment import DramSegment, NvmeSegment
-from kvpool.pool.store import ChunkStore
 
 BLOCK = 64 * 1024
 

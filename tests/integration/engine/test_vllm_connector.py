@@ -19,7 +19,7 @@ from kvpool.errors import ConfigError, WorkerUnavailable
 from kvpool.metadata.identities import fingerprint
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.node_handle import actor_name
+from kvpool.pool.protocol import actor_name
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.tenants import Tenants
 from kvpool.prefill_decode.vllm.config import ConnectorConfig

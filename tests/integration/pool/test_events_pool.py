@@ -18,7 +18,7 @@ from kvpool.metadata.identities import fingerprint
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.node_handle import actor_name
+from kvpool.pool.protocol import actor_name
 
 IDENTITY = CacheIdentity(model="events-pool", kv_dtype="u8", layout="b", chunk_size=1)
 KEYS = chunk_keys(IDENTITY, range(8))

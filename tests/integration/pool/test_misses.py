@@ -21,7 +21,7 @@ from kvpool.metadata.misses import MissCause, explain, miss_cause
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
-from kvpool.pool.node_handle import actor_name
+from kvpool.pool.protocol import actor_name
 
 KVPOOL = str(Path(sys.executable).with_name("kvpool"))
 ONE = CacheIdentity(model="misses", kv_dtype="u8", layout="b", chunk_size=4)

@@ -16,7 +16,8 @@ from kvpool.core.types import Tier
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, CorruptChunk, PoolFull
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
-from kvpool.pool.node import actor_name, start_pool, stop_pool
+from kvpool.pool.node import start_pool, stop_pool
+from kvpool.pool.protocol import actor_name
 
 IDENT = CacheIdentity(model="test", kv_dtype="uint8", layout="bytes", chunk_size=4)
 
@@ -213,7 +214,7 @@ def _release_after_a_refusal(node: Any, keys: list[bytes]) -> threading.Thread:
     def release() -> None:
         while ray.get(node.stats.remote())["busy"] == refused:
             time.sleep(0.01)
-        ray.get(node.release_batch.remote(keys))
+        ray.get(node.complete_load.remote(keys))
 
     thread = threading.Thread(target=release, daemon=True)
     thread.start()
@@ -230,15 +231,14 @@ def test_a_move_or_remove_waits_for_a_read_in_flight(
     holder = ray_cluster[1]
     node = ray.get_actor(actor_name(holder), namespace=pool.namespace)
     client.put_batch([(k, blob(i)) for i, k in enumerate(keys[:3])], nodes=[holder])
-    assert None not in ray.get(
-        node.locate_batch.remote(keys[:2])
-    )  # another reader's pins, as get_into_batch takes them
+    # another reader's pins, as get_into_batch takes them
+    assert None not in ray.get(node.prepare_load.remote(keys[:2])).chunks
     releasing = _release_after_a_refusal(node, keys[:2])
     client.move(keys[:3], Tier.NVME)
     releasing.join()
     assert {p.tier for k in keys[:3] for p in client.cache.replicas(k)} == {Tier.NVME}
     assert client.get_batch(keys[:3]) == [blob(i) for i in range(3)]  # promoted back, pins released
-    assert None not in ray.get(node.locate_batch.remote(keys[:1]))
+    assert None not in ray.get(node.prepare_load.remote(keys[:1])).chunks
     releasing = _release_after_a_refusal(node, keys[:1])
     assert client.remove_batch(keys[:3]) == 3
     releasing.join()
@@ -260,11 +260,11 @@ def test_a_chunk_pinned_past_busy_wait_is_chunk_busy_and_the_rest_is_done(
     node = ray.get_actor(actor_name(holder), namespace=pool.namespace)
     with PoolClient(msgspec.structs.replace(pool, busy_wait_s=0.3)) as client:
         client.put_batch([(k, blob(i)) for i, k in enumerate(keys[:4])], nodes=[holder])
-        ray.get(node.locate_batch.remote(keys[:1]))
+        ray.get(node.prepare_load.remote(keys[:1]))
         with pytest.raises(ChunkBusy, match=r"1 chunks .* still being read after 0.3 s \(busy_wait_s\)"):
             client.move(keys[:4], Tier.NVME)
         tiers = [p.tier for k in keys[:4] for p in client.cache.replicas(k)]
         assert tiers == [Tier.DRAM, Tier.NVME, Tier.NVME, Tier.NVME]
         assert ray.get(node.audit.remote()) == []
-        ray.get(node.release_batch.remote(keys[:1]))
+        ray.get(node.complete_load.remote(keys[:1]))
         assert client.remove_batch(keys[:4]) == 4 and ray.get(node.audit.remote()) == []

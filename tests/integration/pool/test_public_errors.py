@@ -15,7 +15,7 @@ from kvpool.core.types import Tier
 from kvpool.errors import KvPoolError
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.node_handle import actor_name
+from kvpool.pool.protocol import actor_name
 
 KEY = bytes(range(32))
 MISSING = bytes(32)  # a well-formed key the pool does not hold

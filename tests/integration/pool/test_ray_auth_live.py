@@ -22,7 +22,7 @@ DRIVER = textwrap.dedent(
     """
     import sys, ray
     from kvpool.errors import KvPoolError
-    from kvpool.pool.node_handle import actor_name
+    from kvpool.pool.protocol import actor_name
     from kvpool.ray_auth import attach
     try:
         attach(sys.argv[1], namespace=sys.argv[2])

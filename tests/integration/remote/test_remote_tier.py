@@ -23,7 +23,7 @@ from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
-from kvpool.pool.node_handle import actor_name
+from kvpool.pool.protocol import actor_name
 from kvpool.pool.tiers.s3 import RemoteStore
 from kvpool.pool.tiers.s3_config import RemoteConfig
 

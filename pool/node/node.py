@@ -1,17 +1,14 @@
 """The ``PoolNode`` Ray actor: one per node, contributing its DRAM and NVMe segments to the pool.
 
-A thin shell around :class:`ChunkStore`: it creates the segments and has a
-:class:`~kvpool.pool.publish.Publisher` join the node registry on a lease and publish every change of the store as
-placement records in etcd (bound to its lease, so they vanish with the node).  With a remote tier configured it also flushes NVMe chunks that have been idle for
-``remote.flush_after_s`` to S3, publishing their remote placements on no lease (they outlive the node);
-the chunk stays on NVMe, marked as having a copy, so a full NVMe drops it first.  It is named
-``kvpool-node-<ray node id>`` in the pool's Ray namespace, detached, and pinned to its node with
-``NodeAffinitySchedulingStrategy``.
+A thin shell around :class:`ChunkStore`: it creates the segments and has a :class:`~kvpool.pool.node.publish.Publisher`
+join the node registry on a lease and publish every change of the store as placement records in etcd (bound to its
+lease, so they vanish with the node).  With a remote tier it also flushes NVMe chunks idle for
+``remote.flush_after_s`` to S3 (placements on no lease: they outlive the node); the chunk stays on NVMe, marked as
+having a copy, so a full NVMe drops it first.  Its calls are the node protocol (:mod:`kvpool.pool.protocol`).
 
-Its calls run in several threads at once (a threaded actor): the store's books are kept under one lock, held
-only between I/O steps, so an NVMe read, a demotion or an S3 upload never holds up another caller's reserve,
-commit or pin.  Publishing is ordered by the publisher's own lock (an etcd round trip does not hold the store).  Demotions
-above the high watermark and flushes to S3 run on the node's own threads, not as calls.
+A threaded actor: the store's books are kept under one lock, held only between I/O steps, so an NVMe read, a
+demotion or an S3 upload never holds up another caller's room, fill or pin.  Publishing is ordered by the
+publisher's own lock.  Demotions above the high watermark and flushes to S3 run on the node's own threads.
 """
 
 import contextlib
@@ -27,34 +24,32 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvpool.core.types import NodeRecord, SegmentInfo, Tier
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, MetadataUnavailable, PoolFull, RemoteUnavailable
-from kvpool.pool.chunks import SEGMENT_NAMES, Origin, Room, StoredChunk, check_length, check_origin
+from kvpool.pool.chunks import SEGMENT_NAMES, Origin, StoredChunk, check_length, check_origin
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.flush import FLUSH_BYTES, Flusher
-from kvpool.pool.journal import NvmeJournal, segment_name, take_back
-from kvpool.pool.metrics import ClientStats, StoreCollector, serve_metrics
-from kvpool.pool.moves import read_stored
-from kvpool.pool.node_handle import NodeInfo, Settled, actor_name
-from kvpool.pool.publish import Publisher
+from kvpool.pool.metrics import ClientStats
+from kvpool.pool.node.collector import StoreCollector, serve_metrics
+from kvpool.pool.node.flush import FLUSH_BYTES, Flusher
+from kvpool.pool.node.journal import NvmeJournal, segment_name, take_back
+from kvpool.pool.node.moves import read_stored
+from kvpool.pool.node.publish import Publisher
+from kvpool.pool.node.store import ChunkStore
+from kvpool.pool.protocol import Loaded, NodeInfo, Room, Settled, Stored
 from kvpool.pool.segment import DramSegment, NvmeSegment, reap_stale_segments
-from kvpool.pool.store import ChunkStore
-from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.gds import nvme_io_path
 from kvpool.pool.tiers.s3 import RemoteStore
 from kvpool.transport.nixl import NixlTransport
 
 log = logging.getLogger(__name__)
-NODE_CALLS = 8  #: calls the actor runs at once
 IO_THREADS = 4  #: NVMe reads and writes of a batch (promotions, demotions) in flight at once
 DEMOTE_BYTES = 64 << 20  #: one demotion step moves at most this much from DRAM to NVMe, then publishes
 LATER_S = 0.1  #: what a call leaves to publish later is published within this
 
 
 class PoolNode:
-    """Plain class; :func:`start_pool` wraps it as a threaded Ray actor."""
+    """Plain class; :func:`~kvpool.pool.node.launch.start_pool` wraps it as a threaded Ray actor."""
 
     def __init__(self, config: PoolConfig, node_id: str) -> None:
         self.config = config
@@ -79,7 +74,6 @@ class PoolNode:
             self.dram,
             self.nvme,
             watermarks=config.watermarks,
-            promote_on_hit=config.promote_on_hit,
             alignment=config.alignment,
             codecs={Tier.NVME: config.nvme_codec},
             demote_inline=False,
@@ -121,10 +115,8 @@ class PoolNode:
 
     def _published(self) -> dict[str, int]:
         """What the publisher counts, for the metrics (which are served, and collected once, before it exists)."""
-        publisher: Publisher | None = getattr(self, "publisher", None)
-        if publisher is None:
-            return {}
-        return {"etcd_errors": publisher.errors, "tombstones_unrecorded": publisher.tombstones.unrecorded}
+        p: Publisher | None = getattr(self, "publisher", None)
+        return {} if p is None else {"etcd_errors": p.errors, "tombstones_unrecorded": p.tombstones.unrecorded}
 
     def _record(self) -> NodeRecord:
         with self._lock:
@@ -198,8 +190,8 @@ class PoolNode:
             self.recovery.summary() if self.recovery else "",
         )
 
-    def open_room(self, length: int) -> Room:
-        """DRAM room for a writer's next batch (see :class:`~kvpool.pool.chunks.Room`).  When DRAM has no free extent
+    def prepare_store(self, length: int) -> Room:
+        """DRAM room for a writer's next batch (see :class:`~kvpool.pool.protocol.Room`).  When DRAM has no free extent
         that large, LRU chunks move to NVMe first on this call's thread, their disk writes outside the lock (other
         calls go on meanwhile); only what that could not free is evicted under the lock."""
         check_length(length, "room length")
@@ -213,17 +205,12 @@ class PoolNode:
         finally:
             self.publisher.publish()  # what moved to make room
 
-    def fill_room(
-        self,
-        room_id: int,
-        items: Sequence[tuple[bytes, int, int, int, TensorFormat | None]],
-        replicated: bool,
-        next_length: int,
-        origin: Origin = Origin(),
-    ) -> tuple[int, Room | None]:
+    def complete_store(
+        self, room_id: int, items: Sequence[object], replicated: bool, next_length: int, origin: Origin = Origin()
+    ) -> Stored:
         """Make the chunks written into room ``room_id`` visible as ``origin``'s (see ``ChunkStore.fill_room``) and open
         the writer's next room of ``next_length`` bytes (none if 0, above an eighth of DRAM, or if DRAM has no room for
-        it): one call per batch.  Returns the etcd revision that shows the chunks, and the next room."""
+        it): one call per batch."""
         if not isinstance(next_length, int) or isinstance(next_length, bool) or next_length < 0:
             raise ConfigError(f"next_length must be an int >= 0 (bytes; 0: no next room), got {next_length!r:.40}")
         room = None
@@ -231,53 +218,49 @@ class PoolNode:
             with self._lock:
                 self.store.fill_room(room_id, items, replicated=bool(replicated), origin=check_origin(origin))
                 # a writer's idle room holds an eighth of DRAM at most, and is opened only where there is space
-                # now: making space (disk writes) is left to the writer's next open_room, outside the lock
+                # now: making space (disk writes) is left to the writer's next prepare_store, outside the lock
                 if 0 < next_length <= self.dram.capacity // 8 and self.store.allocators[Tier.DRAM].can_allocate(
                     next_length
                 ):
                     room = self.store.open_room(next_length, self.config.reservation_ttl_s)
         finally:
             revision = self.publisher.publish()
-        return revision, room
+        return Stored(revision, room)
 
-    def close_room(self, room_id: int) -> None:
+    def abort_store(self, room_id: int) -> None:
+        """Give a room back unfilled (vLLM's ``complete_store(success=False)``)."""
         with self._lock:
             self.store.close_room(room_id)
 
-    def put_batch(self, items: Sequence[tuple[bytes, bytes, int]], replicated: bool = False) -> int:
-        """Store bytes sent as call arguments (small values, tests; clients write through the transport)."""
-        try:
-            with self._lock:
-                for key, data, checksum in items:
-                    if not isinstance(data, (bytes, bytearray, memoryview)):
-                        raise ConfigError(f"put_batch takes bytes, got {type(data).__name__}")
-                    self.store.put(key, memoryview(data), checksum, replicated=replicated)
-                    self.store.counters["bytes_via_ray"] += len(data)
-        finally:
-            revision = self.publisher.publish()
-        return revision
-
-    def locate_batch(self, keys: Sequence[bytes], promote: bool | None = None) -> list[StoredChunk | None]:
+    def prepare_load(self, keys: Sequence[bytes], promote: bool | None = None, copy_nvme: bool = False) -> Loaded:
         """Pin each held chunk for a reader (None: not held here), promoting NVMe hits to DRAM first if ``promote``
         (default: ``promote_on_hit``) — their NVMe reads run without the lock, several at once; release with
-        release_batch."""
-        if self.store.promote_on_hit if promote is None else promote:
+        ``complete_load``.  ``copy_nvme``: also send the stored bytes of those left on NVMe (a peer's reader, whose
+        transport reaches DRAM only), read while pinned, without the lock."""
+        if self.config.promote_on_hit if promote is None else promote:
             with self._lock:
                 moves = self.store.moves.promotions(keys)
             if moves:
                 self.store.moves.run(moves, self._lock, self._io)
                 self._publish_later.set()  # the reader needs no placement of them: it gets where they are now
-        out: list[StoredChunk | None] = []
+        chunks: list[StoredChunk | None] = []
         with self._lock:
             for key in keys:
                 try:
-                    out.append(self.store.locate(key, promote=False))
+                    chunks.append(self.store.locate(key))
                 except ChunkNotFound:
                     self.store.counters["misses"] += 1
-                    out.append(None)
-        return out
+                    chunks.append(None)
+        on_nvme = [c if c is not None and c.tier is Tier.NVME and copy_nvme else None for c in chunks]
+        copies: list[bytes | None] = (
+            list(self._io.map(self._read_pinned, on_nvme)) if any(on_nvme) else [None] * len(chunks)
+        )
+        if any(copies):
+            with self._lock:
+                self.store.counters["bytes_via_ray"] += sum(len(d) for d in copies if d is not None)
+        return Loaded(chunks, copies)
 
-    def touch_batch(self, keys: Sequence[bytes]) -> None:
+    def touch(self, keys: Sequence[bytes]) -> None:
         """Hits a same-node client read without pinning (see ``PoolClient``): count them, refresh their LRU place."""
         with self._lock:
             for key in keys:
@@ -290,34 +273,18 @@ class PoolNode:
         with self._lock:
             self.client_stats.merge(stats)
 
-    def release_batch(self, keys: Sequence[bytes]) -> None:
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        """Release what ``prepare_load`` pinned."""
         with self._lock:
             for key in keys:
                 self.store.release(key)
-
-    def read_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """Copies of the stored bytes as call results: only for chunks left on a peer's NVMe (promote_on_hit off or
-        DRAM full), which the transport cannot reach; DRAM chunks are read one-sided.  Read without the lock."""
-        with self._lock:
-            chunks = [self.store.pin(k) if k in self.store else None for k in keys]
-        try:
-            out = list(self._io.map(self._read_pinned, chunks))
-        finally:
-            with self._lock:
-                for c in chunks:
-                    if c is not None and c.key in self.store:
-                        self.store.release(c.key)
-                        self.store.policy.touch(c.key)
-        with self._lock:
-            self.store.counters["bytes_via_ray"] += sum(len(d) for d in out if d is not None)
-        return out
 
     def _read_pinned(self, chunk: StoredChunk | None) -> bytes | None:
         if chunk is None:
             return None
         return bytes(read_stored(self.store.segments[chunk.tier], chunk.offset, chunk.stored))
 
-    def remove_batch(self, keys: Sequence[bytes], corrupt: bool = False) -> Settled:
+    def remove(self, keys: Sequence[bytes], corrupt: bool = False) -> Settled:
         """Remove held chunks (``corrupt``: even if pinned, counted as corrupt); see :class:`Settled`."""
         busy: list[bytes] = []
         try:
@@ -332,7 +299,7 @@ class PoolNode:
             revision = self.publisher.publish()
         return Settled(revision, busy)
 
-    def move_batch(self, keys: Sequence[bytes], tier: Tier) -> Settled:
+    def move(self, keys: Sequence[bytes], tier: Tier) -> Settled:
         """Move held chunks to ``tier`` (their I/O without the lock); see :class:`Settled`.  ``PoolFull`` once the
         rest is done if ``tier`` had no room for some."""
         with self._lock:
@@ -347,10 +314,10 @@ class PoolNode:
         return Settled(revision, busy)
 
     def reap(self) -> int:
-        """Reclaim reservations older than ``reservation_ttl_s`` (see ``ChunkStore.reap``), and retry a
-        publish that etcd refused earlier."""
+        """Reclaim rooms idle past their TTL (``reservation_ttl_s``; see ``ChunkStore.reap``), and retry a publish that
+        etcd refused earlier."""
         with self._lock:
-            reaped = self.store.reap(self.config.reservation_ttl_s)
+            reaped = self.store.reap()
         with contextlib.suppress(MetadataUnavailable):
             self.publisher.publish()
         return reaped
@@ -378,9 +345,8 @@ class PoolNode:
             return len(placements)
 
     def audit(self) -> list[str]:
-        """What disagrees in this node (empty: nothing): its allocators against its chunks and reservations
-        (``ChunkStore.audit``), and its chunks against the placements etcd shows for it, after publishing
-        what is pending."""
+        """What disagrees in this node (empty: nothing): its store's books (``ChunkStore.audit``), and its chunks
+        against the placements etcd shows for it, after publishing what is pending."""
         with self._lock:
             problems = self.store.audit()
         try:
@@ -390,21 +356,11 @@ class PoolNode:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return self._stats()
-
-    def _stats(self) -> dict[str, Any]:
+            usage = self.store.tier_figures()
+            counters = dict(self.store.counters)
         return {
             "node_id": self.node_id,
-            "tiers": {
-                t.value: {
-                    "used": a.used,
-                    "capacity": a.capacity,
-                    "chunks": self.store.policy.count(t),
-                    "largest_free": a.largest_free,
-                    "fragmentation": a.stats().fragmentation,
-                }
-                for t, a in self.store.allocators.items()
-            },
+            "tiers": usage,
             "watermarks": {"high": self.config.watermarks.high, "low": self.config.watermarks.low},
             "nvme_direct": bool(self.nvme and self.nvme.direct),
             "registrations": self.transport.registrations,
@@ -413,7 +369,7 @@ class PoolNode:
             "restart": self.recovery.figures() if self.recovery else {},
             "codecs": {Tier.DRAM.value: "raw", Tier.NVME.value: self.config.nvme_codec}
             | ({Tier.REMOTE.value: self.config.remote.codec} if self.s3 else {}),
-            **self.store.counters,
+            **counters,
         }
 
     def shutdown(self) -> None:
@@ -434,42 +390,3 @@ class PoolNode:
             self.journal.close()
         if self._own_nvme_dir:
             shutil.rmtree(self._nvme_dir, ignore_errors=True)
-
-
-def start_pool(config: PoolConfig, node_ids: Sequence[str] | None = None) -> dict[str, Any]:
-    """One ``PoolNode`` actor on each alive Ray node (or on ``node_ids``); returns ``node id → handle``.
-
-    Already running actors are reused (``get_if_exists``), so calling it twice is harmless.
-    """
-    ids = list(node_ids) if node_ids is not None else [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-    actor_cls = ray.remote(num_cpus=0, max_restarts=0)(PoolNode)
-    handles: dict[str, Any] = {
-        nid: actor_cls.options(
-            name=actor_name(nid),
-            namespace=config.namespace,
-            lifetime="detached",
-            get_if_exists=True,
-            max_concurrency=NODE_CALLS,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
-        ).remote(config, nid)
-        for nid in ids
-    }
-    ray.get([h.info.remote() for h in handles.values()])  # constructed, registered, serving
-    return handles
-
-
-def stop_pool(config: PoolConfig) -> int:
-    """Shut every PoolNode of ``config.namespace`` down and remove the actors; returns how many there were."""
-    stopped = 0
-    for n in ray.nodes():
-        try:
-            handle = ray.get_actor(actor_name(n["NodeID"]), namespace=config.namespace)
-        except ValueError:
-            continue
-        try:
-            ray.get(handle.shutdown.remote(), timeout=30)
-        except Exception as exc:  # a dead actor: its lease expires on its own
-            log.warning("pool node %s did not shut down cleanly: %s", n["NodeID"], exc)
-        ray.kill(handle)
-        stopped += 1
-    return stopped

@@ -4,10 +4,9 @@ Plain logic and local I/O only: no etcd, no Ray.  Every operation records :class
 the caller (the ``PoolNode`` actor) drains with :meth:`ChunkStore.take_changes` and publishes to etcd, so
 the placement records follow the bytes.
 
-Life of a chunk: ``reserve`` (DRAM space, not yet visible) → bytes written (by the store in ``put``, or
-by a same-node client straight into the mapped segment) → ``commit`` (visible); or, for a writer that puts batch
-after batch, bytes written into a :class:`~kvpool.pool.chunks.Room` it opened before it knew the keys → ``fill_room``
-(visible; one call per batch) → maybe migrated to NVMe
+Life of a chunk: bytes written into a :class:`~kvpool.pool.protocol.Room` a writer opened before it knew the keys
+(``open_room``; a same-node client writes straight into the mapped segment, a peer one-sided) → ``fill_room``
+(visible; one call per batch; ``put`` is the same path for one chunk) → maybe migrated to NVMe
 when DRAM passes its high watermark, promoted back on a hit → dropped when a full tier needs room or on
 ``remove``.  A chunk pinned by a reader is never moved or dropped.
 
@@ -21,31 +20,22 @@ one-sided, straight into their buffers.
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Iterable, Mapping
+
+from msgspec.structs import replace
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.core.keys import check_key
 from kvpool.core.types import DropCause, Tier
-from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, PoolFull
-from kvpool.pool.allocator import OffsetAllocator
-from kvpool.pool.chunks import (
-    Change,
-    ChangeKind,
-    Origin,
-    Reservation,
-    Room,
-    RoomChunk,
-    StoredChunk,
-    check_checksum,
-    check_length,
-    short,
-)
+from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError
+from kvpool.pool.chunks import Change, ChangeKind, ChunkState, Origin, StoredChunk, check_length, short
 from kvpool.pool.config import Watermarks
-from kvpool.pool.eviction import EvictionPolicy
-from kvpool.pool.holds import Holds
-from kvpool.pool.move_books import MoveBooks
-from kvpool.pool.moves import Move, read_stored
+from kvpool.pool.node.allocator import OffsetAllocator
+from kvpool.pool.node.eviction import EvictionPolicy
+from kvpool.pool.node.holds import Holds
+from kvpool.pool.node.move_books import MoveBooks
+from kvpool.pool.node.moves import Move, read_stored
+from kvpool.pool.protocol import Filled, Room
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import TensorFormat, parse_codec
 from kvpool.pool.tiers.crypto import Keyring
@@ -53,9 +43,26 @@ from kvpool.pool.tiers.crypto import Keyring
 log = logging.getLogger(__name__)
 
 
+COUNTERS = (  #: what a store counts (``ChunkStore.counters``), from 0
+    "puts",
+    "gets",
+    "misses",
+    "migrations",
+    "promotions",
+    "drops",
+    "corrupt",
+    "reaped",
+    "busy",  #: moves and removes refused because a reader had the chunk pinned
+    "quota_drops",  #: chunks dropped because their tenant was over its quota
+    "encoded",
+    "decoded",  #: chunks re-stored with another codec on a move (down, up)
+    "bytes_via_ray",  #: KV bytes that came or went as Ray call arguments/results, not one-sided
+)
+
+
 class ChunkStore:
     """One node's chunks: writes, reads and removes; where they go between tiers is kept by ``moves``
-    (:class:`~kvpool.pool.move_books.MoveBooks`)."""
+    (:class:`~kvpool.pool.node.move_books.MoveBooks`)."""
 
     def __init__(
         self,
@@ -63,7 +70,6 @@ class ChunkStore:
         nvme: NvmeSegment | None = None,
         *,
         watermarks: Watermarks | None = None,
-        promote_on_hit: bool = True,
         alignment: int = 4096,
         clock: Clock = SYSTEM_CLOCK,
         codecs: Mapping[Tier, str] | None = None,
@@ -83,7 +89,6 @@ class ChunkStore:
             )
         self.quotas = dict(quotas or {})  #: tenant -> (DRAM bytes, NVMe bytes) it may hold here; 0: no limit
         self.watermarks = watermarks or Watermarks()
-        self.promote_on_hit = promote_on_hit
         self.demote_inline = demote_inline  #: a commit above the high watermark demotes at once (else: ``over_high``)
         self.over_high = threading.Event()  #: set by a commit or promotion that left DRAM above its high watermark
         self.clock = clock
@@ -91,21 +96,7 @@ class ChunkStore:
         self._chunks: dict[bytes, StoredChunk] = {}
         self.holds = Holds(self.allocators[Tier.DRAM], clock)  #: DRAM given to writers, not yet chunks
         self._changes: list[Change] = []  #: since the last take_changes()
-        self.counters = {
-            "puts": 0,
-            "gets": 0,
-            "misses": 0,
-            "migrations": 0,
-            "promotions": 0,
-            "drops": 0,
-            "corrupt": 0,
-            "reaped": 0,
-            "busy": 0,  #: moves and removes refused because a reader had the chunk pinned
-            "quota_drops": 0,  #: chunks dropped because their tenant was over its quota
-            "encoded": 0,
-            "decoded": 0,  #: chunks re-stored with another codec on a move (down, up)
-            "bytes_via_ray": 0,  #: KV bytes that came or went as Ray call arguments/results, not one-sided
-        }
+        self.counters = dict.fromkeys(COUNTERS, 0)
         #: moves between tiers, the room a full tier makes, tenants' quotas: all kept in step with the above
         self.moves = MoveBooks(
             self.segments,
@@ -123,20 +114,9 @@ class ChunkStore:
 
     # -- writing ---------------------------------------------------------------------------------------
 
-    def reserve(self, key: bytes, length: int) -> Reservation:
-        """Room for ``length`` bytes in DRAM, making room by migration or drops if needed."""
-        check_key(key)
-        check_length(length)
-        if key in self._chunks:
-            return Reservation(key, self._chunks[key].offset, length, already_stored=True)
-        if key in self.holds:
-            raise ConfigError(f"chunk {short(key)} is being written already")
-        return self.holds.reserve(key, self.moves.allocate(Tier.DRAM, length), length)
-
-    def reap(self, max_age_s: float) -> int:
-        """Give back the space of reservations older than ``max_age_s`` that were never committed (their writer
-        died between reserve and commit), and of rooms past their own TTL; returns how many."""
-        reaped = self.holds.reap(max_age_s)
+    def reap(self) -> int:
+        """Give back the space of rooms past their own TTL (their writer died, or kept them idle); returns how many."""
+        reaped = self.holds.reap()
         self.counters["reaped"] += reaped
         return reaped
 
@@ -149,9 +129,7 @@ class ChunkStore:
         """Give a room's space back; an unknown room is left alone (cleanup goes on past it)."""
         self.holds.close_room(room_id)
 
-    def fill_room(
-        self, room_id: int, items: Sequence[RoomChunk], *, replicated: bool = False, origin: Origin = Origin()
-    ) -> None:
+    def fill_room(self, room_id: int, items: object, *, replicated: bool = False, origin: Origin = Origin()) -> None:
         """Make the chunks a writer put into room ``room_id`` visible as ``origin``'s (see ``Room.checked``); the rest
         of the room is freed.  A key held already keeps its first copy.  Everything is checked before anything changes:
         on bad input the room is closed and nothing is stored (``ConfigError``); a room reclaimed meanwhile is a
@@ -166,40 +144,21 @@ class ChunkStore:
             checked = room.checked(items)
         finally:
             self.close_room(room_id)
-        first: dict[bytes, RoomChunk] = {}  # a key twice: its first copy
+        first: dict[bytes, Filled] = {}  # a key twice: its first copy
         for c in checked:
-            if c[0] not in self._chunks and c[0] not in self.holds:
-                first.setdefault(c[0], c)
-        for key, offset, length, _, _ in first.values():  # all claimed before a commit may demote anything
-            self.holds.claim(key, offset, length)
-        for key, _, _, checksum, fmt in first.values():
-            self.commit(key, checksum, replicated=replicated, fmt=fmt, origin=origin)
+            if c.key not in self._chunks:
+                first.setdefault(c.key, c)
+        for c in first.values():  # all claimed before an addition may demote anything
+            self.allocators[Tier.DRAM].claim(c.offset, c.length)
+        for c in first.values():
+            chunk = StoredChunk(c.key, Tier.DRAM, c.offset, c.length, c.length, c.checksum, fmt=c.fmt, origin=origin)
+            self._add(chunk, replicated)
 
-    def commit(
-        self,
-        key: bytes,
-        checksum: int,
-        *,
-        replicated: bool = False,
-        fmt: TensorFormat | None = None,
-        origin: Origin = Origin(),
-    ) -> StoredChunk:
-        """Make a reserved chunk visible as ``origin``'s (then migrate by watermark and by its tenant's quota); ``fmt``:
-        its tensor format, if any."""
-        check_checksum(checksum)
-        if fmt is not None and not isinstance(fmt, TensorFormat):
-            raise ConfigError(f"fmt must be a TensorFormat or None, got {type(fmt).__name__}")
-        r = self.holds.get(check_key(key))
-        if r is None:
-            raise ConfigError(f"chunk {short(key)} was not reserved")
-        if fmt is not None and fmt.nbytes != r.length:
-            self.abort(key)
-            raise ConfigError(f"chunk {short(key)}: {r.length} bytes reserved, its format {fmt} has {fmt.nbytes}")
-        self.holds.take(key)
-        chunk = StoredChunk(key, Tier.DRAM, r.offset, r.length, r.length, checksum, fmt=fmt, origin=origin)
-        self._chunks[key] = chunk
-        size = self.allocators[Tier.DRAM].size_of(r.offset)
-        self.policy.add(key, Tier.DRAM, size, replicated=replicated, tenant=origin.tenant)
+    def _add(self, chunk: StoredChunk, replicated: bool) -> None:
+        """A chunk filled in DRAM becomes visible (then migrates by watermark and by its tenant's quota)."""
+        self._chunks[chunk.key] = chunk
+        size = self.allocators[Tier.DRAM].size_of(chunk.offset)
+        self.policy.add(chunk.key, Tier.DRAM, size, replicated=replicated, tenant=chunk.tenant)
         self.counters["puts"] += 1
         self._changes.append(Change(ChangeKind.ADDED, chunk))
         if self.demote_inline:
@@ -207,12 +166,6 @@ class ChunkStore:
         elif self.moves.over_high_watermark() or self.policy.over_quota(self.quotas, Tier.DRAM):
             self.over_high.set()
         self.moves.trim_quotas()
-        return self._chunks.get(key, chunk)
-
-    def abort(self, key: bytes) -> None:
-        """Give a reservation's space back; a key that is not reserved (or not a key) is left alone: cleanup
-        of a batch goes on past it."""
-        self.holds.abort(key)
 
     def put(
         self,
@@ -223,17 +176,19 @@ class ChunkStore:
         replicated: bool = False,
         fmt: TensorFormat | None = None,
         origin: Origin = Origin(),
-    ) -> StoredChunk:
-        check_checksum(checksum)
-        r = self.reserve(key, data.nbytes)
-        if r.already_stored:
-            return self._chunks[key]
+        ttl_s: float = 30.0,
+    ) -> StoredChunk | None:
+        """One chunk by the writers' path, for a caller in this process (benchmarks, tests): a room, the bytes
+        written into it, the fill.  What the store holds under ``key`` now (None: it was dropped at once)."""
+        check_key(key)  # before the room: a refused put changes nothing
+        room = self.open_room(data.nbytes, ttl_s)
         try:
-            self.segments[Tier.DRAM].write(r.offset, data)
+            self.segments[Tier.DRAM].write(room.offset, data)
         except BaseException:
-            self.abort(key)
+            self.close_room(room.id)
             raise
-        return self.commit(key, checksum, replicated=replicated, fmt=fmt, origin=origin)
+        self.fill_room(room.id, [(key, room.offset, data.nbytes, checksum, fmt)], replicated=replicated, origin=origin)
+        return self._chunks.get(key)
 
     def take_changes(self) -> list[Change]:
         """Every change since the last call, in order."""
@@ -243,15 +198,10 @@ class ChunkStore:
 
     # -- reading ---------------------------------------------------------------------------------------
 
-    def locate(self, key: bytes, promote: bool | None = None) -> StoredChunk:
-        """Pin a chunk for a reader (release it with :meth:`release`); a hit on NVMe is promoted to
-        DRAM first when ``promote`` (default: ``promote_on_hit``)."""
+    def locate(self, key: bytes) -> StoredChunk:
+        """Pin a chunk for a reader where it is (release it with :meth:`release`), counting a read; the node promotes
+        NVMe hits first (``moves.promotions``), their I/O outside its lock."""
         chunk = self._require(key)
-        if chunk.tier is Tier.NVME and (self.promote_on_hit if promote is None else promote):
-            try:
-                chunk = self.moves.move_now(chunk, Tier.DRAM)
-            except (PoolFull, ChunkBusy) as exc:  # no room, or another reader has it pinned where it is
-                log.info("not promoting %s to DRAM: %s", short(key), exc)
         self.policy.pin(key)
         self.policy.touch(key)
         self.counters["gets"] += 1
@@ -323,11 +273,11 @@ class ChunkStore:
         """The chunk held under ``key`` (None: none, or not a key)."""
         return self._chunks.get(key) if isinstance(key, bytes) else None
 
-    # -- the remote tier: which chunks have a copy there (pool/flush.py picks what to flush) ---------
+    # -- the remote tier: which chunks have a copy there (pool/node/flush.py picks what to flush) ---------
 
     def adopt(self, chunks: Iterable[StoredChunk], corrupt: Iterable[StoredChunk] = ()) -> None:
         """Take back the NVMe chunks a node before this one left in the segment (verified: see
-        :mod:`kvpool.pool.journal`), oldest first, as if just stored; ``corrupt``: those that failed, published as
+        :mod:`kvpool.pool.node.journal`), oldest first, as if just stored; ``corrupt``: those that failed, published as
         dropped (their tombstones say why they are gone)."""
         allocator = self.allocators[Tier.NVME]
         for chunk in chunks:
@@ -349,10 +299,17 @@ class ChunkStore:
     def __contains__(self, key: object) -> bool:
         return isinstance(key, bytes) and key in self._chunks
 
+    def state(self, key: bytes) -> ChunkState:
+        """Where a held chunk is in its life (``ChunkNotFound`` if it is not held)."""
+        self._require(key)
+        if self.moves.moving(key):
+            return ChunkState.MOVING
+        return ChunkState.PINNED if self.policy.state(key).pins else ChunkState.STORED
+
     def audit(self) -> list[str]:
-        """What disagrees between the allocators and the chunks, reservations and moves they hold (empty: nothing):
-        every allocation belongs to exactly one chunk, reservation or move in flight, and the eviction policy
-        tracks every chunk in its tier, in the order its books say."""
+        """What disagrees between the allocators and what holds their extents (empty: nothing): every allocation
+        belongs to exactly one chunk (stored or pinned), writer's room, or move's target (:class:`ChunkState`), and
+        the eviction policy tracks every chunk in its tier, in the order its books say."""
         problems = []
         try:
             self.policy.check_invariants()
@@ -363,25 +320,48 @@ class ChunkStore:
                 alloc.check_invariants()
             except AssertionError as exc:
                 problems.append(f"{tier.value} allocator: {exc}")
-            owners = [c.offset for c in self._chunks.values() if c.tier is tier]
-            if tier is Tier.DRAM:
-                owners += self.holds.offsets()
-            owners += self.moves.offsets(tier)
-            if len(set(owners)) != len(owners):
-                problems.append(f"{tier.value}: two chunks or reservations share an offset")
+            owners: dict[int, ChunkState] = {}
+            for offset, state in self._owners(tier):
+                if offset in owners:
+                    problems.append(f"{tier.value}: a {owners[offset].value} and a {state.value} share offset {offset}")
+                owners[offset] = state
             try:
-                held = sum(alloc.size_of(o) for o in set(owners))
+                held = sum(alloc.size_of(o) for o in owners)
             except ConfigError as exc:
-                problems.append(f"{tier.value}: a chunk or reservation is not allocated: {exc}")
+                problems.append(f"{tier.value}: a chunk, room or move holds an extent not allocated: {exc}")
                 continue
             if held != alloc.used:
-                problems.append(f"{tier.value}: {alloc.used} bytes allocated, chunks and reservations hold {held}")
+                problems.append(f"{tier.value}: {alloc.used} bytes allocated, its {len(owners)} extents hold {held}")
             if self.policy.count(tier) != sum(1 for c in self._chunks.values() if c.tier is tier):
                 problems.append(f"{tier.value}: the eviction policy tracks other chunks than the store holds")
         return problems
 
+    def _owners(self, tier: Tier) -> list[tuple[int, ChunkState]]:
+        """Each extent of ``tier``'s allocator that something holds, and its state."""
+        owners = [
+            (c.offset, ChunkState.PINNED if self.policy.state(c.key).pins else ChunkState.STORED)
+            for c in self._chunks.values()
+            if c.tier is tier
+        ]
+        if tier is Tier.DRAM:
+            owners += [(o, ChunkState.ROOM) for o in self.holds.offsets()]
+        return owners + [(o, ChunkState.MOVING) for o in self.moves.offsets(tier)]
+
     def chunks(self) -> list[StoredChunk]:
         return list(self._chunks.values())
+
+    def tier_figures(self) -> dict[str, dict[str, float]]:
+        """Per tier: bytes used and capacity, chunks, the largest free extent and fragmentation (``PoolNode.stats``)."""
+        return {
+            t.value: {
+                "used": a.used,
+                "capacity": a.capacity,
+                "chunks": self.policy.count(t),
+                "largest_free": a.largest_free,
+                "fragmentation": a.stats().fragmentation,
+            }
+            for t, a in self.allocators.items()
+        }
 
     def usage(self) -> dict[Tier, tuple[int, int]]:
         """``tier → (used, capacity)`` in bytes."""

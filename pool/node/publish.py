@@ -2,7 +2,7 @@
 
 Every change the store records is published as placements bound to the node's lease (so they vanish with the node),
 one publish at a time and in the order the store changed (told first to the node's NVMe journal, if it keeps one:
-:mod:`kvpool.pool.journal`); a publish etcd refused is kept and sent again with the next one.  A dropped chunk leaves a tombstone saying why, written with the delete, and the node records the
+:mod:`kvpool.pool.node.journal`); a publish etcd refused is kept and sent again with the next one.  A dropped chunk leaves a tombstone saying why, written with the delete, and the node records the
 departure of every other node it sees leave (:mod:`kvpool.metadata.tombstones`).  The record's usage figures are
 refreshed by a thread, at most every ``RECORD_REFRESH_S``.  A lost and replaced lease republishes every placement.  The placements of the S3 tier go out on no lease (they outlive the
 node) through :attr:`Publisher.placements`.
@@ -22,8 +22,8 @@ from kvpool.metadata.registry import NodeRegistry
 from kvpool.metadata.tombstones import TombstoneWriter
 from kvpool.pool.chunks import Change, ChangeKind, StoredChunk, short
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.journal import NvmeJournal
-from kvpool.pool.store import ChunkStore
+from kvpool.pool.node.journal import NvmeJournal
+from kvpool.pool.node.store import ChunkStore
 
 log = logging.getLogger(__name__)
 RECORD_REFRESH_S = 1.0  #: the node record's usage figures lag by at most this

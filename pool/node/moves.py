@@ -1,7 +1,7 @@
 """A chunk's move between tiers, in steps, so that its I/O runs without the node's lock.
 
 A move is begun, given its room (once its re-encoded length is known) and finished by the store's
-:class:`~kvpool.pool.move_books.MoveBooks`, which keeps the books; its bytes are read, re-encoded and written by
+:class:`~kvpool.pool.node.move_books.MoveBooks`, which keeps the books; its bytes are read, re-encoded and written by
 :func:`load` and :func:`write`, which touch nothing but the segments and the move itself, so a ``PoolNode`` runs them
 for many chunks at once in threads while its other calls go on.
 

@@ -3,29 +3,25 @@
 Works from a Ray driver, task or actor (``ray.init`` done).  Lookups (``exists``, ``lookup_prefix``, the
 replicas of a chunk) are answered by a local watch-synced copy of etcd, without a round trip.  Data:
 
-- **same node**: the client maps its node's DRAM segment; a put reserves room (one actor call), writes
-  straight into the shared memory and commits (one call); a get copies the chunk out of the mapping at
-  the offset its placement gives and verifies the checksum — no call at all; only if that fails (the
-  chunk moved or is being evicted) does it pin the chunk (one call), copy it and unpin.
+- **same node**: the client maps its node's DRAM segment; a put writes straight into the room the node holds for
+  it and hands the batch over (one call, which opens the next room); a get copies the chunk out of the mapping at
+  the offset its placement gives and verifies the checksum — no call at all; only if that fails (the chunk moved or
+  is being evicted) does it pin the chunk (one call), copy it and unpin.
 - **a peer** (another node): one-sided NIXL/UCX transfers (:mod:`kvpool.transport.nixl`) between a staging
-  buffer registered by this client and the holder's registered DRAM segment.  A put reserves room on
-  the holder (one actor call), WRITEs the bytes and commits (one call); a get pins the chunk (one call,
-  promoting it from NVMe), READs it and unpins.  No KV byte passes through Ray or etcd, except a chunk
-  left on a peer's NVMe (``promote_on_hit`` off, or DRAM full), which comes back as a call result.
+  buffer registered by this client and the holder's registered DRAM segment.  A put WRITEs into the room held on
+  the holder and hands the batch over (one call); a get pins the chunk (one call, promoting it from NVMe), READs it
+  and unpins.  No KV byte passes through Ray or etcd, except a chunk left on a peer's NVMe (``promote_on_hit`` off,
+  or DRAM full), which comes back with the pinning call.
 - **the S3 (remote) tier**: a chunk whose only copies are there is fetched by the client itself (boto3,
   several GETs at once), verified, decoded and, with ``remote.promote_on_hit``, put back into the pool.
 
-The paths live in their own modules: :mod:`~kvpool.pool.writes` (puts), :mod:`~kvpool.pool.reads` (reads from
-nodes), :mod:`~kvpool.pool.peers` (the transport), :mod:`~kvpool.pool.tiers.s3_reads` (the S3 tier),
-:mod:`~kvpool.pool.device_reads` (into device memory) and :mod:`~kvpool.pool.node_handle` (node calls); this
-class picks the holders and replicas, and retries.
-
-A chunk stored with a codec (NVMe ``nvme_codec``, remote ``remote.codec``) is verified on its stored bytes
-and then decoded into the caller's buffer; what a reader gets has the placement's ``size``.
-
-Every read is checked against the checksum stored in its placement: a mismatch drops that replica
-(everywhere) and tries the next; if none is intact the caller gets :class:`CorruptChunk`, a kind of
-:class:`ChunkNotFound` — a miss, never wrong bytes.
+The paths live in their own modules: :mod:`~kvpool.pool.client.writes` (puts), :mod:`~kvpool.pool.client.reads`
+(reads from nodes), :mod:`~kvpool.pool.client.replicas` (which replica, in which order), :mod:`~kvpool.pool.client.peers`
+(the transport), :mod:`~kvpool.pool.tiers.s3_reads` (the S3 tier), :mod:`~kvpool.pool.client.device_reads` (into
+device memory) and :mod:`~kvpool.pool.protocol` (the typed node calls).  A chunk stored with a codec is verified on
+its stored bytes, then decoded into the caller's buffer.  Every read is checked against its placement's checksum: a
+mismatch drops that replica (everywhere) and tries the next; if none is intact the caller gets :class:`CorruptChunk`,
+a kind of :class:`ChunkNotFound` — a miss, never wrong bytes.
 """
 
 import contextlib
@@ -40,14 +36,10 @@ import ray
 import torch
 
 from kvpool.core.keys import CacheIdentity, check_items, check_key, check_keys, check_list
-from kvpool.core.types import Placement, Tier, nearest_first
+from kvpool.core.types import Tier
 from kvpool.errors import (
-    ChunkNotFound,
     ConfigError,
-    CorruptChunk,
-    MetadataUnavailable,
     NodeUnreachable,
-    RemoteUnavailable,
 )
 from kvpool.metadata import identities
 from kvpool.metadata.cache import MetadataCache
@@ -58,17 +50,18 @@ from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.advisor import AccessLog
 from kvpool.pool.buffers import byte_view
 from kvpool.pool.chunks import Origin, checksum, short
+from kvpool.pool.client.device_reads import DeviceReads, device_bytes
+from kvpool.pool.client.peers import Peers, node_record
+from kvpool.pool.client.reads import NodeReads, Outcome
+from kvpool.pool.client.replicas import Replicas
+from kvpool.pool.client.writes import Item, Rooms, Summary, put_local, put_peer, targets
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.device_reads import DeviceReads, device_bytes
 from kvpool.pool.metrics import SOURCES, StatsReporter
-from kvpool.pool.node_handle import NodeHandles, NodeInfo, call
-from kvpool.pool.peers import Peers, node_record
-from kvpool.pool.reads import NodeReads, Outcome
+from kvpool.pool.protocol import NodeHandle, NodeHandles, NodeInfo, Settled
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.s3_config import GC_GRACE_S
 from kvpool.pool.tiers.s3_reads import S3Reads
-from kvpool.pool.writes import Item, Rooms, Summary, put_local, put_peer, targets
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +90,11 @@ class PoolClient:
             config.remote, config.metadata.cluster, self.cache, self.placements, self.put_batch, self._wait_s
         )
         self._segment: DramSegment | None = None
-        self._local: Any = None
+        self._local: NodeHandle | None = None
         info: NodeInfo | None = None
         try:
             self._local = self.nodes[self.node_id]
-            info = call(self._local.info.remote())
+            info = self._local.info()
             self._segment = DramSegment.attach(info.dram_path, info.dram_capacity)
         except NodeUnreachable:
             log.info("no pool node on this Ray node (%s): every transfer goes to peers", self.node_id[:12])
@@ -111,6 +104,9 @@ class PoolClient:
             self.node_id, self.nodes, self.peers, self._segment, self._local, info, config.encryption.keyring()
         )
         self.device = DeviceReads(self.node_id, info, self._local)
+        self.replicas = Replicas(
+            self.node_id, self.cache, self.nodes, self.reads, self.s3, self._wait_s, self._caught_up
+        )
 
     def close(self) -> None:
         self._stats.report(force=True)
@@ -172,7 +168,7 @@ class PoolClient:
         segment = self._segment if self.node_id in chosen else None
         with ThreadPoolExecutor(1, thread_name_prefix="kvpool-put") as pool:  # this node's copy beside the peers'
             mine = None
-            if segment is not None:
+            if segment is not None and self._local is not None:
                 mine = pool.submit(
                     put_local, self._local, self.node_id, self.rooms, segment, views, sums, replicated, origin
                 )
@@ -207,7 +203,7 @@ class PoolClient:
 
     def get_batch(self, keys: Sequence[bytes]) -> list[bytes]:
         keys = check_keys(keys)
-        buffers = [bytearray(r[0].size) for r in self._replicas_of(keys)]
+        buffers = [bytearray(r[0].size) for r in self.replicas.of(keys)]
         self.get_into_batch(keys, buffers)
         return [bytes(b) for b in buffers]
 
@@ -215,32 +211,6 @@ class PoolClient:
         """Copy the chunk into ``buffer`` (exactly its size); returns the number of bytes.  The same path as
         :meth:`get_into_batch` (a chunk in this node's DRAM is copied with no call to the node)."""
         return self.get_into_batch([key], [buffer])[0]
-
-    def _read_any_replica(self, key: bytes, dest: memoryview) -> int:
-        """Read ``key`` from its replicas in turn, nearest first, dropping corrupt ones, until one is intact."""
-        corrupt: list[Placement] = []
-        for replica in self._replicas(key):
-            if replica.size != dest.nbytes:
-                raise ConfigError(
-                    f"buffer holds {dest.nbytes} bytes, chunk {short(key)} is {replica.size}: pass a buffer of its size"
-                )
-            try:
-                if replica.tier is Tier.REMOTE:
-                    [intact] = self.s3.read([replica], [dest])
-                else:
-                    [intact] = self.reads.pinned(replica.node, [key], [dest])
-            except (NodeUnreachable, ChunkNotFound):
-                continue  # that node is gone, or the chunk left it
-            if intact is None:
-                continue  # the placement was stale, or the holder could not be reached
-            if intact:
-                return dest.nbytes
-            log.warning("chunk %s on %s fails its checksum; dropping that replica", short(key), replica.node[:12])
-            corrupt.append(replica)
-            self._drop_corrupt(replica)
-        if corrupt:
-            raise CorruptChunk(f"every replica of chunk {short(key)} was corrupt and has been dropped; recompute it")
-        raise ChunkNotFound(f"chunk {short(key)}: no replica could be read; recompute it")
 
     def get_into_batch(
         self, keys: Sequence[bytes], buffers: Sequence[Any], on_done: Callable[[int], None] | None = None
@@ -257,7 +227,7 @@ class PoolClient:
             raise ConfigError(f"on_done must be a function of the key's index, got {on_done!r:.60}")
         started = time.perf_counter()
         dests = [byte_view(b, writable=True, field="buffer") for b in buffers]
-        nearest = [r[0] for r in self._replicas_of(keys)]
+        nearest = [r[0] for r in self.replicas.of(keys)]
         done = [False] * len(keys)
         for i in self.reads.unpinned(nearest, dests, on_done):
             done[i] = True
@@ -276,12 +246,12 @@ class PoolClient:
                 )
         for i, key in enumerate(keys):
             if not done[i]:
-                self._read_any_replica(key, dests[i])
+                self.replicas.read_any(key, dests[i])
                 if on_done is not None:
                     on_done(i)
         by_source = dict.fromkeys(SOURCES, 0)
         for d, p in zip(dests, nearest, strict=True):
-            by_source[self._source(p)] += d.nbytes
+            by_source[self.replicas.source(p)] += d.nbytes
         self._stats.seen.get(time.perf_counter() - started, by_source)
         self._stats.report()
         return [d.nbytes for d in dests]
@@ -297,49 +267,19 @@ class PoolClient:
         """``get_into_batch`` for tensors in device (GPU) memory, each exactly its chunk's size.
 
         Chunks this node holds raw on NVMe go straight from the segment file into the tensor (see
-        :mod:`~kvpool.pool.device_reads`); every other chunk, and one that fails its checksum, is read into host
+        :mod:`~kvpool.pool.client.device_reads`); every other chunk, and one that fails its checksum, is read into host
         memory the usual way and copied over.  CPU tensors work too: the direct path is then the O_DIRECT read
         into their memory.  ``device_reads`` counts both paths."""
         keys, tensors = check_keys(keys), check_list(tensors, "tensors")
         if len(keys) != len(tensors):
             raise ConfigError(f"{len(keys)} keys but {len(tensors)} tensors: pass one tensor per key")
         flats = [device_bytes(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
-        self.device.get_into(keys, flats, [r[0] for r in self._replicas_of(keys)], self.get_into_batch)
+        self.device.get_into(keys, flats, [r[0] for r in self.replicas.of(keys)], self.get_into_batch)
         return [f.numel() for f in flats]
 
     @property
     def device_reads(self) -> dict[str, int]:
         return self.device.counts
-
-    def _source(self, p: Placement) -> str:
-        """Where a read comes from, as the metrics name it: this node, a peer, or the remote (S3) tier."""
-        return "remote_tier" if p.tier is Tier.REMOTE else "local" if p.node == self.node_id else "peer"
-
-    def _replicas(self, key: bytes) -> list[Placement]:
-        """Nearest first: this node, then DRAM before NVMe before the S3 tier."""
-        return self._replicas_of([key])[0]
-
-    def _replicas_of(self, keys: Sequence[bytes]) -> list[list[Placement]]:
-        """The replicas of each key, nearest first; ``ChunkNotFound`` for a key the pool does not hold.  A key this
-        watch cache does not show may have been put by another client a moment ago: the cache is caught up with
-        etcd once (a read-your-writes barrier, one etcd write) before it counts as missing."""
-        found = [self.cache.replicas(check_key(k)) for k in keys]
-        if not all(found):
-            with contextlib.suppress(MetadataUnavailable):  # etcd away: what the cache shows is all there is
-                self.cache.sync(timeout_s=self._wait_s)
-            found = [f or self.cache.replicas(k) for f, k in zip(found, keys, strict=True)]
-        for f, k in zip(found, keys, strict=True):
-            if not f:
-                raise ChunkNotFound(f"chunk {short(k)} is not in the pool; recompute it")
-        return [sorted(f, key=nearest_first(self.node_id)) for f in found]
-
-    def _drop_corrupt(self, replica: Placement) -> None:
-        if replica.tier is Tier.REMOTE:
-            with contextlib.suppress(RemoteUnavailable):
-                self.s3.drop([replica])
-            return
-        with contextlib.suppress(NodeUnreachable):
-            self._caught_up(call(self.nodes[replica.node].remove_batch.remote([replica.key], True)).revision)
 
     def remote_gc(self, grace_s: float = GC_GRACE_S) -> tuple[int, int]:
         """Reconcile the S3 tier with etcd (see :func:`~kvpool.pool.tiers.s3.collect_garbage`)."""
@@ -412,7 +352,7 @@ class PoolClient:
         keys = check_keys(keys)
         in_s3 = [p for key in keys for p in self.cache.replicas(key) if p.tier is Tier.REMOTE]
         try:
-            return self._per_holder(keys, lambda actor, node_keys: actor.remove_batch.remote(node_keys))
+            return self._per_holder(keys, lambda node, node_keys: node.remove(node_keys))
         finally:  # even when some node copies are still being read (ChunkBusy): the caller wants them all gone
             if in_s3:
                 self.s3.drop(in_s3)
@@ -423,15 +363,15 @@ class PoolClient:
         keys = check_keys(keys)
         if not isinstance(tier, Tier) or tier not in (Tier.DRAM, Tier.NVME):
             raise ConfigError(f"tier must be Tier.DRAM or Tier.NVME, got {tier!r:.40}")
-        self._per_holder(keys, lambda actor, node_keys: actor.move_batch.remote(node_keys, tier))
+        self._per_holder(keys, lambda node, node_keys: node.move(node_keys, tier))
 
-    def _per_holder(self, keys: Sequence[bytes], change: Callable[[Any, list[bytes]], Any]) -> int:
-        """``change(actor, keys it holds)`` once per node holding a replica of any of ``keys`` (a node gone
+    def _per_holder(self, keys: Sequence[bytes], change: Callable[[NodeHandle, list[bytes]], Settled]) -> int:
+        """``change(node, keys it holds)`` once per node holding a replica of any of ``keys`` (a node gone
         meanwhile is skipped), then wait until the local placement cache shows the etcd revision the calls
         returned.  Returns how many of ``keys`` had a replica.
 
         Keys a reader had pinned are asked again for up to ``config.busy_wait_s`` (see
-        :meth:`~kvpool.pool.node_handle.NodeHandles.settle`), then :class:`ChunkBusy`."""
+        :meth:`~kvpool.pool.protocol.NodeHandles.settle`), then :class:`ChunkBusy`."""
         by_node: dict[str, list[bytes]] = {}
         held = 0
         for key in keys:
@@ -453,7 +393,7 @@ class PoolClient:
         nodes = {}
         for n in self.cache.nodes():
             try:
-                nodes[n.node_id] = call(self.nodes[n.node_id].stats.remote(), timeout_s=10)
+                nodes[n.node_id] = self.nodes[n.node_id].stats(timeout_s=10)
             except Exception as exc:  # a node dying right now: report, don't fail the whole view
                 nodes[n.node_id] = {"error": f"{type(exc).__name__}: {exc}"}
         return {"nodes": nodes, "chunks": self.cache.chunk_count(), "replicas": self.cache.replica_count()}

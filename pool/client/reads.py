@@ -1,7 +1,7 @@
 """The read path from pool nodes: chunks out of this node's mapped DRAM, or out of a peer's by one-sided READs.
 
-Per holder, one call pins the chunks (promoting NVMe hits to DRAM), one copy or one batched READ moves them, one
-call (not waited for) releases them.  Chunks in this node's DRAM are first copied with no call at all, at the
+Per holder, one call pins the chunks (``prepare_load``: promoting NVMe hits to DRAM; a peer sends those left on NVMe
+along), one copy or one batched READ moves them, one call (``complete_load``, not waited for) releases them.  Chunks in this node's DRAM are first copied with no call at all, at the
 offsets their placements give; a copy whose checksum does not match (the chunk moved meanwhile) goes the pinned
 way.  Every chunk is verified against its checksum before it counts: the caller never gets wrong bytes.  A chunk
 left on an encrypted NVMe tier is opened with ``keys`` (the client's ``PoolConfig.encryption``); one this process
@@ -16,8 +16,8 @@ from kvpool.core.types import Placement, Tier
 from kvpool.errors import ChunkNotFound, UndecodableChunk
 from kvpool.pool.buffers import byte_view
 from kvpool.pool.chunks import SEGMENT_NAMES, StoredChunk, checksum, short
-from kvpool.pool.node_handle import NodeHandles, NodeInfo, call
-from kvpool.pool.peers import STAGING_BYTES, Peers, rounds
+from kvpool.pool.client.peers import STAGING_BYTES, Peers, rounds
+from kvpool.pool.protocol import NodeHandle, NodeHandles, NodeInfo
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import decode
 from kvpool.pool.tiers.crypto import Keyring, unseal
@@ -56,7 +56,7 @@ class NodeReads:
         handles: NodeHandles,
         peers: Peers,
         segment: DramSegment | None,
-        local: Any,
+        local: NodeHandle | None,
         info: NodeInfo | None = None,
         keys: Keyring | None = None,
     ) -> None:
@@ -88,8 +88,8 @@ class NodeReads:
                 read.add(i)
                 if on_done is not None:
                     on_done(i)
-        if read:
-            self.local.touch_batch.remote([nearest[i].key for i in read])
+        if read and self.local is not None:
+            self.local.touch([nearest[i].key for i in read])
         return read
 
     def pinned(
@@ -97,9 +97,10 @@ class NodeReads:
     ) -> list[Outcome]:
         """Pin ``keys`` on ``node_id``, move their bytes into ``dests``, release them; an :data:`Outcome` per key
         (``NodeUnreachable`` if the node is gone).  ``on_done(j)`` as soon as ``keys[j]`` is in place, intact."""
-        local = node_id == self.node_id and self.segment is not None
-        node = self.local if local else self.handles[node_id]
-        chunks: list[StoredChunk | None] = call(node.locate_batch.remote(keys))
+        local = node_id == self.node_id and self.segment is not None and self.local is not None
+        node = self.local if local and self.local is not None else self.handles[node_id]
+        loaded = node.prepare_load(keys, copy_nvme=not local)  # a peer's NVMe chunks come back with this one call
+        chunks = loaded.chunks
         result: list[Outcome] = [None] * len(keys)
 
         def mark(j: int, intact: bool) -> None:
@@ -114,10 +115,10 @@ class NodeReads:
                     with contextlib.suppress(ChunkNotFound):
                         mark(j, self._copy_local(c, dests[j]))
             else:
-                self._from_peer(node_id, node, usable, dests, mark)
+                self._from_peer(node_id, usable, loaded.copies, dests, mark)
             return result
         finally:
-            node.release_batch.remote(keys)
+            node.complete_load(keys)
 
     def _copy_local(self, chunk: StoredChunk, dest: memoryview) -> bool:
         """Copy a pinned chunk of this node into ``dest``; whether it came out intact.  One left on NVMe (not
@@ -140,20 +141,18 @@ class NodeReads:
     def _from_peer(
         self,
         node_id: str,
-        node: Any,
         usable: list[tuple[int, StoredChunk]],
+        copies: list[bytes | None],
         dests: list[memoryview],
         mark: Callable[[int, bool], None],
     ) -> None:
-        """Chunks left on the peer's NVMe come back as call results (the transport reaches DRAM only); DRAM chunks
-        by READs straight into the caller's registered buffers, the rest through the staging buffer."""
-        on_nvme = [(j, c) for j, c in usable if c.tier is not Tier.DRAM]
-        if on_nvme:
-            copies = call(node.read_batch.remote([c.key for _, c in on_nvme]))
-            for (j, c), data in zip(on_nvme, copies, strict=True):
-                if data is not None:
-                    with contextlib.suppress(ChunkNotFound):  # sealed, and this process cannot open it: a miss
-                        mark(j, fill(dests[j], data, c.codec, c.checksum, c.key, self.keys))
+        """Chunks left on the peer's NVMe came back with ``prepare_load`` (``copies``: the transport reaches DRAM
+        only); DRAM chunks by READs straight into the caller's registered buffers, the rest through the staging
+        buffer."""
+        for j, c in usable:
+            if c.tier is not Tier.DRAM and (data := copies[j]) is not None:
+                with contextlib.suppress(ChunkNotFound):  # sealed, and this process cannot open it: a miss
+                    mark(j, fill(dests[j], data, c.codec, c.checksum, c.key, self.keys))
         in_dram = [(j, c) for j, c in usable if c.tier is Tier.DRAM]
         addresses = {j: self.peers.registered_address(dests[j]) for j, _ in in_dram}
         direct = [(j, c, a) for j, c in in_dram if (a := addresses[j]) is not None]

@@ -9,8 +9,8 @@ from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.core.types import Placement, Tier
 from kvpool.errors import RemoteUnavailable
 from kvpool.pool.chunks import Recoded, StoredChunk
-from kvpool.pool.moves import read_stored, recode
-from kvpool.pool.store import ChunkStore
+from kvpool.pool.node.moves import read_stored, recode
+from kvpool.pool.node.store import ChunkStore
 from kvpool.pool.tiers.crypto import sealed_name
 from kvpool.pool.tiers.s3 import RemoteStore
 from kvpool.pool.tiers.s3_config import RemoteConfig

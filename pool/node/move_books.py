@@ -1,4 +1,4 @@
-"""Where a store's chunks go between its tiers: moves in steps (pool/moves.py does their I/O, without the node's lock),
+"""Where a store's chunks go between its tiers: moves in steps (pool/node/moves.py does their I/O, without the node's lock),
 the room a full tier makes (its least recently used chunks moved down, or dropped), and tenants kept to their quotas.
 
 A move is begun (the chunk pinned, its room in the target tier given now or once its re-encoded length is known),
@@ -15,22 +15,23 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import replace
+
+from msgspec.structs import replace
 
 from kvpool.core.types import DropCause, Tier
 from kvpool.errors import ChunkBusy, ConfigError, CorruptChunk, PoolFull
-from kvpool.pool.allocator import OffsetAllocator
 from kvpool.pool.chunks import Change, ChangeKind, StoredChunk, short
 from kvpool.pool.config import Watermarks
-from kvpool.pool.eviction import EvictionPolicy
-from kvpool.pool.moves import Move, Segments, load, whole_blocks, write
+from kvpool.pool.node.allocator import OffsetAllocator
+from kvpool.pool.node.eviction import EvictionPolicy
+from kvpool.pool.node.moves import Move, Segments, load, whole_blocks, write
 from kvpool.pool.tiers.crypto import Keyring, sealed_name
 
 log = logging.getLogger(__name__)
 
 
 class MoveBooks:
-    """Owned by a :class:`~kvpool.pool.store.ChunkStore`, which hands it what it keeps in step: the segments and their
+    """Owned by a :class:`~kvpool.pool.node.store.ChunkStore`, which hands it what it keeps in step: the segments and their
     allocators, the eviction policy, the store's chunks by key, the changes it publishes and its counters; the tiers'
     codecs, the keys that seal NVMe, the tenants' quotas, the watermarks, and the flag a DRAM above its high
     watermark raises."""
@@ -141,7 +142,7 @@ class MoveBooks:
 
     def begin(self, chunk: StoredChunk, tier: Tier) -> Move:
         """Start moving a held chunk to ``tier``: it is pinned for the move, and given its room there now if its
-        bytes move as they are (else after :func:`~kvpool.pool.moves.load`, by :meth:`place`).  ``ChunkBusy`` if a
+        bytes move as they are (else after :func:`~kvpool.pool.node.moves.load`, by :meth:`place`).  ``ChunkBusy`` if a
         reader has it pinned or it is moving already, ``PoolFull`` if ``tier`` has no room."""
         key = chunk.key
         if self.busy(key):
@@ -216,6 +217,10 @@ class MoveBooks:
     def _pinned_by(self, move: Move) -> bool:
         """Whether the chunk under ``move``'s key still holds the pin the move took (it was not dropped meanwhile)."""
         return move.key in self.policy and self.policy.state(move.key) is move.pin
+
+    def moving(self, key: bytes) -> bool:
+        """Whether a move of ``key`` has begun and not finished."""
+        return key in self._moving
 
     def offsets(self, tier: Tier) -> list[int]:
         """Where the rooms given to moves to ``tier`` start (for the store's audit)."""

@@ -3,7 +3,7 @@
 The node's store asks this policy for candidates and does the moving itself, re-trying its allocator
 after each one, because freed bytes are only useful once they form an extent large enough.  Recency is
 ``(last access time, access sequence)``: the clock orders accesses, the sequence breaks ties.  The unpinned chunks
-are kept in that order (:class:`~kvpool.pool.recency.RecencyIndex`) by tier and copy, and by tier and tenant, so
+are kept in that order (:class:`~kvpool.pool.node.recency.RecencyIndex`) by tier and copy, and by tier and tenant, so
 that each candidate costs O(log n), not a sort of the tier.
 """
 
@@ -16,14 +16,14 @@ from typing import TypeVar
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
-from kvpool.pool.recency import RecencyIndex
+from kvpool.pool.node.recency import RecencyIndex
 
 K = TypeVar("K", bound=Hashable)
 
 
 @dataclass
-class ChunkState:
-    """The policy's record of a chunk: read it, change it only through the policy (its order follows these fields)."""
+class Entry:
+    """The policy's entry for a chunk (its state in words: :class:`~kvpool.pool.chunks.ChunkState`): read it, change it only through the policy (its order follows these fields)."""
 
     tier: Tier
     size: int
@@ -39,7 +39,7 @@ class EvictionPolicy:
 
     def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
         self.clock = clock
-        self._chunks: dict[bytes, ChunkState] = {}
+        self._chunks: dict[bytes, Entry] = {}
         self._seq = itertools.count()
         self._used: Counter[tuple[str, Tier]] = Counter()  #: bytes per (tenant, tier)
         self._counts: Counter[Tier] = Counter()  #: chunks per tier, pinned ones included
@@ -48,14 +48,14 @@ class EvictionPolicy:
     def add(self, key: bytes, tier: Tier, size: int, *, replicated: bool = False, tenant: str = "") -> None:
         if key in self._chunks:
             raise ConfigError(f"chunk {key.hex()[:16]} is already tracked")
-        st = self._chunks[key] = ChunkState(
+        st = self._chunks[key] = Entry(
             tier, size, self.clock.time(), next(self._seq), replicated=replicated, tenant=tenant
         )
         self._used[(tenant, tier)] += size
         self._counts[tier] += 1
         self._place(key, st)
 
-    def state(self, key: bytes) -> ChunkState:
+    def state(self, key: bytes) -> Entry:
         """``KeyError`` for an untracked chunk."""
         return self._chunks[key]
 
@@ -87,7 +87,7 @@ class EvictionPolicy:
         st.replicated = True
         self._place(key, st)
 
-    def remove(self, key: bytes) -> ChunkState:
+    def remove(self, key: bytes) -> Entry:
         st = self._chunks.pop(key)
         self._used[(st.tenant, st.tier)] -= st.size
         self._counts[st.tier] -= 1
@@ -105,7 +105,7 @@ class EvictionPolicy:
         st.pins -= 1
         self._place(key, st)
 
-    def _place(self, key: bytes, st: ChunkState) -> None:
+    def _place(self, key: bytes, st: Entry) -> None:
         """Put the chunk where its state says in the order: out of it while pinned."""
         if st.pins:
             self._order.discard(key)

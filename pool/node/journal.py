@@ -40,14 +40,14 @@ import msgpack
 
 from kvpool.core.types import Tier
 from kvpool.errors import ConfigError, KvPoolError
-from kvpool.pool.allocator import OffsetAllocator
 from kvpool.pool.chunks import Change, ChangeKind, Origin, StoredChunk, check_origin, checksum, short
-from kvpool.pool.moves import read_stored
+from kvpool.pool.node.allocator import OffsetAllocator
+from kvpool.pool.node.moves import read_stored
 from kvpool.pool.segment import ALIGN, NvmeSegment
 from kvpool.pool.tiers.codecs import TensorFormat
 
 if TYPE_CHECKING:
-    from kvpool.pool.store import ChunkStore
+    from kvpool.pool.node.store import ChunkStore
 
 log = logging.getLogger(__name__)
 FORMAT = "kvpool-nvme-journal/1"

@@ -12,8 +12,8 @@ import torch
 from kvpool.core.types import Placement, Tier
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.pool.buffers import byte_view
-from kvpool.pool.chunks import StoredChunk, checksum, short
-from kvpool.pool.node_handle import NodeInfo, call
+from kvpool.pool.chunks import checksum, short
+from kvpool.pool.protocol import NodeHandle, NodeInfo
 from kvpool.pool.segment import NvmeSegment
 from kvpool.pool.tiers.gds import DeviceIO
 
@@ -35,9 +35,10 @@ def _host_like(t: torch.Tensor) -> torch.Tensor:
 
 
 class DeviceReads:
-    """``info`` and ``local``: the pool node on this Ray node and its actor (None: there is none)."""
+    """``info`` and ``local``: what the pool node on this Ray node told of itself, and the node (None: there is
+    none)."""
 
-    def __init__(self, node_id: str, info: NodeInfo | None, local: Any) -> None:
+    def __init__(self, node_id: str, info: NodeInfo | None, local: NodeHandle | None) -> None:
         self.node_id, self.info, self.local = node_id, info, local
         self._io: DeviceIO | None = None  #: this node's NVMe segment, opened on first use
         self.counts = {"direct": 0, "direct_bytes": 0, "via_host": 0, "via_host_bytes": 0}
@@ -81,10 +82,10 @@ class DeviceReads:
         """Pin the chunks at ``direct`` (not promoted) and read them from the segment file into their tensors;
         the indexes that landed intact."""
         io = self._nvme()
-        if io is None:
+        if io is None or self.local is None:
             return set()
         landed: set[int] = set()
-        chunks: list[StoredChunk | None] = call(self.local.locate_batch.remote([keys[i] for i in direct], False))
+        chunks = self.local.prepare_load([keys[i] for i in direct], promote=False).chunks
         try:
             for i, c in zip(direct, chunks, strict=True):
                 if c is None or c.tier is not Tier.NVME or c.codec != "raw" or c.stored != flats[i].numel():
@@ -99,5 +100,5 @@ class DeviceReads:
                     self.counts["direct"] += 1
                     self.counts["direct_bytes"] += c.stored
         finally:
-            self.local.release_batch.remote([keys[i] for i in direct])
+            self.local.complete_load([keys[i] for i in direct])
         return landed

@@ -126,7 +126,7 @@ class OffsetAllocator:
         self._used += rounded
 
     def copy(self) -> "OffsetAllocator":
-        """An independent allocator in the same state (to try frees on: see ``MoveBooks.demotions`` in pool/move_books.py)."""
+        """An independent allocator in the same state (to try frees on: see ``MoveBooks.demotions`` in pool/node/move_books.py)."""
         other = OffsetAllocator.__new__(OffsetAllocator)
         other.__dict__.update(self.__dict__)
         other._free_starts, other._free_size, other._live = (

@@ -1,10 +1,11 @@
 """The write path: a batch's bytes into one node's DRAM, in a room the client holds there, with one call per batch.
 
-A client keeps one :class:`~kvpool.pool.chunks.Room` per node it writes to: DRAM the node set aside for its next
+A client keeps one :class:`~kvpool.pool.protocol.Room` per node it writes to: DRAM the node set aside for its next
 batch before the keys were known.  The client lays the batch's chunks out in the room, writes them (same node:
 straight into the mapped segment; a peer: from the registered staging buffer with one batched one-sided WRITE),
-and hands them over with ``fill_room``, whose reply opens the next room.  So a batch costs one Ray call and one
-etcd transaction; only the first batch on a node, or one larger than the room held, opens a room first.
+and hands them over with ``complete_store``, whose reply opens the next room.  So a batch costs one Ray call and one
+etcd transaction; only the first batch on a node, or one larger than the room held, opens a room first
+(``prepare_store``).
 
 In rounds, since room set aside cannot be evicted to make more: at most a quarter of the holder's DRAM (and of
 the staging buffer) per round.  A room is used only within half its TTL, after which its node may reclaim it.
@@ -15,13 +16,12 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from kvpool.core.types import NodeRecord, Tier
 from kvpool.errors import ChunkNotFound, PoolFull
-from kvpool.pool.chunks import SEGMENT_NAMES, Origin, Room
-from kvpool.pool.node_handle import call
-from kvpool.pool.peers import STAGING_BYTES, Peers, rounds
+from kvpool.pool.chunks import SEGMENT_NAMES, Origin
+from kvpool.pool.client.peers import STAGING_BYTES, Peers, rounds
+from kvpool.pool.protocol import Filled, NodeHandle, Room
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.transport.base import Op
@@ -50,11 +50,11 @@ class Rooms:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: dict[str, tuple[Any, Room, float]] = {}  #: node id -> (its actor, the room, when received)
+        self._held: dict[str, tuple[NodeHandle, Room, float]] = {}  #: node id -> (its node, the room, when received)
         self._alignment = PAGE
 
-    def take(self, node_id: str, node: Any, sizes: Sequence[int]) -> tuple[Room, list[int]]:
-        """A room on ``node_id`` (``node``: its actor) for chunks of ``sizes``, and their offsets in it: the room
+    def take(self, node_id: str, node: NodeHandle, sizes: Sequence[int]) -> tuple[Room, list[int]]:
+        """A room on ``node_id``  for chunks of ``sizes``, and their offsets in it: the room
         held there if they fit and it is fresh, else a new one (the one held is closed, not waited for)."""
         with self._lock:
             holder, held, received = self._held.pop(node_id, (node, None, 0.0))
@@ -62,34 +62,34 @@ class Rooms:
             offsets = held.carve(list(sizes))
             if offsets is not None and time.monotonic() - received < held.ttl_s / 2:
                 return held, offsets
-            holder.close_room.remote(held.id)
+            holder.abort_store(held.id)
         for _ in range(2):  # a second time only if the node's alignment is not the one assumed
-            room: Room = call(node.open_room.remote(room_bytes(sizes, self._alignment)))
+            room = node.prepare_store(room_bytes(sizes, self._alignment))
             self._alignment = room.alignment
             if (offsets := room.carve(list(sizes))) is not None:
                 return room, offsets
-            node.close_room.remote(room.id)
+            node.abort_store(room.id)
         raise AssertionError(f"a room of {room.length} bytes cannot hold {len(sizes)} chunks it was opened for")
 
     def fill(
         self,
         node_id: str,
-        node: Any,
+        node: NodeHandle,
         room: Room,
-        chunks: list[tuple[bytes, int, int, int, TensorFormat | None]],
+        chunks: list[Filled],
         replicated: bool,
         origin: Origin,
     ) -> int:
         """Hand the chunks written into ``room`` over as ``origin``'s (one call, which opens the next room of the same
         size); the etcd revision that shows them."""
-        revision, nxt = call(node.fill_room.remote(room.id, chunks, replicated, room.length, origin))
-        if nxt is not None:
+        stored = node.complete_store(room, chunks, replicated, origin, next_length=room.length)
+        if (nxt := stored.next_room) is not None:
             with self._lock:
                 old = self._held.pop(node_id, None)
                 self._held[node_id] = (node, nxt, time.monotonic())
             if old is not None:  # another thread of this client wrote there meanwhile
-                old[0].close_room.remote(old[1].id)
-        return int(revision)
+                old[0].abort_store(old[1].id)
+        return stored.revision
 
     def close(self) -> None:
         """Give every room back (not waited for)."""
@@ -97,13 +97,13 @@ class Rooms:
             held, self._held = self._held, {}
         for node, room, _ in held.values():
             with contextlib.suppress(Exception):  # a node gone meanwhile took its rooms along
-                node.close_room.remote(room.id)
+                node.abort_store(room.id)
 
 
 def _put_round(
     rooms: Rooms,
     node_id: str,
-    node: Any,
+    node: NodeHandle,
     items: Sequence[Item],
     sums: Sequence[Summary],
     replicated: bool,
@@ -118,9 +118,9 @@ def _put_round(
         try:
             write(offsets)
         except BaseException:
-            node.close_room.remote(room.id)
+            node.abort_store(room.id)
             raise
-        chunks = [(k, o, v.nbytes, *s) for o, (k, v), s in zip(offsets, items, sums, strict=True)]
+        chunks = [Filled(k, o, v.nbytes, *s) for o, (k, v), s in zip(offsets, items, sums, strict=True)]
         try:
             return rooms.fill(node_id, node, room, chunks, replicated, origin)
         except ChunkNotFound:
@@ -130,7 +130,7 @@ def _put_round(
 
 
 def put_local(
-    node: Any,
+    node: NodeHandle,
     node_id: str,
     rooms: Rooms,
     segment: DramSegment,
@@ -139,7 +139,7 @@ def put_local(
     replicated: bool,
     origin: Origin,
 ) -> int:
-    """Write ``items`` into this node (``node``: its actor, ``segment``: its mapped DRAM); the etcd revision that
+    """Write ``items`` into this node (``segment``: its mapped DRAM); the etcd revision that
     shows them."""
     revision = 0
     for r in rounds([v.nbytes for _, v in items], max(1, segment.capacity // 4)):
@@ -153,7 +153,7 @@ def put_local(
 
 
 def put_peer(
-    node: Any,
+    node: NodeHandle,
     node_id: str,
     rooms: Rooms,
     peers: Peers,
@@ -163,7 +163,7 @@ def put_peer(
     replicated: bool,
     origin: Origin,
 ) -> int:
-    """Write ``items`` into the peer ``node_id`` (``node``: its actor, ``dram_bytes``: its DRAM capacity) from
+    """Write ``items`` into the peer ``node_id`` (``dram_bytes``: its DRAM capacity) from
     the staging buffer, one batched one-sided WRITE a round; the etcd revision that shows them."""
     revision = 0
     for r in rounds([v.nbytes for _, v in items], min(max(dram_bytes // 4, 1), STAGING_BYTES)):
