@@ -7,12 +7,15 @@ it started on exit.  ``demo_service`` puts a prefill worker and a decode worker 
 they print goes through a :class:`Report`, so the library itself stays quiet.
 """
 
+import json
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 import msgspec
@@ -233,10 +236,6 @@ def engine_service(
 ) -> "Iterator[EngineService]":
     """One vLLM engine (CPU) with kvpool's connector per Ray node, ``engines`` of them, on this machine, their KV
     events to a socket on the first node's address, their cost models measured, and the router over them."""
-    import json
-    import tempfile
-    from pathlib import Path
-
     from kvpool.metadata.cache import MetadataCache
     from kvpool.metadata.client import EtcdClient
     from kvpool.metadata.namespace import Namespace

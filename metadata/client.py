@@ -13,8 +13,6 @@ is diagnosed at once and raised with its fix, never retried until the deadline.
 
 import logging
 import queue
-import socket
-import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,8 +25,9 @@ from pyetcd import exceptions as etcd_exc
 from pyetcd import transactions as etcd_txn
 from pyetcd import utils as etcd_utils
 
-from kvpool.errors import ConfigError, MetadataUnavailable
-from kvpool.metadata.config import ENDPOINTS_ENV, TLS_ENV, MetadataConfig, parse_endpoint
+from kvpool.errors import MetadataUnavailable
+from kvpool.metadata import tls
+from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig, parse_endpoint
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,7 +40,7 @@ _RETRIABLE_EXC = (
     etcd_exc.InternalServerError,
 )
 # Reconnect quickly after etcd restarts; gRPC's default backoff grows to 120 s.
-_CHANNEL_OPTIONS = [
+_CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
@@ -51,8 +50,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
 ]
 FAILED_MEMBER_S = 1.0  #: with several endpoints, a member that failed a call is skipped this long
-#: how to reach etcd over TLS from the command line, for error messages
-_TLS_HOW = f"--etcd-tls DIR (the cluster's certificate directory), or {', '.join(TLS_ENV.values())}"
 
 Put = etcd_txn.Put
 Get = etcd_txn.Get
@@ -80,23 +77,6 @@ def _rpc_error(exc: BaseException) -> grpc.RpcError | None:
     return None
 
 
-def speaks_tls(host: str, port: int, timeout_s: float = 1.0) -> bool | None:
-    """Whether the server at ``host:port`` answers a TLS handshake (certificates unchecked: this only tells a TLS
-    listener from a plaintext one); None when it cannot be reached."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s) as raw, ctx.wrap_socket(raw) as tls:
-            tls.do_handshake()
-        return True
-    except ssl.SSLError as exc:  # an alert (e.g. certificate required) is a TLS server talking
-        return "ALERT" in str(exc).upper()
-    except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError):
-        return False  # hung up on a ClientHello: a plaintext server
-    except OSError:
-        return None
-
-
 class KeyValue:
     """One key of a range or watch answer, detached from protobuf."""
 
@@ -120,15 +100,8 @@ class EtcdClient:
             )
         self.config = config
         self.several = len(config.endpoints) > 1
-        creds, opts = None, list[tuple[str, int | str]](_CHANNEL_OPTIONS)
-        if config.tls:
-            creds = grpc.ssl_channel_credentials(
-                _read(config.tls_ca),
-                _read(config.tls_key) if config.tls_key else None,
-                _read(config.tls_cert) if config.tls_cert else None,
-            )
-            if config.tls_server_name:
-                opts.append(("grpc.ssl_target_name_override", config.tls_server_name))
+        creds, opts = tls.credentials(config)
+        opts = _CHANNEL_OPTIONS + opts
         endpoints = [
             pyetcd.Endpoint(
                 host,
@@ -182,38 +155,9 @@ class EtcdClient:
 
     def tls_mismatch(self, exc: BaseException) -> str | None:
         """What is wrong, and the fix, when ``exc`` comes from TLS on one side only or a refused certificate;
-        None for any other failure.  Asks the member whether it speaks TLS, so it costs a connection."""
+        None for any other failure (see :func:`~kvpool.metadata.tls.mismatch`)."""
         rpc = _rpc_error(exc)
-        details = (rpc.details() or "") if rpc is not None else ""
-        low = details.lower()
-        host, port = self.current()
-        where = f"etcd at {host}:{port}"
-        if self.config.tls:
-            if "handshake" not in low and "ssl" not in low and "tls" not in low:
-                return None
-            tls = speaks_tls(host, port)
-            if tls is None:
-                return None  # not reachable now (a member restarting): retriable
-            if not tls:
-                return (
-                    f"{where} does not serve TLS, and this client is configured for TLS only ({_TLS_HOW}): start "
-                    "etcd with TLS (kvpool etcd --tls-dir DIR) or point the client at the TLS etcd"
-                )
-            if not self.config.tls_cert and "certificate" in low:
-                return (
-                    f"{where} asks for a client certificate and none is configured: give one signed by etcd's CA "
-                    f"({_TLS_HOW}) [{details}]"
-                )
-            return (
-                f"the TLS handshake with {where} failed: etcd's certificate must be signed by {self.config.tls_ca} "
-                f"and name the host (or tls_server_name), and the client's by the CA etcd trusts [{details}]"
-            )
-        if "socket closed" in low and speaks_tls(host, port):
-            return (
-                f"{where} serves TLS and this client has no TLS settings: give it the cluster's CA and a client "
-                f"certificate ({_TLS_HOW})"
-            )
-        return None
+        return tls.mismatch(self.config, *self.current(), (rpc.details() or "") if rpc is not None else "")
 
     def fail_over(self, member: str) -> None:
         """Set ``member`` (``host:port``) aside: it failed a watch, so the next channel is another member's."""
@@ -339,14 +283,6 @@ class EtcdClient:
         """Every change under ``prefix`` from ``start_revision`` on (``prev_kv``: each event also carries the
         value the key held before); with several members it moves to another when its member fails."""
         return WatchStream(self, prefix, start_revision, prev_kv=prev_kv)
-
-
-def _read(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path} for etcd's TLS ({exc}); every node needs the file at that path") from exc
 
 
 def _kv_from_meta(value: bytes, meta: Any) -> KeyValue:

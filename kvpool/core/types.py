@@ -4,7 +4,7 @@ Plain frozen values with no encoding; how they are stored in etcd is :mod:`kvpoo
 """
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.core.keys import CacheIdentity
@@ -53,6 +53,11 @@ def nearest_first(node: str) -> Callable[["Placement"], tuple[bool, bool, int]]:
 
     ``min(replicas, key=nearest_first(node))`` is the best one, ``sorted`` the order to fall back in."""
     return lambda p: (p.tier is Tier.REMOTE, p.node != node, p.tier.rank)
+
+
+def nearest(replicas: Sequence[Placement], node: str) -> Placement | None:
+    """The replica a reader on ``node`` reads (:func:`nearest_first`); None when there is none."""
+    return min(replicas, key=nearest_first(node)) if replicas else None
 
 
 @dataclass(frozen=True)

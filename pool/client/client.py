@@ -44,7 +44,7 @@ from kvpool.errors import (
 from kvpool.metadata import identities
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
-from kvpool.metadata.misses import MISS_CAUSES, miss_cause
+from kvpool.metadata.lookup import PrefixLookup
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.advisor import AccessLog
@@ -77,6 +77,7 @@ class PoolClient:
         if not ray.is_initialized():
             raise ConfigError("PoolClient needs Ray: call ray.init(address=...) first")
         self.access_log = AccessLog.from_env()  #: sampled lookups for kvpool advise (KVPOOL_ACCESS_LOG)
+        self._lookup = PrefixLookup(self.access_log)
         self.config = config
         self.node_id = ray.get_runtime_context().get_node_id()
         self.etcd = EtcdClient(config.metadata)
@@ -296,21 +297,14 @@ class PoolClient:
         return [self.exists(k) for k in check_keys(keys)]
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading chunks of a hash chain the pool holds (no etcd round trip)."""
-        keys = check_keys(keys)
-        held = self.cache.lookup_prefix(keys)
-        self.count_lookup(len(keys), held)
-        if held < len(keys):
-            self.count_miss(miss_cause(self.cache, keys[held : held + 1])[0].value)
-        self.record_lookup(keys)
-        return held
-
-    def record_lookup(self, keys: Sequence[bytes]) -> None:
-        """Add a lookup of ``keys`` to this process's access log, when ``KVPOOL_ACCESS_LOG`` asks for one (the
-        stream ``kvpool advise`` builds its miss-ratio curves from); :meth:`lookup_prefix` records its own."""
-        keys = check_keys(keys)
-        if self.access_log is not None:
-            self.access_log.record(keys, self.cache.size_of)
+        """How many leading chunks of a hash chain the pool holds (no etcd round trip); counted for the node's hit
+        rate, a short one under its miss cause, and logged for ``kvpool advise`` when ``KVPOOL_ACCESS_LOG`` is set."""
+        hit = self._lookup(self.cache, [[key] for key in check_keys(keys)])
+        self.count_lookup(hit.asked, hit.held)
+        if hit.cause is not None:
+            self._stats.seen.miss(hit.cause.value)
+            self._stats.report()
+        return hit.held
 
     def count_lookup(self, asked: int, held: int) -> None:
         """Count a prefix lookup of ``asked`` chunks of which the pool held the first ``held`` (the node's
@@ -320,14 +314,6 @@ class PoolClient:
                 f"count_lookup takes 0 <= held <= asked (ints), got asked={asked!r:.20}, held={held!r:.20}"
             )
         self._stats.seen.lookup(asked, held)
-        self._stats.report()
-
-    def count_miss(self, cause: str) -> None:
-        """Count a lookup that stopped short, or a reload that fell back, under ``cause`` (a
-        :class:`~kvpool.metadata.misses.MissCause` value): ``kvpool_misses_total{cause}``."""
-        if not isinstance(cause, str) or cause not in MISS_CAUSES:
-            raise ConfigError(f"count_miss takes one of {', '.join(MISS_CAUSES)}, got {cause!r:.40}")
-        self._stats.seen.miss(cause)
         self._stats.report()
 
     def record_engine(self, counts: dict[str, float]) -> None:

@@ -1,6 +1,7 @@
 """What every engine's connector to the pool does the same way, whatever the engine: one prefix lookup over the watch
-cache (:class:`~.lookup.PrefixLookup`: the hit, the miss cause, the access log), one host staging buffer
-(:class:`~.staging.HostStaging`: grown and registered with the transport once), one tenant scope
+cache (:class:`~kvpool.metadata.lookup.PrefixLookup`, which the pool client uses too: the hit, the miss cause, the
+access log), one host staging buffer (:class:`~.staging.HostStaging`: grown and registered with the transport once),
+one tenant scope
 (:class:`~.tenancy.TenantScope`: which tenant a request is for, and the chain its keys are in) and one place that
 counts what the engine moved (:class:`~.counts.EngineCounts`: ``kvpool_engine_*`` and ``kvpool_misses_total``).
 

@@ -3,9 +3,9 @@
 import threading
 from typing import Protocol
 
+from kvpool.metadata.lookup import Hit
 from kvpool.metadata.misses import MissCause
 from kvpool.pool.metrics import MISS_PREFIX
-from kvpool.prefill_decode.connector_core.lookup import Hit
 
 
 class EngineSink(Protocol):

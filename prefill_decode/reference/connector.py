@@ -23,13 +23,14 @@ import torch
 from transformers import DynamicCache
 
 from kvpool.core.keys import CacheIdentity
+from kvpool.core.types import nearest
 from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError
 from kvpool.metadata.identities import fingerprint
+from kvpool.metadata.lookup import Hit, PrefixLookup
 from kvpool.metadata.misses import MissCause
 from kvpool.pool.client import PoolClient
 from kvpool.pool.tenants import Scope
 from kvpool.prefill_decode.connector_core.counts import EngineCounts
-from kvpool.prefill_decode.connector_core.lookup import Hit, PrefixLookup, nearest
 from kvpool.prefill_decode.connector_core.staging import HostStaging
 from kvpool.prefill_decode.reference.layout import KVBuffer, KVLayout
 

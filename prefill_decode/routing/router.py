@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.core.keys import token_array
-from kvpool.core.types import Placement, Tier
+from kvpool.core.types import Placement, Tier, nearest
 from kvpool.errors import ConfigError
 from kvpool.pool.tenants import Scope
-from kvpool.prefill_decode.connector_core.lookup import nearest
 from kvpool.prefill_decode.reference.connector import PoolConnector
 from kvpool.prefill_decode.routing.cost import Action, CostModel, Decision
 

@@ -14,10 +14,10 @@ from kvpool.errors import KvPoolError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.identities import register as register_identity
+from kvpool.metadata.lookup import Hit, PrefixLookup
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.advisor import AccessLog
 from kvpool.prefill_decode.connector_core.counts import EngineCounts
-from kvpool.prefill_decode.connector_core.lookup import Hit, PrefixLookup
 from kvpool.prefill_decode.connector_core.tenancy import TenantScope
 from kvpool.prefill_decode.vllm.config import ConnectorConfig
 

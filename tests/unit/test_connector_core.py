@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from kvpool.core.types import DropCause, Placement, Tier, Tombstone
+from kvpool.core.types import DropCause, Placement, Tier, Tombstone, nearest
+from kvpool.metadata.lookup import Hit, PrefixLookup
 from kvpool.metadata.misses import MissCause
 from kvpool.pool.tenants import new_secret
 from kvpool.prefill_decode.connector_core.counts import EngineCounts
-from kvpool.prefill_decode.connector_core.lookup import Hit, PrefixLookup, nearest
 from kvpool.prefill_decode.connector_core.staging import HostStaging
 from kvpool.prefill_decode.connector_core.tenancy import TenantScope
 

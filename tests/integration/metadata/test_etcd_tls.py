@@ -16,10 +16,11 @@ import pytest
 from kvpool.core.types import Placement, Tier
 from kvpool.errors import ConfigError, MetadataUnavailable
 from kvpool.metadata.cache import MetadataCache
-from kvpool.metadata.client import EtcdClient, speaks_tls
+from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
+from kvpool.metadata.tls import speaks_tls
 from kvpool.servers import certs
 from kvpool.servers.etcd import EmbeddedEtcd
 from kvpool.servers.process import free_ports

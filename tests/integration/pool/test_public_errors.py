@@ -58,8 +58,6 @@ GOOD: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "exists_batch": (([KEY],), {}),
     "lookup_prefix": (([KEY],), {}),
     "count_lookup": ((1, 1), {}),
-    "count_miss": (("evicted",), {}),
-    "record_lookup": (([KEY],), {}),
     "register_identity": ((CacheIdentity(model="m", kv_dtype="u8", layout="b"),), {}),
     "record_engine": (({"tokens": 1},), {}),
     "remove": ((MISSING,), {}),

@@ -1,11 +1,10 @@
-"""One prefix lookup over the watch cache, for every engine: how many leading chunks the pool holds, why the next one
-is missing, and the access log ``kvpool advise`` reads."""
+"""One prefix lookup over the watch cache, for the pool client and every engine's connector: how many leading chunks
+the pool holds, why the next one is missing, and the access log ``kvpool advise`` reads."""
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvpool.core.types import Placement, nearest_first
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.misses import MissCause, miss_cause
 
@@ -52,8 +51,3 @@ class PrefixLookup:
     def close(self) -> None:
         if self.access_log is not None:
             self.access_log.close()
-
-
-def nearest(replicas: Sequence[Placement], node: str) -> Placement | None:
-    """The replica a reader on ``node`` reads (:func:`~kvpool.core.types.nearest_first`); None when there is none."""
-    return min(replicas, key=nearest_first(node)) if replicas else None
