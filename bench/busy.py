@@ -1,7 +1,7 @@
 """Reads while the node works: the latency of a 4 MiB get from a node that is demoting to NVMe and flushing to S3,
 beside the same gets from the same node idle.
 
-Starts its own pool (embedded etcd, a local 2-node Ray cluster, SeaweedFS on loopback as the S3 tier) with a small
+Starts its own pool (embedded etcd, a local 2-node Ray cluster, SeaweedFS on loopback as the remote tier) with a small
 DRAM segment and ``flush_after_s`` short, so that a stream of puts into the head node keeps it demoting LRU chunks
 to NVMe and uploading idle NVMe chunks to S3.  A hot set of chunks stays in the head node's DRAM; it is read one key
 per call by a client on the head node (same node: out of the mapped segment) and by one on the other node (a peer:

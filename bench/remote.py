@@ -1,4 +1,4 @@
-"""Remote (S3) tier throughput: RemoteStore put/get beside raw boto3 on the same server, and KV through codecs.
+"""Remote tier (S3) throughput: RemoteStore put/get beside raw boto3 on the same server, and KV through codecs.
 
 Starts its own SeaweedFS (``kvpool/servers/seaweedfs.py``: one ``weed server`` on loopback, fresh credentials, a fresh bucket),
 or with ``--endpoint`` and ``--bucket`` uses that server and bucket with boto3's own credentials

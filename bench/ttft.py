@@ -12,7 +12,7 @@ process: a random-weight 8-layer Llama (GQA) by default.  For each prompt length
 
 and prints beside each the cost model's prediction (FLOPS_eff and tier bandwidths measured at the start of
 the run), the floor set by memcpy / raw O_DIRECT disk for moving that much KV, and the share of fetch time
-the layer-wise pipeline hid behind compute.  The remote (S3) tier does not exist yet (issue 6).
+the layer-wise pipeline hid behind compute.  Reloads from the remote tier are measured by bench/remote.py.
 
     python bench/ttft.py [--lengths 1024,4096,8192] [--repeat 3] [--json bench/results/ttft.json]
 """

@@ -76,7 +76,7 @@ class UndecryptableChunk(ChunkNotFound):
 
 
 class RemoteUnavailable(KvPoolError):
-    """The remote (S3) tier could not be used: the endpoint is down or unreachable, the credentials were refused
+    """The remote tier could not be used: the endpoint is down or unreachable, the credentials were refused
     (403), or the bucket is missing.  For a read the chunk is a miss in that tier; nothing in the other tiers is
     affected."""
 

@@ -67,9 +67,9 @@ class PoolConfig(Config, frozen=True):
     #: tenant -> (DRAM bytes, NVMe bytes) its chunks may take on each node (0: no limit): over it, its own least
     #: recently used chunks go first (pool/tenants.py; ``Tenants.quotas()`` gives these from a tenants file)
     quotas: dict[_Text, tuple[_Quota, _Quota]] = field(default_factory=dict)
-    remote: RemoteConfig = field(default_factory=RemoteConfig)  #: the S3 tier; off until ``remote.bucket`` is set
+    remote: RemoteConfig = field(default_factory=RemoteConfig)  #: the remote tier; off until ``remote.bucket`` is set
     #: encryption at rest of the NVMe tier: every chunk there sealed with AES-256-GCM (pool/tiers/crypto.py); off
-    #: until a key file or variable is set.  The S3 tier has its own, ``remote.encryption``
+    #: until a key file or variable is set.  The remote tier has its own, ``remote.encryption``
     encryption: EncryptionConfig = field(default_factory=EncryptionConfig)
 
     def check(self) -> None:

@@ -14,7 +14,7 @@ from kvpool.pool.protocol import NodeHandle
 #: upper bounds (seconds) of the client get latency histogram; one batched get is one observation
 MISS_PREFIX = "miss_"  #: an engine's count named ``miss_<cause>`` is a short lookup or failed load: kvpool_misses_total
 GET_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-SOURCES = ("local", "peer", "remote_tier")  #: this node, another node, the S3 tier
+SOURCES = ("local", "peer", "remote_tier")  #: this node, another node, the remote tier
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""``kvpool gc``: reconcile the remote (S3) tier with etcd."""
+"""``kvpool gc``: reconcile the remote tier with etcd."""
 
 import typer
 
@@ -21,7 +21,7 @@ def remote_gc(
         help="Leave objects younger than this (s): flushes in flight.",
     ),
 ) -> None:
-    """Reconcile the remote (S3) tier with etcd: delete orphan objects, drop placements of missing ones.
+    """Reconcile the remote tier with etcd: delete orphan objects, drop placements of missing ones.
 
     Remote placements are on no node's lease (they outlive nodes): PoolClient.remove, this command and an
     S3 lifecycle rule on the bucket are what remove them.  Objects no placement names are deleted once older

@@ -4,7 +4,7 @@ import typer
 
 from kvpool.cli import root
 
-keys = typer.Typer(help="Key files for encryption at rest of the NVMe and S3 tiers.", no_args_is_help=True)
+keys = typer.Typer(help="Key files for encryption at rest of the NVMe and remote tiers.", no_args_is_help=True)
 root.app.add_typer(keys, name="keys")
 
 

@@ -90,7 +90,7 @@ S3_BUCKET = typer.Option(
     field_default(RemoteConfig, "bucket"),
     "--s3-bucket",
     envvar="KVPOOL_S3_BUCKET",
-    help="Bucket of the remote (S3) tier; empty: no remote tier.  Keys: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.",
+    help="Bucket of the remote tier; empty: no remote tier.  Keys: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.",
     show_default=False,
     rich_help_panel=REMOTE_PANEL,
 )

@@ -17,7 +17,7 @@ replicas of a chunk) are answered by a local watch-synced copy of etcd, without 
 
 The paths live in their own modules: :mod:`~kvpool.pool.client.writes` (puts), :mod:`~kvpool.pool.client.reads`
 (reads from nodes), :mod:`~kvpool.pool.client.replicas` (which replica, in which order), :mod:`~kvpool.pool.client.peers`
-(the transport), :mod:`~kvpool.pool.tiers.s3_reads` (the S3 tier), :mod:`~kvpool.pool.client.device_reads` (into
+(the transport), :mod:`~kvpool.pool.tiers.s3_reads` (the remote tier), :mod:`~kvpool.pool.client.device_reads` (into
 device memory) and :mod:`~kvpool.pool.protocol` (the typed node calls).  A chunk stored with a codec is verified on
 its stored bytes, then decoded into the caller's buffer.  Every read is checked against its placement's checksum: a
 mismatch drops that replica (everywhere) and tries the next; if none is intact the caller gets :class:`CorruptChunk`,
@@ -283,7 +283,7 @@ class PoolClient:
         return self.device.counts
 
     def remote_gc(self, grace_s: float = GC_GRACE_S) -> tuple[int, int]:
-        """Reconcile the S3 tier with etcd (see :func:`~kvpool.pool.tiers.s3.collect_garbage`)."""
+        """Reconcile the remote tier with etcd (see :func:`~kvpool.pool.tiers.s3.collect_garbage`)."""
         if not isinstance(grace_s, (int, float)) or isinstance(grace_s, bool) or not grace_s >= 0:
             raise ConfigError(f"grace_s must be a number of seconds >= 0, got {grace_s!r:.40}")
         return self.s3.gc(grace_s)

@@ -57,7 +57,7 @@ class Replicas:
         return [sorted(f, key=nearest_first(self.node_id)) for f in found]
 
     def source(self, p: Placement) -> str:
-        """Where a read comes from, as the metrics name it: this node, a peer, or the remote (S3) tier."""
+        """Where a read comes from, as the metrics name it: this node, a peer, or the remote tier."""
         return "remote_tier" if p.tier is Tier.REMOTE else "local" if p.node == self.node_id else "peer"
 
     def read_any(self, key: bytes, dest: memoryview) -> int:

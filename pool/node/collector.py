@@ -33,7 +33,7 @@ _COUNTERS = {
     "bytes_via_ray": ("kvpool_ray_bytes", "KV bytes moved as Ray call arguments/results, not one-sided", {}),
     "encoded": ("kvpool_codec_chunks", "Chunks re-stored with another codec on a move", {"direction": "encode"}),
     "decoded": ("kvpool_codec_chunks", "Chunks re-stored with another codec on a move", {"direction": "decode"}),
-    "flushed": ("kvpool_remote_flushed_chunks", "NVMe chunks copied to the remote (S3) tier", {}),
+    "flushed": ("kvpool_remote_flushed_chunks", "NVMe chunks copied to the remote tier", {}),
     "flushed_bytes": ("kvpool_remote_flushed_bytes", "Bytes uploaded to the remote tier (after its codec)", {}),
     "remote_errors": ("kvpool_remote_errors", "Flush turns or checks the remote tier refused (endpoint, 403)", {}),
     "recovered": (

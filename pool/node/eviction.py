@@ -82,7 +82,7 @@ class EvictionPolicy:
         self._place(key, st)
 
     def mark_replicated(self, key: bytes) -> None:
-        """Another copy of the chunk exists now (the S3 tier's, or another node's): a full tier drops it first."""
+        """Another copy of the chunk exists now (the remote tier's, or another node's): a full tier drops it first."""
         st = self._chunks[key]
         st.replicated = True
         self._place(key, st)

@@ -1,4 +1,4 @@
-"""The node's flush to the S3 tier: which NVMe chunks go up, how they are encoded, and the back-off after a refused
+"""The node's flush to the remote tier: which NVMe chunks go up, how they are encoded, and the back-off after a refused
 upload.  A plain class on an injected clock; the ``PoolNode`` runs a turn and publishes what it returns."""
 
 import logging
@@ -41,7 +41,7 @@ def idle(store: ChunkStore, tier: Tier, idle_s: float, max_bytes: int) -> list[S
 
 
 class Flusher:
-    """Uploads NVMe chunks idle for ``config.flush_after_s`` (least recently used first) to the S3 tier, encoded
+    """Uploads NVMe chunks idle for ``config.flush_after_s`` (least recently used first) to the remote tier, encoded
     with ``config.codec`` (and sealed, with ``config.encryption`` set: every chunk, bytes or tensor).  A turn with a failed upload pauses the next ones (1 s, doubling to 60 s); the chunks
     it could not upload stay on NVMe, unflushed, for a later turn."""
 
@@ -102,7 +102,7 @@ class Flusher:
         if error is not None:
             self.store.counters["remote_errors"] += 1
             log.warning(
-                "flush to the S3 tier: %d of %d chunks not uploaded: %s",
+                "flush to the remote tier: %d of %d chunks not uploaded: %s",
                 len(uploads) - len(placements),
                 len(uploads),
                 error,

@@ -323,7 +323,7 @@ class PoolNode:
         return reaped
 
     def flush(self, max_bytes: int = FLUSH_BYTES) -> int:
-        """Upload NVMe chunks idle for ``remote.flush_after_s`` to the S3 tier (a :class:`Flusher` turn, its reads and
+        """Upload NVMe chunks idle for ``remote.flush_after_s`` to the remote tier (a :class:`Flusher` turn, its reads and
         uploads without the lock) and publish their S3 placements on no lease.  Returns how many were flushed.  A
         failed upload leaves the chunks on NVMe, unflushed: a later turn tries again; nothing is lost."""
         with self._flush_lock:  # the timer's turn, or a caller's (tests, benchmarks): one at a time

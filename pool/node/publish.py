@@ -4,7 +4,7 @@ Every change the store records is published as placements bound to the node's le
 one publish at a time and in the order the store changed (told first to the node's NVMe journal, if it keeps one:
 :mod:`kvpool.pool.node.journal`); a publish etcd refused is kept and sent again with the next one.  A dropped chunk leaves a tombstone saying why, written with the delete, and the node records the
 departure of every other node it sees leave (:mod:`kvpool.metadata.tombstones`).  The record's usage figures are
-refreshed by a thread, at most every ``RECORD_REFRESH_S``.  A lost and replaced lease republishes every placement.  The placements of the S3 tier go out on no lease (they outlive the
+refreshed by a thread, at most every ``RECORD_REFRESH_S``.  A lost and replaced lease republishes every placement.  The placements of the remote tier go out on no lease (they outlive the
 node) through :attr:`Publisher.placements`.
 """
 

@@ -52,7 +52,7 @@ when it was read, the requests that needed it recomputed the prefix, and the dri
 Saturday morning. No corrupt bytes ever reached a model.
 
 Capacity at the end of the week: 2.1 terabytes of DRAM and 19 terabytes of NVMe in the pool, holding
-about 38 million chunks. The object-storage tier, which will keep chunks that stayed idle for a day, is
+about 38 million chunks. the remote tier, which will keep chunks that stayed idle for a day, is
 planned for week 49. The on-call engineer for week 48 is Priya Raman; the escalation contact is the
 storage team lead, Tomas Lindqvist.
 """

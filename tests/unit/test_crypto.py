@@ -127,7 +127,7 @@ def test_reseal_from_one_keyring_to_another_as_a_flush_does() -> None:
     up = recode(chunk, on_nvme, "raw+aes256gcm", s3, source_keys=nvme)
     assert up is not None and up.codec == "raw+aes256gcm"
     assert bytes(s3.open(up.data, KEY, "raw")) == plain
-    clear = recode(chunk, on_nvme, "raw", None, source_keys=nvme)  # the S3 tier not encrypted: opened, stored plain
+    clear = recode(chunk, on_nvme, "raw", None, source_keys=nvme)  # the remote tier not encrypted: opened, stored plain
     assert clear is not None and bytes(clear.data) == plain and clear.codec == "raw"
 
 

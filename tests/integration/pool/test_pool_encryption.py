@@ -1,4 +1,4 @@
-"""Encryption at rest in a real pool (Ray + etcd + NIXL, and SeaweedFS for the S3 tier).
+"""Encryption at rest in a real pool (Ray + etcd + NIXL, and SeaweedFS for the remote tier).
 
 Chunks demoted to NVMe are sealed on disk and read back by the pool's own clients; a client with another key
 misses them and leaves them to the others; chunks flushed to S3 are sealed objects, which a node configured with

@@ -1,4 +1,4 @@
-"""Sealed objects of the S3 tier read by a client (S3Reads) from a real SeaweedFS: opened with the right keys, a miss
+"""Sealed objects of the remote tier read by a client (S3Reads) from a real SeaweedFS: opened with the right keys, a miss
 with a wrong key, no key or altered bytes — and the placement and object kept for readers that hold the key."""
 
 import base64

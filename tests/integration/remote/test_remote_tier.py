@@ -1,4 +1,4 @@
-"""The remote (S3) tier inside a real pool: Ray + etcd + NIXL + SeaweedFS, codecs per tier.
+"""The remote tier inside a real pool: Ray + etcd + NIXL + SeaweedFS, codecs per tier.
 
 Idle NVMe chunks flush to S3 under the remote codec; their placements outlive the nodes; a remote-only chunk
 is served (decoded, verified) and promoted; remote errors are misses that lose nothing in the other tiers.
