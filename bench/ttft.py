@@ -40,9 +40,9 @@ from kvpool.prefill_decode.reference.calibrate import measure_hardware, spec_of
 from kvpool.prefill_decode.reference.connector import PoolConnector
 from kvpool.prefill_decode.reference.layout import KVLayout
 from kvpool.prefill_decode.reference.model import load_model
+from kvpool.prefill_decode.reference.reload import Router
 from kvpool.prefill_decode.reference.runner import ModelRunner, Prefilled
 from kvpool.prefill_decode.routing.cost import CostModel
-from kvpool.prefill_decode.routing.router import Router
 from kvpool.servers.etcd import EmbeddedEtcd
 from kvpool.servers.ray_cluster import LocalRayCluster
 

@@ -17,7 +17,7 @@ replicas of a chunk) are answered by a local watch-synced copy of etcd, without 
 
 The paths live in their own modules: :mod:`~kvpool.pool.client.writes` (puts), :mod:`~kvpool.pool.client.reads`
 (reads from nodes), :mod:`~kvpool.pool.client.replicas` (which replica, in which order), :mod:`~kvpool.pool.client.peers`
-(the transport), :mod:`~kvpool.pool.tiers.s3_reads` (the remote tier), :mod:`~kvpool.pool.client.device_reads` (into
+(the transport), :mod:`~kvpool.pool.client.s3_reads` (the remote tier), :mod:`~kvpool.pool.client.device_reads` (into
 device memory) and :mod:`~kvpool.pool.protocol` (the typed node calls).  A chunk stored with a codec is verified on
 its stored bytes, then decoded into the caller's buffer.  Every read is checked against its placement's checksum: a
 mismatch drops that replica (everywhere) and tries the next; if none is intact the caller gets :class:`CorruptChunk`,
@@ -54,6 +54,7 @@ from kvpool.pool.client.device_reads import DeviceReads, device_bytes
 from kvpool.pool.client.peers import Peers, node_record
 from kvpool.pool.client.reads import NodeReads, Outcome
 from kvpool.pool.client.replicas import Replicas
+from kvpool.pool.client.s3_reads import S3Reads
 from kvpool.pool.client.writes import Item, Rooms, Summary, put_local, put_peer, targets
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.metrics import SOURCES, StatsReporter
@@ -61,7 +62,6 @@ from kvpool.pool.protocol import NodeHandle, NodeHandles, NodeInfo, Settled
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.s3_config import GC_GRACE_S
-from kvpool.pool.tiers.s3_reads import S3Reads
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from kvpool.errors import (
 from kvpool.metadata.cache import MetadataCache
 from kvpool.pool.chunks import short
 from kvpool.pool.client.reads import NodeReads
+from kvpool.pool.client.s3_reads import S3Reads
 from kvpool.pool.protocol import NodeHandles
-from kvpool.pool.tiers.s3_reads import S3Reads
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,10 @@ from kvpool.prefill_decode.reference.connector import PoolConnector
 from kvpool.prefill_decode.reference.device_tier import DeviceTier
 from kvpool.prefill_decode.reference.layout import LAYOUTS, KVLayout
 from kvpool.prefill_decode.reference.model import MODELS, load_model
+from kvpool.prefill_decode.reference.reload import Router
 from kvpool.prefill_decode.reference.runner import ModelRunner, Prefilled
 from kvpool.prefill_decode.routing.cost import CostModel, Hardware
-from kvpool.prefill_decode.routing.router import Route, Router
+from kvpool.prefill_decode.routing.router import Route
 
 _MODELS = f"one of {', '.join(sorted(MODELS))}"
 _OPTIONS = "a tuple of (name, value) pairs, e.g. (('seed', 1),)"

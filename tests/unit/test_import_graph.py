@@ -25,6 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # fails until you delete it, so these sets only shrink.
 #: units that import each other, each pair sorted (none left: metadata and pool share kvpool.core, issue #28)
 KNOWN_TWO_WAY: set[tuple[str, str]] = set()
+#: folders (packages) that import each other, beside units: pool's shared files use tiers' codecs and encryption, and
+#: tiers' GPUDirect I/O uses pool's segments and buffers (the next to go: gds below both, or segments in tiers)
+KNOWN_TWO_WAY_FOLDERS: set[tuple[str, str]] = {("kvpool.pool", "kvpool.pool.tiers")}
 #: files that import each other in a circle (none left: the store owns its MoveBooks, moves.py is below both, #28)
 KNOWN_CIRCLES: set[frozenset[str]] = set()
 
@@ -96,6 +99,21 @@ class Graph:
                 between[unit(a), unit(b)].append((a, b))
         return {(x, y): between[x, y] + between[y, x] for x, y in between if x < y and (y, x) in between}
 
+    def folder(self, module: str) -> str:
+        """The package ``module`` lies in (itself, for a package's ``__init__``)."""
+        return module if self.modules[module].name == "__init__.py" else module.rpartition(".")[0]
+
+    def two_way_folders(self) -> dict[tuple[str, str], list[tuple[str, str]]]:
+        """Each pair of packages that import each other (``kvpool.pool.node`` and ``kvpool.pool.client``, or a
+        package and its parent), sorted, with the imports between them; the top package ``kvpool`` (errors at the
+        bottom, the CLI at the top) is the units' rule's business."""
+        between: dict[tuple[str, str], list[tuple[str, str]]] = defaultdict(list)
+        for a, b in self.sites:
+            fa, fb = self.folder(a), self.folder(b)
+            if fa != fb and "kvpool" not in (fa, fb):
+                between[fa, fb].append((a, b))
+        return {(x, y): between[x, y] + between[y, x] for x, y in between if x < y and (y, x) in between}
+
     def circles(self) -> list[frozenset[str]]:
         """The strongly connected sets of more than one module."""
         components = networkx.strongly_connected_components(networkx.DiGraph(list(self.sites)))
@@ -131,6 +149,17 @@ def test_no_two_units_import_each_other() -> None:
     assert not new, "\n".join(
         [*lines, "Keep one direction: move what both need into the lower layer.  Do not add to KNOWN_TWO_WAY."]
     )
+
+
+def test_no_two_folders_import_each_other() -> None:
+    g = graph()
+    new = {pair: edges for pair, edges in g.two_way_folders().items() if pair not in KNOWN_TWO_WAY_FOLDERS}
+    gone = KNOWN_TWO_WAY_FOLDERS - set(g.two_way_folders())
+    lines = []
+    for (a, b), edges in sorted(new.items()):
+        lines += [f"folders {a} and {b} import each other:", *g.where(edges)]
+    assert not new, "\n".join([*lines, "Keep one direction.  Do not add to KNOWN_TWO_WAY_FOLDERS."])
+    assert not gone, f"{sorted(gone)} no longer import each other: delete them from KNOWN_TWO_WAY_FOLDERS"
 
 
 def test_no_files_import_in_a_circle() -> None:

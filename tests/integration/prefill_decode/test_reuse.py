@@ -11,9 +11,9 @@ from kvpool.prefill_decode.reference.calibrate import spec_of
 from kvpool.prefill_decode.reference.connector import PoolConnector
 from kvpool.prefill_decode.reference.layout import KVLayout
 from kvpool.prefill_decode.reference.model import LoadedModel
+from kvpool.prefill_decode.reference.reload import Router
 from kvpool.prefill_decode.reference.runner import ModelRunner
 from kvpool.prefill_decode.routing.cost import Action, CostModel, Hardware
-from kvpool.prefill_decode.routing.router import Router
 
 CHUNK = 32  #: short chunks keep the prompts short
 #: fixed figures: routing in tests must not depend on how fast this machine is right now

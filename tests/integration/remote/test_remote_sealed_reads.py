@@ -16,10 +16,10 @@ from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.chunks import checksum
+from kvpool.pool.client.s3_reads import S3Reads
 from kvpool.pool.tiers.crypto import KEY_BYTES, EncryptionConfig
 from kvpool.pool.tiers.s3 import RemoteStore
 from kvpool.pool.tiers.s3_config import RemoteConfig
-from kvpool.pool.tiers.s3_reads import S3Reads
 
 SEALED = "raw+aes256gcm"
 
