@@ -1,13 +1,13 @@
 """kvpool/core/config.py: every way of making a config checks it, and every failure says where and what to write."""
 
 import pickle
-from typing import Annotated
+from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 import pytest
 from msgspec import Meta
 
-from kvpool.core.config import Config, default_of, validated
+from kvpool.core.config import Config, checked, default_of, validated
 from kvpool.errors import ConfigError
 
 
@@ -72,3 +72,39 @@ def test_default_of_reads_the_declared_default() -> None:
     assert default_of(Outer, "size") == 0 and default_of(Outer, "inner") == Inner()
     with pytest.raises(LookupError):
         default_of(Outer, "nothing")
+
+
+class _Scope(Protocol):
+    def root(self) -> bytes: ...
+
+
+@checked
+def _sample(
+    count: Annotated[int, Meta(ge=1, description="an int >= 1")],
+    mode: Literal["fast", "slow"] = "fast",
+    key: Annotated[bytes, Meta(min_length=4, max_length=4)] = b"abcd",
+    scope: _Scope | None = None,
+    extra: Any = None,
+) -> tuple[int, str]:
+    return count, mode
+
+
+class _Sampler:
+    @checked
+    def __init__(self, rate: Annotated[float, Meta(gt=0, le=1, description="a fraction in (0, 1]")]) -> None:
+        self.rate = rate
+
+
+def test_checked_checks_arguments_against_their_annotations() -> None:
+    assert _sample(2, mode="slow", scope=object(), extra=object()) == (2, "slow")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"_sample: `count` must be an int >= 1, got int 0 \(expected `int` >= 1\)"):
+        _sample(0)
+    with pytest.raises(ConfigError, match="`count` must be an int >= 1, got bool True"):
+        _sample(True)
+    with pytest.raises(ConfigError, match="_sample: `mode` must be one of 'fast', 'slow', got str 'quick'"):
+        _sample(1, "quick")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="`key` expected `bytes` of length >= 4, got bytes b'a'"):
+        _sample(1, key=b"a")
+    with pytest.raises(ConfigError, match=r"_Sampler: `rate` must be a fraction in \(0, 1\], got float 2.0"):
+        _Sampler(2.0)
+    assert _Sampler(1).rate == 1  # an int for a float: as msgspec takes it, and passed on as given
