@@ -13,7 +13,7 @@ failure is a :class:`~kvpool.errors.ConfigError` naming the config, the field pa
     PoolConfig: `watermarks.high` must be a fraction of DRAM capacity in (0, 1], got float 1.5 (expected `float` <= 1.0)
 
 Checking is strict: ``bool`` is not an ``int``, ``"16GiB"`` is not an ``int``, a dict is not a nested config, and
-unknown fields are refused.
+unknown fields are refused.  A field declared ``Meta(extra={"secret": True})`` (a key) is never shown in an error.
 """
 
 import contextvars
@@ -49,7 +49,7 @@ Seconds = typing.Annotated[float, Meta(gt=0, le=_FLOAT_MAX, description="a numbe
 _CHECK, _COPY, _CONVERT = "check", "copy", "convert"
 _mode: contextvars.ContextVar[str] = contextvars.ContextVar("kvpool_config_mode", default=_CHECK)
 _SEGMENT = re.compile(r"\.([A-Za-z_]\w*)|\[(\d+|\.\.\.)\]")
-_AT = re.compile(r" - at (?:`key` in )?`\$(?P<path>[^`]*)`$")
+_AT = re.compile(r" - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`$")
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -189,6 +189,15 @@ def _config_error(cls: type, exc: msgspec.ValidationError, raw: Any, where: str)
     if not said.startswith(("Expected", "Object", "Invalid")):  # a check() of a nested config: its own sentence
         return ConfigError(f"{where}: `{path.lstrip('.')}`: {said}")
     shown, found, value, hint, kind = _walk(cls, raw, path)
+    if m["key"] and isinstance(value, Mapping):  # a dict's key: name it and what a key must be
+        key_kind, meta = _unwrap(typing.get_args(kind)[0])
+        bad = next((k for k in value if not _fits(k, typing.get_args(kind)[0])), None)
+        rule = next((x.description for x in meta if isinstance(x, Meta) and x.description), "")
+        if not rule:  # the field's own description says more
+            choices = ", ".join(map(repr, typing.get_args(key_kind)))
+            rule = f"one of {choices}" if typing.get_origin(key_kind) is typing.Literal else f"a {key_kind.__name__}"
+            rule += f" ({hint})" if hint else ""
+        return ConfigError(f"{where}: `{shown}` has key {bad!r:.60}; a key must be {rule}")
     expected = re.sub(r" matching regex '.*'$", "", _lower(said.split(", got `")[0]))
     if said.startswith("Object contains unknown field") and isinstance(kind, type) and issubclass(kind, msgspec.Struct):
         hint = "its fields are " + ", ".join(f.name for f in msgspec.structs.fields(kind))
@@ -216,7 +225,7 @@ def _walk(cls: Any, raw: Any, path: str) -> tuple[str, bool, Any, str, Any]:
                 kind, meta = None, []
             hint = next((x.description for x in meta if isinstance(x, Meta) and x.description), "")
             value = value.get(name, _MISSING) if isinstance(value, Mapping) else getattr(value, name, _MISSING)
-            found, shown = found and value is not _MISSING, f"{shown}.{name}" if shown else name
+            found, shown = found and value is not _MISSING and not _secret(meta), f"{shown}.{name}" if shown else name
             continue
         args = typing.get_args(kind)
         inner = args[-1] if args else Any
@@ -229,7 +238,13 @@ def _walk(cls: Any, raw: Any, path: str) -> tuple[str, bool, Any, str, Any]:
         else:
             found = found and index != "..." and isinstance(value, (list, tuple)) and int(index) < len(value)
             value, shown = value[int(index)] if found else None, f"{shown}[{index}]"
+        found = found and not _secret(meta)
     return shown, found, value, hint, kind
+
+
+def _secret(meta: list[Any]) -> bool:
+    """Whether a field is declared secret (``Meta(extra={"secret": True})``): its value is never shown."""
+    return any(isinstance(x, Meta) and (x.extra or {}).get("secret") for x in meta)
 
 
 def _fits(value: Any, kind: Any) -> bool:

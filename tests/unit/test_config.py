@@ -108,3 +108,18 @@ def test_checked_checks_arguments_against_their_annotations() -> None:
     with pytest.raises(ConfigError, match=r"_Sampler: `rate` must be a fraction in \(0, 1\], got float 2.0"):
         _Sampler(2.0)
     assert _Sampler(1).rate == 1  # an int for a float: as msgspec takes it, and passed on as given
+
+
+class _Vault(Config, frozen=True):
+    keys: dict[
+        Annotated[str, Meta(pattern=r"^[a-z]+\Z", description="lower-case letters")],
+        Annotated[bytes, Meta(min_length=4, max_length=4, description="4 bytes", extra={"secret": True})],
+    ]
+
+
+def test_a_secret_is_never_shown_and_a_bad_dict_key_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"_Vault: `keys\['a'\]` must be 4 bytes \(expected") as caught:
+        _Vault(keys={"a": b"hush!"})
+    assert "hush" not in str(caught.value)
+    with pytest.raises(ConfigError, match="_Vault: `keys` has key 'A'; a key must be lower-case letters"):
+        _Vault(keys={"A": b"four"})
