@@ -69,10 +69,16 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         write.  The fields' own types and ranges are checked before this runs."""
 
 
-def validated(cls: type[C], value: Mapping[str, Any] | C, where: str = "") -> C:
+@typing.overload
+def validated(cls: type[C], value: Mapping[str, Any] | C, where: str = "") -> C: ...
+@typing.overload
+def validated(cls: Any, value: Any, where: str) -> Any: ...
+def validated(cls: Any, value: Any, where: str = "") -> Any:
     """``value`` (a mapping of field names, nested configs as mappings, or a ``cls`` already) as a checked
-    ``cls``; ``ConfigError`` naming ``where`` (default: the class name), the field path and what to write."""
-    if isinstance(value, cls):
+    ``cls``; ``ConfigError`` naming ``where`` (default: the class name), the field path and what to write.
+    ``cls`` may also be any type msgspec checks (``list[ChunkKey]``), then ``where`` names the value."""
+    struct = isinstance(cls, type) and issubclass(cls, msgspec.Struct)
+    if struct and isinstance(value, cls):
         return value
     token = _mode.set(_CONVERT)
     try:
@@ -87,8 +93,9 @@ def checked(fn: Callable[P, R]) -> Callable[P, R]:
     """``fn`` with its arguments checked against its annotations on every call, as :func:`validated` checks a
     config: strictly (``bool`` is no ``int``), with the ranges, lengths and patterns an ``Annotated[..., Meta(...)]``
     declares, and a ``ConfigError`` naming the function, the parameter and (from the ``Meta``'s ``description``)
-    what to pass.  ``fn`` gets its arguments as given.  A parameter annotated ``Any`` or with a ``Protocol``, and an
-    unannotated ``self``, are not checked.  About a microsecond a call: not for per-chunk paths."""
+    what to pass.  ``fn`` gets its arguments as given.  A parameter annotated ``Any`` or with a ``Protocol`` that is
+    not ``runtime_checkable`` (one that is: an ``isinstance``), and an unannotated ``self``, are not checked.  About
+    a microsecond a call: not for per-chunk paths."""
     hints = typing.get_type_hints(fn, include_extras=True)
     params = inspect.signature(fn).parameters.values()
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
@@ -117,10 +124,12 @@ def checked(fn: Callable[P, R]) -> Callable[P, R]:
 
 
 def _checkable(hint: Any) -> Any:
-    """``hint``, or ``Any`` where msgspec cannot check it (a Protocol, or a union with one: ``isinstance`` refuses)."""
+    """``hint``, or ``Any`` where msgspec cannot check it (a Protocol that is not ``runtime_checkable``, or a union
+    with one: ``isinstance`` refuses)."""
     kind, _ = _unwrap(hint)
     kinds = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
-    return Any if any(isinstance(k, type) and getattr(k, "_is_protocol", False) for k in kinds) else hint
+    protocols = [k for k in kinds if isinstance(k, type) and getattr(k, "_is_protocol", False)]
+    return Any if any(not getattr(k, "_is_runtime_protocol", False) for k in protocols) else hint
 
 
 def default_of(cls: type[msgspec.Struct], name: str) -> Any:
@@ -176,20 +185,22 @@ def _nested(cls: type) -> dict[str, tuple[type, ...]]:
     return _NESTED[cls]
 
 
-def _config_error(cls: type, exc: msgspec.ValidationError, raw: Any, where: str) -> ConfigError:
+def _config_error(cls: Any, exc: msgspec.ValidationError, raw: Any, where: str) -> ConfigError:
     """``exc`` as a sentence: where, the field path, what msgspec expected, the value given, what to write."""
     text = str(exc)
     m = _AT.search(text)
+    struct = isinstance(cls, type) and issubclass(cls, msgspec.Struct)
     if m is None and isinstance(exc.__cause__, ConfigError):  # the config's own check(): its sentence
         return type(exc.__cause__)(f"{where}: {exc.__cause__}")
-    if m is None:  # the top level: an unknown field, or not a mapping at all
+    if m is None and struct:  # the top level: an unknown field, or not a mapping at all
         known = ", ".join(f.name for f in msgspec.structs.fields(cls))
         return ConfigError(f"{where}: {_lower(text)}; its fields are {known}")
-    path, said = m["path"], text[: m.start()]
+    path, said = (m["path"], text[: m.start()]) if m else ("", text)
     if not said.startswith(("Expected", "Object", "Invalid")):  # a check() of a nested config: its own sentence
         return ConfigError(f"{where}: `{path.lstrip('.')}`: {said}")
     shown, found, value, hint, kind = _walk(cls, raw, path)
-    if m["key"] and isinstance(value, Mapping):  # a dict's key: name it and what a key must be
+    at = f"{where}: `{shown}`" if struct else f"{where}{shown}"  # a value (not a config) is named by where
+    if m and m["key"] and isinstance(value, Mapping):  # a dict's key: name it and what a key must be
         key_kind, meta = _unwrap(typing.get_args(kind)[0])
         bad = next((k for k in value if not _fits(k, typing.get_args(kind)[0])), None)
         rule = next((x.description for x in meta if isinstance(x, Meta) and x.description), "")
@@ -197,25 +208,33 @@ def _config_error(cls: type, exc: msgspec.ValidationError, raw: Any, where: str)
             choices = ", ".join(map(repr, typing.get_args(key_kind)))
             rule = f"one of {choices}" if typing.get_origin(key_kind) is typing.Literal else f"a {key_kind.__name__}"
             rule += f" ({hint})" if hint else ""
-        return ConfigError(f"{where}: `{shown}` has key {bad!r:.60}; a key must be {rule}")
-    expected = re.sub(r" matching regex '.*'$", "", _lower(said.split(", got `")[0]))
+        return ConfigError(f"{at} has key {bad!r:.60}; a key must be {rule}")
+    expected = re.sub(r" matching regex '.*'$", "", _lower(said.split(", got ")[0]))
+    if said.startswith("Expected `object`") and isinstance(kind, type) and issubclass(kind, msgspec.Struct):
+        expected = f"expected a {kind.__name__}"
     if said.startswith("Object contains unknown field") and isinstance(kind, type) and issubclass(kind, msgspec.Struct):
         hint = "its fields are " + ", ".join(f.name for f in msgspec.structs.fields(kind))
-        return ConfigError(f"{where}: `{shown}` {expected}: {hint}")
+        return ConfigError(f"{at} {expected}: {hint}")
     if typing.get_origin(kind) is typing.Literal:  # msgspec says "invalid enum value": say the choices
         choices = ", ".join(repr(c) for c in typing.get_args(kind))
-        return ConfigError(f"{where}: `{shown}` must be {hint or 'one of ' + choices}, got {_shown(value)}")
+        return ConfigError(f"{at} must be {hint or 'one of ' + choices}, got {_shown(value)}")
     got = f", got {_shown(value)}" if found and not said.startswith(("Invalid", "Object")) else ""
     if hint:  # a pattern is said by the description alone
         said_more = "" if " matching regex " in said else f" ({expected})"
-        return ConfigError(f"{where}: `{shown}` must be {hint}{got}{said_more}")
-    return ConfigError(f"{where}: `{shown}` {expected}{got}")
+        return ConfigError(f"{at} must be {hint}{got}{said_more}")
+    return ConfigError(f"{at} {expected}{got}")
 
 
 def _walk(cls: Any, raw: Any, path: str) -> tuple[str, bool, Any, str, Any]:
     """``(the path shown, found, the value at path in raw, the description declared for it, its type)``.  A dict's
     key is ``[...]`` in msgspec's paths: the first key whose value fails is looked for and shown instead."""
-    shown, found, value, hint, kind = "", True, raw, "", cls
+    kind, meta = _unwrap(cls)
+    shown, found, value, hint = (
+        "",
+        True,
+        raw,
+        next((x.description for x in meta if isinstance(x, Meta) and x.description), ""),
+    )
     for m in _SEGMENT.finditer(path):
         name, index = m[1], m[2]
         if name is not None:
@@ -228,7 +247,8 @@ def _walk(cls: Any, raw: Any, path: str) -> tuple[str, bool, Any, str, Any]:
             found, shown = found and value is not _MISSING and not _secret(meta), f"{shown}.{name}" if shown else name
             continue
         args = typing.get_args(kind)
-        inner = args[-1] if args else Any
+        at_index = typing.get_origin(kind) is tuple and index.isdigit() and ... not in args  # a fixed-size tuple
+        inner = args[int(index)] if at_index and int(index) < len(args) else args[-1] if args else Any
         kind, meta = _unwrap(inner)
         hint = next((x.description for x in meta if isinstance(x, Meta) and x.description), hint)
         if index == "..." and found and isinstance(value, Mapping):
