@@ -14,7 +14,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
+from msgspec import Meta
+
+from kvpool.core.config import checked
 from kvpool.errors import ConfigError
 from kvpool.pool.config import Watermarks
 from kvpool.pool.reuse import (
@@ -56,6 +60,9 @@ def _this_node() -> str:
     return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else socket.gethostname()
 
 
+_Rate = Annotated[float, Meta(gt=0, le=1, description=f"a number in (0, 1] ({ACCESS_RATE_ENV})")]
+
+
 class AccessLog:
     """A process's sampled chunk lookups, appended as JSON lines to ``<dir>/access-<host>-<pid>.jsonl`` for
     ``kvpool advise``: ``{"t": seconds, "keys": [hex, ...], "sizes": [bytes, ...]}`` per lookup with a key in the
@@ -66,9 +73,8 @@ class AccessLog:
     the samples of all processes one spatial sample of the pool's whole lookup stream.  (Logs written before the
     lookup lines, ``{"t", "key", "size"}`` per key, are read as one-key lookups on an unknown node.)"""
 
-    def __init__(self, directory: str, rate: float = 0.01) -> None:
-        if not isinstance(rate, float) or not 0 < rate <= 1:
-            raise ConfigError(f"{ACCESS_RATE_ENV} must be a number in (0, 1], got {rate!r}")
+    @checked
+    def __init__(self, directory: str, rate: _Rate = 0.01) -> None:
         if not os.path.isdir(directory):
             raise ConfigError(f"{ACCESS_LOG_ENV}={directory!r} is not a directory: create it, or unset the variable")
         self.path = os.path.join(directory, f"access-{socket.gethostname()}-{os.getpid()}.jsonl")

@@ -30,7 +30,7 @@ from msgspec import Meta
 
 from kvpool.errors import ConfigError
 
-__all__ = ["Config", "Finite", "NonNegative", "Positive", "Seconds", "checked", "default_of", "validated"]
+__all__ = ["Config", "Finite", "Fraction", "NonNegative", "Positive", "Seconds", "checked", "default_of", "validated"]
 
 C = TypeVar("C", bound="Config")
 P = ParamSpec("P")
@@ -41,6 +41,8 @@ _FLOAT_MAX = 1.7976931348623157e308
 Finite = typing.Annotated[float, Meta(ge=-_FLOAT_MAX, le=_FLOAT_MAX)]
 NonNegative = typing.Annotated[int, Meta(ge=0)]
 Positive = typing.Annotated[int, Meta(ge=1)]
+#: a fraction in (0, 1]: a sampling rate, a share
+Fraction = typing.Annotated[float, Meta(gt=0, le=1, description="a number in (0, 1]")]
 #: a finite number of seconds > 0
 Seconds = typing.Annotated[float, Meta(gt=0, le=_FLOAT_MAX, description="a number of seconds > 0")]
 
@@ -96,7 +98,7 @@ def checked(fn: Callable[P, R]) -> Callable[P, R]:
     what to pass.  ``fn`` gets its arguments as given.  A parameter annotated ``Any`` or with a ``Protocol`` that is
     not ``runtime_checkable`` (one that is: an ``isinstance``), and an unannotated ``self``, are not checked.  About
     a microsecond a call: not for per-chunk paths."""
-    hints = typing.get_type_hints(fn, include_extras=True)
+    hints = {name: _resolved(fn, hint) for name, hint in fn.__annotations__.items()}
     params = inspect.signature(fn).parameters.values()
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
         raise TypeError(f"@checked {fn.__qualname__}: *args and **kwargs cannot be checked")
@@ -121,6 +123,15 @@ def checked(fn: Callable[P, R]) -> Callable[P, R]:
         return fn(*args, **kwargs)
 
     return call
+
+
+def _resolved(fn: Callable[..., Any], hint: Any) -> Any:
+    """An annotation (a string under ``from __future__ import annotations``) as a type; ``Any`` for a name
+    imported for type checkers only."""
+    try:
+        return eval(hint, fn.__globals__) if isinstance(hint, str) else hint
+    except NameError:
+        return Any
 
 
 def _checkable(hint: Any) -> Any:
