@@ -258,8 +258,10 @@ def _walk(cls: Any, raw: Any, path: str) -> tuple[str, bool, Any, str, Any]:
             found, shown = found and value is not _MISSING and not _secret(meta), f"{shown}.{name}" if shown else name
             continue
         args = typing.get_args(kind)
-        at_index = typing.get_origin(kind) is tuple and index.isdigit() and ... not in args  # a fixed-size tuple
-        inner = args[int(index)] if at_index and int(index) < len(args) else args[-1] if args else Any
+        if typing.get_origin(kind) is tuple and ... not in args:  # a fixed-size tuple: its own type per place
+            inner = args[int(index)] if index.isdigit() and int(index) < len(args) else Any
+        else:  # list[X], tuple[X, ...], dict[K, X]
+            inner = args[0] if args[-1:] == (...,) else args[-1] if args else Any
         kind, meta = _unwrap(inner)
         hint = next((x.description for x in meta if isinstance(x, Meta) and x.description), hint)
         if index == "..." and found and isinstance(value, Mapping):
