@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ParamSpec, TypeVar
 
 import msgspec
+import msgspec.inspect
 from msgspec import Meta
 
 from kvpool.errors import ConfigError
@@ -135,12 +136,18 @@ def _resolved(fn: Callable[..., Any], hint: Any) -> Any:
 
 
 def _checkable(hint: Any) -> Any:
-    """``hint``, or ``Any`` where msgspec cannot check it (a Protocol that is not ``runtime_checkable``, or a union
-    with one: ``isinstance`` refuses)."""
+    """``hint``, or ``Any`` where msgspec cannot check it: a Protocol that is not ``runtime_checkable`` (or a union
+    with one: ``isinstance`` refuses), a union msgspec does not take."""
     kind, _ = _unwrap(hint)
     kinds = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
     protocols = [k for k in kinds if isinstance(k, type) and getattr(k, "_is_protocol", False)]
-    return Any if any(not getattr(k, "_is_runtime_protocol", False) for k in protocols) else hint
+    if any(not getattr(k, "_is_runtime_protocol", False) for k in protocols):
+        return Any
+    try:
+        msgspec.inspect.type_info(hint)
+    except TypeError:  # a type msgspec does not check (``str | os.PathLike[str]``)
+        return Any
+    return hint
 
 
 def default_of(cls: type[msgspec.Struct], name: str) -> Any:
