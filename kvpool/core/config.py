@@ -92,13 +92,23 @@ def validated(cls: Any, value: Any, where: str = "") -> Any:
         _mode.reset(token)
 
 
-def checked(fn: Callable[P, R]) -> Callable[P, R]:
-    """``fn`` with its arguments checked against its annotations on every call, as :func:`validated` checks a
+T = TypeVar("T")
+
+
+@typing.overload
+def checked(fn: type[T]) -> type[T]: ...
+@typing.overload
+def checked(fn: Callable[P, R]) -> Callable[P, R]: ...
+def checked(fn: Any) -> Any:
+    """``fn`` (a function, or a dataclass: its ``__init__``) with its arguments checked against its annotations on every call, as :func:`validated` checks a
     config: strictly (``bool`` is no ``int``), with the ranges, lengths and patterns an ``Annotated[..., Meta(...)]``
     declares, and a ``ConfigError`` naming the function, the parameter and (from the ``Meta``'s ``description``)
     what to pass.  ``fn`` gets its arguments as given.  A parameter annotated ``Any`` or with a ``Protocol`` that is
     not ``runtime_checkable`` (one that is: an ``isinstance``), and an unannotated ``self``, are not checked.  About
     a microsecond a call: not for per-chunk paths."""
+    if isinstance(fn, type):
+        fn.__init__ = checked(fn.__init__)  # type: ignore[misc]
+        return fn
     hints = {name: _resolved(fn, hint) for name, hint in fn.__annotations__.items()}
     params = inspect.signature(fn).parameters.values()
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
@@ -114,7 +124,7 @@ def checked(fn: Callable[P, R]) -> Callable[P, R]:
     names = [name for name, _ in fields]
 
     @functools.wraps(fn)
-    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+    def call(*args: Any, **kwargs: Any) -> Any:
         given = dict(zip(names, args, strict=False))  # too many: the call below says so
         given.update(kwargs)
         try:

@@ -260,7 +260,7 @@ def _parse(spec: str) -> Codec:
     stages = (m["stages"] or "") + ("+zstd" if m["zstd_only"] else "")
     quantizer: Quantizer = Raw()
     if m["fp8"]:
-        quantizer = Fp8(m["fp8"], per_channel=m["scope"] == "channel")
+        quantizer = Fp8(m["fp8"], per_channel=m["scope"] == "channel")  # type: ignore[arg-type]  # e4m3 or e5m2
     elif m["int4"]:
         quantizer = Int4(int(m["group"]) if m["group"] else DEFAULT_GROUP)
     return Codec(quantizer, delta="delta" in stages, zstd="zstd" in stages)

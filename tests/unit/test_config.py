@@ -1,5 +1,6 @@
 """kvpool/core/config.py: every way of making a config checks it, and every failure says where and what to write."""
 
+import dataclasses
 import pickle
 from typing import Annotated, Any, Literal, Protocol
 
@@ -65,7 +66,7 @@ def test_validated_names_the_path_and_the_unknown_field() -> None:
     with pytest.raises(ConfigError, match="`inner` object contains unknown field `hihg`: its fields are high, low"):
         validated(Outer, {"inner": {"hihg": 1}})
     with pytest.raises(ConfigError, match="expected `object`, got `array`"):
-        validated(Outer, [1])  # type: ignore[arg-type]
+        validated(Outer, [1])  # type: ignore[call-overload]
 
 
 def test_default_of_reads_the_declared_default() -> None:
@@ -123,3 +124,18 @@ def test_a_secret_is_never_shown_and_a_bad_dict_key_is_named() -> None:
     assert "hush" not in str(caught.value)
     with pytest.raises(ConfigError, match="_Vault: `keys` has key 'A'; a key must be lower-case letters"):
         _Vault(keys={"A": b"four"})
+
+
+@checked
+@dataclasses.dataclass(frozen=True)
+class _Grouped:
+    group: Annotated[int, Meta(ge=2, multiple_of=2, description="an even int >= 2")] = 2
+    kind: Literal["a", "b"] = "a"
+
+
+def test_checked_on_a_dataclass_checks_its_fields_at_construction() -> None:
+    assert _Grouped(4, "b") == _Grouped(group=4, kind="b")
+    with pytest.raises(ConfigError, match=r"_Grouped: `group` must be an even int >= 2, got int 3"):
+        _Grouped(3)
+    with pytest.raises(ConfigError, match="_Grouped: `kind` must be one of 'a', 'b', got str 'c'"):
+        _Grouped(kind="c")  # type: ignore[arg-type]
