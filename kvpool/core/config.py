@@ -100,10 +100,11 @@ def checked(fn: type[T]) -> type[T]: ...
 @typing.overload
 def checked(fn: Callable[P, R]) -> Callable[P, R]: ...
 def checked(fn: Any) -> Any:
-    """``fn`` (a function, or a dataclass: its ``__init__``) with its arguments checked against its annotations on every call, as :func:`validated` checks a
-    config: strictly (``bool`` is no ``int``), with the ranges, lengths and patterns an ``Annotated[..., Meta(...)]``
-    declares, and a ``ConfigError`` naming the function, the parameter and (from the ``Meta``'s ``description``)
-    what to pass.  ``fn`` gets its arguments as given.  A parameter annotated ``Any`` or with a ``Protocol`` that is
+    """``fn`` (a function, or a dataclass: its ``__init__``) with its arguments checked against its annotations on
+    every call, as :func:`validated` checks a config: strictly (``bool`` is no ``int``, a dict is no config), with
+    the ranges, lengths and patterns an ``Annotated[..., Meta(...)]`` declares, and a ``ConfigError`` naming the
+    function, the parameter and (from the ``Meta``'s ``description``) what to pass.  ``fn`` gets its arguments as
+    given.  A parameter annotated ``Any`` or with a ``Protocol`` that is
     not ``runtime_checkable`` (one that is: an ``isinstance``), and an unannotated ``self``, are not checked.  About
     a microsecond a call: not for per-chunk paths."""
     if isinstance(fn, type):
@@ -127,6 +128,7 @@ def checked(fn: Any) -> Any:
     def call(*args: Any, **kwargs: Any) -> Any:
         given = dict(zip(names, args, strict=False))  # too many: the call below says so
         given.update(kwargs)
+        _no_mappings(arguments, given, where)
         try:
             msgspec.convert(given, arguments, strict=True)
         except msgspec.ValidationError as exc:
@@ -176,13 +178,7 @@ def _round_trip(config: "Config") -> None:
     (a list given for a tuple field becomes a tuple, an int for a float field a float)."""
     cls = type(config)
     raw = msgspec.structs.asdict(config)
-    for name, kinds in _nested(cls).items():
-        if not isinstance(raw[name], kinds):
-            names = " or ".join("None" if k is types.NoneType else k.__name__ for k in kinds)
-            raise ConfigError(
-                f"{cls.__name__}: `{name}` expected {names}, got {_shown(raw[name])}: "
-                f"write {name}={kinds[0].__name__}(...)"
-            )
+    _no_mappings(cls, raw, cls.__name__)
     token = _mode.set(_COPY)
     try:
         copy = msgspec.convert(raw, cls, strict=True)
@@ -194,6 +190,17 @@ def _round_trip(config: "Config") -> None:
         normal = getattr(copy, name)
         if normal is not value:
             msgspec.structs.force_setattr(config, name, normal)
+
+
+def _no_mappings(cls: type, raw: Mapping[str, Any], where: str) -> None:
+    """A field declared as a config holds one: msgspec would convert a dict given in code, which code must not
+    pass (and a function would get the dict, not the config)."""
+    for name, kinds in _nested(cls).items():
+        if name in raw and not isinstance(raw[name], kinds):
+            names = " or ".join("None" if k is types.NoneType else k.__name__ for k in kinds)
+            raise ConfigError(
+                f"{where}: `{name}` expected {names}, got {_shown(raw[name])}: write {name}={kinds[0].__name__}(...)"
+            )
 
 
 _NESTED: dict[type, dict[str, tuple[type, ...]]] = {}

@@ -139,3 +139,18 @@ def test_checked_on_a_dataclass_checks_its_fields_at_construction() -> None:
         _Grouped(3)
     with pytest.raises(ConfigError, match="_Grouped: `kind` must be one of 'a', 'b', got str 'c'"):
         _Grouped(kind="c")  # type: ignore[arg-type]
+
+
+@checked
+def _takes_inner(inner: Inner, spare: Inner | None = None) -> float:
+    return inner.high
+
+
+def test_checked_refuses_a_dict_for_a_config() -> None:
+    assert _takes_inner(Inner(high=0.9)) == 0.9
+    with pytest.raises(
+        ConfigError, match=r"_takes_inner: `inner` expected Inner, got dict .*: write inner=Inner\(...\)"
+    ):
+        _takes_inner({"high": 0.9})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="`spare` expected Inner or None"):
+        _takes_inner(Inner(), {"high": 0.9})  # type: ignore[arg-type]
