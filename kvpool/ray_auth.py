@@ -14,11 +14,15 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
 
+from msgspec import Meta
+
+from kvpool.core.config import validated
 from kvpool.errors import ConfigError, KvPoolError, RayAuthError
 
-MODES = ("token", "disabled")
+Mode = Annotated[Literal["token", "disabled"], Meta(description="token or disabled")]
+MODES: tuple[str, ...] = get_args(get_args(Mode)[0])
 MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
 TOKEN_FILE = "auth_token"  #: the name of a token file kvpool writes
 
@@ -78,10 +82,7 @@ def write_token(path: str | Path) -> Path:
 def requested_mode(explicit: str | None = None) -> str:
     """The mode to start a cluster in: ``explicit`` (``--ray-auth``), else the user's ``RAY_AUTH_MODE``, else token."""
     mode = (explicit or os.environ.get(MODE_ENV) or "token").lower()
-    if mode not in MODES:
-        source = "--ray-auth" if explicit else MODE_ENV
-        raise ConfigError(f"{source} must be token or disabled, got {mode!r:.40}")
-    return mode
+    return validated(Mode, mode, "--ray-auth" if explicit else MODE_ENV)
 
 
 def use(mode: str, token_path: Path | None = None) -> None:
@@ -146,8 +147,8 @@ def prepare_attach(address: str, token_path: str | Path | None = None) -> str:
     fails the same way if the cluster requires one).  Returns the mode used.
     """
     mode = os.environ.get(MODE_ENV, "").lower()
-    if mode and mode not in MODES:
-        raise ConfigError(f"{MODE_ENV} must be token or disabled, got {mode!r:.40}")
+    if mode:
+        validated(Mode, mode, MODE_ENV)
     token = None
     if mode != "disabled":
         token = find_token(token_path)

@@ -23,7 +23,7 @@ import ray
 from msgspec import Meta
 
 from kvpool import ray_auth
-from kvpool.core.config import Config
+from kvpool.core.config import Config, Positive, checked
 from kvpool.errors import ConfigError
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.config import PoolConfig
@@ -152,11 +152,12 @@ def check_pool(pool: PoolConfig, chunks: int = 16) -> PoolCheck:
 
 
 @contextmanager
+@checked
 def demo_service(
     pool: PoolConfig,
     model: str,
     report: Report | None = None,
-    lanes: int = 1,
+    lanes: Positive = 1,
     policy: str = "cache-aware",
     tenants: "Tenants | None" = None,
 ) -> "Iterator[Service]":
@@ -173,8 +174,6 @@ def demo_service(
 
     report = report or LogReport()
     policy = Policy.of(policy).value
-    if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
-        raise ConfigError(f"lanes must be an int >= 1, got {lanes!r}")
     ids = sorted((n["NodeManagerAddress"], n["NodeID"]) for n in ray.nodes() if n["Alive"])
     pairs = [(ids[i % len(ids)], ids[(i + 1) % len(ids) if lanes > 1 else -1]) for i in range(lanes)]
     config = WorkerConfig(pool=pool, model=model, torch_threads=max(1, (os.cpu_count() or 1) // lanes))

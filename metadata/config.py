@@ -26,18 +26,25 @@ _TLS_MISMATCH = {
     "https://host:port; kvpool does not send its metadata unencrypted once told to use TLS",
 }
 _PemFile = Annotated[str, Meta(description="a path string to a PEM file ('' for none)")]
-_ENDPOINT = re.compile(r"^(?:https?://)?(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+):(?P<port>\d{1,5})/?$", re.ASCII)
+_PORT = r"[1-9]\d{0,3}|[1-5]\d{4}|6[0-4]\d{3}|65[0-4]\d{2}|655[0-2]\d|6553[0-5]"  # 1-65535
+_ENDPOINT = re.compile(
+    rf"^\s*(?:https?://)?(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+):(?P<port>{_PORT})/?\s*\Z", re.ASCII
+)
+#: an etcd endpoint: ``host:port``, ``http://host:port`` or ``https://host:port``
+Endpoint = Annotated[
+    str,
+    Meta(
+        pattern=_ENDPOINT.pattern,
+        description=f"an etcd endpoint: host:port, e.g. 127.0.0.1:2379 (several separated by commas in {ENDPOINTS_ENV})",
+    ),
+]
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
-    """``"host:port"``, ``"http://host:port"`` or ``"https://host:port"`` → ``(host, port)``; ``ConfigError``
-    otherwise.  Whether the scheme fits the TLS settings is :class:`MetadataConfig`'s to check."""
-    m = _ENDPOINT.match(text.strip()) if isinstance(text, str) else None
-    if not m or not 0 < int(m["port"]) < 65536:
-        raise ConfigError(
-            f"endpoints: {text!r:.60} is not an etcd endpoint; write host:port, e.g. 127.0.0.1:2379 "
-            f"(several separated by commas in {ENDPOINTS_ENV})"
-        )
+    """An :data:`Endpoint` → ``(host, port)``; ``ConfigError`` otherwise.  Whether the scheme fits the TLS
+    settings is :class:`MetadataConfig`'s to check."""
+    m = _ENDPOINT.match(validated(Endpoint, text, "endpoints"))
+    assert m is not None  # the pattern was checked
     return m["host"].strip("[]"), int(m["port"])
 
 
@@ -61,7 +68,7 @@ class MetadataConfig(Config, frozen=True):
     same paths.
     """
 
-    endpoints: Annotated[tuple[str, ...], Meta(description="a tuple of 'host:port' strings")] = ()
+    endpoints: Annotated[tuple[Endpoint, ...], Meta(description="a tuple of 'host:port' strings")] = ()
     cluster: Name = "default"
     #: node records and their placements vanish this long after the node dies
     lease_ttl_s: Annotated[int, Meta(ge=1, description="an int >= 1 (etcd leases have 1 s resolution)")] = 5
@@ -80,7 +87,6 @@ class MetadataConfig(Config, frozen=True):
     def check(self) -> None:
         self._check_tls()
         for ep in self.endpoints:
-            parse_endpoint(ep)
             scheme = ep.strip().partition("://")[0] if "://" in ep else ""
             if scheme and (scheme == "https") != self.tls:
                 raise ConfigError(_TLS_MISMATCH[scheme].format(ep=ep))
@@ -120,16 +126,17 @@ class MetadataConfig(Config, frozen=True):
     def from_env(cls, **overrides: Any) -> "MetadataConfig":
         """Defaults, then ``KVPOOL_ETCD_ENDPOINTS`` (comma-separated) and the TLS files ``KVPOOL_ETCD_CA``,
         ``KVPOOL_ETCD_CERT``, ``KVPOOL_ETCD_KEY``, then explicit overrides."""
-        known = [f.name for f in msgspec.structs.fields(cls)]
-        if unknown := sorted(set(overrides) - set(known)):
-            raise ConfigError(f"unknown metadata settings {', '.join(unknown)}; known: {', '.join(known)}")
         settings: dict[str, Any] = {
             name: os.environ[var].strip() for name, var in TLS_ENV.items() if os.environ.get(var, "").strip()
         }
         env = os.environ.get(ENDPOINTS_ENV, "").strip()
         if env:
             settings["endpoints"] = tuple(e.strip() for e in env.split(",") if e.strip())
-        return validated(cls, {**settings, **overrides}, "metadata settings")
+        # msgspec names the first field that fails: unknown names first (the likelier slip), then the overrides
+        known = {f.name for f in msgspec.structs.fields(cls)}
+        given = {k: overrides[k] for k in sorted(overrides, key=lambda k: (k in known, k))}
+        given.update((k, v) for k, v in settings.items() if k not in overrides)
+        return validated(cls, given, "metadata settings")
 
     def with_endpoints(self, *endpoints: str) -> "MetadataConfig":
         return msgspec.structs.replace(self, endpoints=tuple(endpoints))

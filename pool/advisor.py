@@ -14,7 +14,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
+import msgspec
+from msgspec import Meta
+
+from kvpool.core.config import Finite, NonNegative, checked, validated
 from kvpool.errors import ConfigError
 from kvpool.pool.config import Watermarks
 from kvpool.pool.reuse import (
@@ -56,6 +61,9 @@ def _this_node() -> str:
     return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else socket.gethostname()
 
 
+_Rate = Annotated[float, Meta(gt=0, le=1, description=f"a number in (0, 1] ({ACCESS_RATE_ENV})")]
+
+
 class AccessLog:
     """A process's sampled chunk lookups, appended as JSON lines to ``<dir>/access-<host>-<pid>.jsonl`` for
     ``kvpool advise``: ``{"t": seconds, "keys": [hex, ...], "sizes": [bytes, ...]}`` per lookup with a key in the
@@ -66,9 +74,8 @@ class AccessLog:
     the samples of all processes one spatial sample of the pool's whole lookup stream.  (Logs written before the
     lookup lines, ``{"t", "key", "size"}`` per key, are read as one-key lookups on an unknown node.)"""
 
-    def __init__(self, directory: str, rate: float = 0.01) -> None:
-        if not isinstance(rate, float) or not 0 < rate <= 1:
-            raise ConfigError(f"{ACCESS_RATE_ENV} must be a number in (0, 1], got {rate!r}")
+    @checked
+    def __init__(self, directory: str, rate: _Rate = 0.01) -> None:
         if not os.path.isdir(directory):
             raise ConfigError(f"{ACCESS_LOG_ENV}={directory!r} is not a directory: create it, or unset the variable")
         self.path = os.path.join(directory, f"access-{socket.gethostname()}-{os.getpid()}.jsonl")
@@ -139,6 +146,33 @@ class AccessSample:
         return [item for _, items in self.lookups for item in items]
 
 
+_Hex = Annotated[str, Meta(pattern=r"^([0-9a-fA-F]{2})+\Z", description="a chunk key's hex digits")]
+
+
+class _Totals(msgspec.Struct):
+    """A log's running totals, written with every flush."""
+
+    accesses: NonNegative
+    rate: Annotated[float, Meta(gt=0, le=1, description="a sampling rate in (0, 1]")]
+    node: str = ""
+
+
+class _Lookup(msgspec.Struct):
+    """One sampled lookup: its keys in chain order and their sizes (0: not held)."""
+
+    t: Finite
+    keys: list[_Hex]
+    sizes: list[NonNegative]
+
+
+class _KeyLine(msgspec.Struct):
+    """One sampled key, as logs written before lookups were kept whole hold them."""
+
+    t: Finite
+    key: _Hex
+    size: NonNegative
+
+
 def _read(path: str) -> tuple[list[tuple[float, list[tuple[bytes, int]]]], int, set[float], str]:
     """One log's ``(lookups with their time, key lookups counted, {rate}, node)``."""
     rows: list[tuple[float, list[tuple[bytes, int]]]] = []
@@ -146,23 +180,26 @@ def _read(path: str) -> tuple[list[tuple[float, list[tuple[bytes, int]]]], int, 
     try:
         with open(path) as f:
             for n, line in enumerate(f, 1):
+                where = f"{path}:{n} is not an access-log line (pass files written under KVPOOL_ACCESS_LOG)"
                 try:
                     row = json.loads(line)
-                    if "accesses" in row:
-                        last = int(row["accesses"])
-                        rates.add(float(row["rate"]))
-                        node = str(row.get("node", ""))
-                    elif "keys" in row:
-                        keys, sizes = [bytes.fromhex(k) for k in row["keys"]], [int(s) for s in row["sizes"]]
-                        if len(keys) != len(sizes):
-                            raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
-                        rows.append((float(row["t"]), list(zip(keys, sizes, strict=True))))
-                    else:  # a log written before lookups were kept whole: each key its own lookup
-                        rows.append((float(row["t"]), [(bytes.fromhex(row["key"]), int(row["size"]))]))
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise ConfigError(
-                        f"{path}:{n} is not an access-log line ({exc}): pass files written under KVPOOL_ACCESS_LOG"
-                    ) from None
+                    kind = _Totals if "accesses" in row else _Lookup if "keys" in row else _KeyLine
+                    entry = validated(kind, row, where)
+                    if isinstance(entry, _Totals):
+                        last, node = entry.accesses, entry.node
+                        rates.add(entry.rate)
+                    elif isinstance(entry, _Lookup):
+                        if len(entry.keys) != len(entry.sizes):
+                            raise ValueError(f"{len(entry.keys)} keys but {len(entry.sizes)} sizes")
+                        rows.append(
+                            (entry.t, [(bytes.fromhex(k), s) for k, s in zip(entry.keys, entry.sizes, strict=True)])
+                        )
+                    else:  # each key its own lookup
+                        rows.append((entry.t, [(bytes.fromhex(entry.key), entry.size)]))
+                except ConfigError:  # validated(): the field and what it must be
+                    raise
+                except (ValueError, TypeError) as exc:  # not JSON, not an object
+                    raise ConfigError(f"{where}: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"cannot read access log {path}: {exc.strerror}") from None
     return rows, last, rates, node

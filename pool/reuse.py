@@ -35,8 +35,11 @@ import math
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
-from kvpool.errors import ConfigError
+from msgspec import Meta
+
+from kvpool.core.config import Fraction, Positive, checked
 
 _HASH_SPACE = 1 << 64
 
@@ -78,6 +81,10 @@ class _Fenwick:
         return self.total - self.prefix(t)
 
 
+_Share = Annotated[float, Meta(gt=0, description="a node's share of the pool, a number > 0")]
+_Capacity = Annotated[float, Meta(ge=0, le=1.7976931348623157e308, description="a capacity in bytes >= 0")]
+
+
 class ReuseSampler:
     """Feed it lookups (``lookup(items, node)``, or single accesses); it keeps a weighted histogram of the sampled
     running-maximum reuse distances.  ``per_node``: one LRU stack per node, each key on the node of the lookup that
@@ -88,23 +95,16 @@ class ReuseSampler:
     room but because a concurrent lookup was still computing and writing it, which no capacity changes, so it
     counts as a miss at every capacity."""
 
+    @checked
     def __init__(
         self,
-        rate: float = 0.01,
-        max_keys: int = 100_000,
+        rate: Fraction = 0.01,
+        max_keys: Positive = 100_000,
         *,
         per_node: bool = True,
-        shares: Mapping[str, float] | None = None,
-        logged_at: float = 0.0,
+        shares: dict[str, _Share] | None = None,
+        logged_at: _Capacity = 0.0,
     ) -> None:
-        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 < rate <= 1:
-            raise ConfigError(f"sampling rate must be in (0, 1], got {rate!r}")
-        if not isinstance(max_keys, int) or isinstance(max_keys, bool) or max_keys < 1:
-            raise ConfigError(f"max_keys must be an int >= 1, got {max_keys!r}")
-        if shares is not None and not all(isinstance(s, (int, float)) and s > 0 for s in shares.values()):
-            raise ConfigError(f"shares must map node ids to fractions > 0, got {shares!r:.80}")
-        if not isinstance(logged_at, (int, float)) or not logged_at >= 0:
-            raise ConfigError(f"logged_at must be a capacity in bytes >= 0, got {logged_at!r:.40}")
         self.rate, self.max_keys, self.per_node, self.logged_at = float(rate), max_keys, per_node, logged_at
         self.shares = dict(shares) if shares is not None else None
         self._threshold = threshold(self.rate)

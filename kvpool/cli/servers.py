@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -68,21 +69,22 @@ def s3_server(
 
 def _peers(text: str, tls: bool) -> dict[str, str]:
     """``--peers`` ``name=host:port,...`` as ``{name: "host:port"}``; a scheme, if written, must match --tls-dir."""
-    from kvpool.metadata.config import parse_endpoint, validate_name
+    from msgspec import Meta
 
-    peers: dict[str, str] = {}
+    from kvpool.core.config import validated
+    from kvpool.metadata.config import Endpoint, Name, parse_endpoint
+
+    given: dict[str, str] = {}
     for item in (i.strip() for i in text.split(",") if i.strip()):
         name, sep, address = item.partition("=")
         if not sep:
             raise ConfigError(f"--peers: {item!r} is not name=host:port (e.g. n1=10.0.0.1:2380)")
-        validate_name("--peers member name", name.strip())
-        host, port = parse_endpoint(address)
         if address.strip().startswith("http://" if tls else "https://"):
             raise ConfigError(f"--peers: {item!r}: peers talk {'TLS' if tls else 'plaintext'}; write host:port")
-        peers[name.strip()] = f"{host}:{port}"
-    if len(peers) < 2:
-        raise ConfigError("--peers: name at least two members (three, for a cluster that survives one failure)")
-    return peers
+        given[name.strip()] = address
+    members = Meta(min_length=2, description="at least two members (three, for a cluster that survives one failure)")
+    peers = validated(Annotated[dict[Name, Endpoint], members], given, "--peers")
+    return {name: "{}:{}".format(*parse_endpoint(address)) for name, address in peers.items()}
 
 
 MEMBER_DATA_DIR = typer.Option(..., "--data-dir", help="Where etcd keeps its data (kept across restarts).")

@@ -6,36 +6,44 @@ Its :meth:`Config.check` holds only the rules a type cannot say: one field again
 
 Every way of making a config checks it: keyword construction (``PoolConfig(dram_bytes=...)``), ``msgspec.structs
 .replace``, unpickling (a config sent to a Ray actor is checked again where it lands, so the actor re-checks
-nothing by hand), and :func:`validated` for a mapping from outside (a TOML table, vLLM's extra config).  Every
+nothing by hand), and :func:`validated` for a mapping from outside (a TOML table, vLLM's extra config).  A public
+function's arguments are declared the same way, in its annotations, and :func:`checked` checks them.  Every
 failure is a :class:`~kvpool.errors.ConfigError` naming the config, the field path and what to write::
 
     PoolConfig: `watermarks.high` must be a fraction of DRAM capacity in (0, 1], got float 1.5 (expected `float` <= 1.0)
 
 Checking is strict: ``bool`` is not an ``int``, ``"16GiB"`` is not an ``int``, a dict is not a nested config, and
-unknown fields are refused.
+unknown fields are refused.  A field declared ``Meta(extra={"secret": True})`` (a key) is never shown in an error.
 """
 
 import contextvars
+import functools
+import inspect
 import re
 import types
 import typing
-from collections.abc import Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, ParamSpec, TypeVar
 
 import msgspec
+import msgspec.inspect
 from msgspec import Meta
 
 from kvpool.errors import ConfigError
 
-__all__ = ["Config", "Finite", "NonNegative", "Positive", "Seconds", "default_of", "validated"]
+__all__ = ["Config", "Finite", "Fraction", "NonNegative", "Positive", "Seconds", "checked", "default_of", "validated"]
 
 C = TypeVar("C", bound="Config")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _FLOAT_MAX = 1.7976931348623157e308
 #: a finite float (NaN fails both bounds)
 Finite = typing.Annotated[float, Meta(ge=-_FLOAT_MAX, le=_FLOAT_MAX)]
 NonNegative = typing.Annotated[int, Meta(ge=0)]
 Positive = typing.Annotated[int, Meta(ge=1)]
+#: a fraction in (0, 1]: a sampling rate, a share
+Fraction = typing.Annotated[float, Meta(gt=0, le=1, description="a number in (0, 1]")]
 #: a finite number of seconds > 0
 Seconds = typing.Annotated[float, Meta(gt=0, le=_FLOAT_MAX, description="a number of seconds > 0")]
 
@@ -44,7 +52,7 @@ Seconds = typing.Annotated[float, Meta(gt=0, le=_FLOAT_MAX, description="a numbe
 _CHECK, _COPY, _CONVERT = "check", "copy", "convert"
 _mode: contextvars.ContextVar[str] = contextvars.ContextVar("kvpool_config_mode", default=_CHECK)
 _SEGMENT = re.compile(r"\.([A-Za-z_]\w*)|\[(\d+|\.\.\.)\]")
-_AT = re.compile(r" - at (?:`key` in )?`\$(?P<path>[^`]*)`$")
+_AT = re.compile(r" - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`$")
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -64,10 +72,16 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         write.  The fields' own types and ranges are checked before this runs."""
 
 
-def validated(cls: type[C], value: Mapping[str, Any] | C, where: str = "") -> C:
+@typing.overload
+def validated(cls: type[C], value: Mapping[str, Any] | C, where: str = "") -> C: ...
+@typing.overload
+def validated(cls: Any, value: Any, where: str) -> Any: ...
+def validated(cls: Any, value: Any, where: str = "") -> Any:
     """``value`` (a mapping of field names, nested configs as mappings, or a ``cls`` already) as a checked
-    ``cls``; ``ConfigError`` naming ``where`` (default: the class name), the field path and what to write."""
-    if isinstance(value, cls):
+    ``cls``; ``ConfigError`` naming ``where`` (default: the class name), the field path and what to write.
+    ``cls`` may also be any type msgspec checks (``list[ChunkKey]``), then ``where`` names the value."""
+    struct = isinstance(cls, type) and issubclass(cls, msgspec.Struct)
+    if struct and isinstance(value, cls):
         return value
     token = _mode.set(_CONVERT)
     try:
@@ -76,6 +90,76 @@ def validated(cls: type[C], value: Mapping[str, Any] | C, where: str = "") -> C:
         raise _config_error(cls, exc, value, where or cls.__name__) from None
     finally:
         _mode.reset(token)
+
+
+T = TypeVar("T")
+
+
+@typing.overload
+def checked(fn: type[T]) -> type[T]: ...
+@typing.overload
+def checked(fn: Callable[P, R]) -> Callable[P, R]: ...
+def checked(fn: Any) -> Any:
+    """``fn`` (a function, or a dataclass: its ``__init__``) with its arguments checked against its annotations on
+    every call, as :func:`validated` checks a config: strictly (``bool`` is no ``int``, a dict is no config), with
+    the ranges, lengths and patterns an ``Annotated[..., Meta(...)]`` declares, and a ``ConfigError`` naming the
+    function, the parameter and (from the ``Meta``'s ``description``) what to pass.  ``fn`` gets its arguments as
+    given.  A parameter annotated ``Any`` or with a ``Protocol`` that is
+    not ``runtime_checkable`` (one that is: an ``isinstance``), and an unannotated ``self``, are not checked.  About
+    a microsecond a call: not for per-chunk paths."""
+    if isinstance(fn, type):
+        fn.__init__ = checked(fn.__init__)  # type: ignore[misc]
+        return fn
+    hints = {name: _resolved(fn, hint) for name, hint in fn.__annotations__.items()}
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        raise TypeError(f"@checked {fn.__qualname__}: *args and **kwargs cannot be checked")
+    fields = [(p.name, _checkable(hints.get(p.name, Any))) for p in params]
+    defaults = {p.name: p.default for p in params if p.default is not p.empty}
+    where = fn.__qualname__.removesuffix(".__init__")
+    arguments = msgspec.defstruct(
+        f"{where}(arguments)",
+        [(name, kind, defaults[name]) if name in defaults else (name, kind) for name, kind in fields],
+        forbid_unknown_fields=True,
+    )
+    names = [name for name, _ in fields]
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        given = dict(zip(names, args, strict=False))  # too many: the call below says so
+        given.update(kwargs)
+        _no_mappings(arguments, given, where)
+        try:
+            msgspec.convert(given, arguments, strict=True)
+        except msgspec.ValidationError as exc:
+            raise _config_error(arguments, exc, given, where) from None
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def _resolved(fn: Callable[..., Any], hint: Any) -> Any:
+    """An annotation (a string under ``from __future__ import annotations``) as a type; ``Any`` for a name
+    imported for type checkers only."""
+    try:
+        return eval(hint, fn.__globals__) if isinstance(hint, str) else hint
+    except NameError:
+        return Any
+
+
+def _checkable(hint: Any) -> Any:
+    """``hint``, or ``Any`` where msgspec cannot check it: a Protocol that is not ``runtime_checkable`` (or a union
+    with one: ``isinstance`` refuses), a union msgspec does not take."""
+    kind, _ = _unwrap(hint)
+    kinds = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+    protocols = [k for k in kinds if isinstance(k, type) and getattr(k, "_is_protocol", False)]
+    if any(not getattr(k, "_is_runtime_protocol", False) for k in protocols):
+        return Any
+    try:
+        msgspec.inspect.type_info(hint)
+    except TypeError:  # a type msgspec does not check (``str | os.PathLike[str]``)
+        return Any
+    return hint
 
 
 def default_of(cls: type[msgspec.Struct], name: str) -> Any:
@@ -94,13 +178,7 @@ def _round_trip(config: "Config") -> None:
     (a list given for a tuple field becomes a tuple, an int for a float field a float)."""
     cls = type(config)
     raw = msgspec.structs.asdict(config)
-    for name, kinds in _nested(cls).items():
-        if not isinstance(raw[name], kinds):
-            names = " or ".join("None" if k is types.NoneType else k.__name__ for k in kinds)
-            raise ConfigError(
-                f"{cls.__name__}: `{name}` expected {names}, got {_shown(raw[name])}: "
-                f"write {name}={kinds[0].__name__}(...)"
-            )
+    _no_mappings(cls, raw, cls.__name__)
     token = _mode.set(_COPY)
     try:
         copy = msgspec.convert(raw, cls, strict=True)
@@ -112,6 +190,17 @@ def _round_trip(config: "Config") -> None:
         normal = getattr(copy, name)
         if normal is not value:
             msgspec.structs.force_setattr(config, name, normal)
+
+
+def _no_mappings(cls: type, raw: Mapping[str, Any], where: str) -> None:
+    """A field declared as a config holds one: msgspec would convert a dict given in code, which code must not
+    pass (and a function would get the dict, not the config)."""
+    for name, kinds in _nested(cls).items():
+        if name in raw and not isinstance(raw[name], kinds):
+            names = " or ".join("None" if k is types.NoneType else k.__name__ for k in kinds)
+            raise ConfigError(
+                f"{where}: `{name}` expected {names}, got {_shown(raw[name])}: write {name}={kinds[0].__name__}(...)"
+            )
 
 
 _NESTED: dict[type, dict[str, tuple[type, ...]]] = {}
@@ -131,34 +220,56 @@ def _nested(cls: type) -> dict[str, tuple[type, ...]]:
     return _NESTED[cls]
 
 
-def _config_error(cls: type, exc: msgspec.ValidationError, raw: Any, where: str) -> ConfigError:
+def _config_error(cls: Any, exc: msgspec.ValidationError, raw: Any, where: str) -> ConfigError:
     """``exc`` as a sentence: where, the field path, what msgspec expected, the value given, what to write."""
     text = str(exc)
     m = _AT.search(text)
+    struct = isinstance(cls, type) and issubclass(cls, msgspec.Struct)
     if m is None and isinstance(exc.__cause__, ConfigError):  # the config's own check(): its sentence
         return type(exc.__cause__)(f"{where}: {exc.__cause__}")
-    if m is None:  # the top level: an unknown field, or not a mapping at all
+    if m is None and struct:  # the top level: an unknown field, or not a mapping at all
         known = ", ".join(f.name for f in msgspec.structs.fields(cls))
         return ConfigError(f"{where}: {_lower(text)}; its fields are {known}")
-    path, said = m["path"], text[: m.start()]
+    path, said = (m["path"], text[: m.start()]) if m else ("", text)
     if not said.startswith(("Expected", "Object", "Invalid")):  # a check() of a nested config: its own sentence
         return ConfigError(f"{where}: `{path.lstrip('.')}`: {said}")
     shown, found, value, hint, kind = _walk(cls, raw, path)
-    expected = re.sub(r" matching regex '.*'$", "", _lower(said.split(", got `")[0]))
+    at = f"{where}: `{shown}`" if struct else f"{where}{shown}"  # a value (not a config) is named by where
+    if m and m["key"] and isinstance(value, Mapping):  # a dict's key: name it and what a key must be
+        key_kind, meta = _unwrap(typing.get_args(kind)[0])
+        bad = next((k for k in value if not _fits(k, typing.get_args(kind)[0])), None)
+        rule = next((x.description for x in meta if isinstance(x, Meta) and x.description), "")
+        if not rule:  # the field's own description says more
+            choices = ", ".join(map(repr, typing.get_args(key_kind)))
+            rule = f"one of {choices}" if typing.get_origin(key_kind) is typing.Literal else f"a {key_kind.__name__}"
+            rule += f" ({hint})" if hint else ""
+        return ConfigError(f"{at} has key {bad!r:.60}; a key must be {rule}")
+    expected = re.sub(r" matching regex '.*'$", "", _lower(said.split(", got ")[0]))
+    if said.startswith("Expected `object`") and isinstance(kind, type) and issubclass(kind, msgspec.Struct):
+        expected = f"expected a {kind.__name__}"
     if said.startswith("Object contains unknown field") and isinstance(kind, type) and issubclass(kind, msgspec.Struct):
         hint = "its fields are " + ", ".join(f.name for f in msgspec.structs.fields(kind))
-        return ConfigError(f"{where}: `{shown}` {expected}: {hint}")
+        return ConfigError(f"{at} {expected}: {hint}")
+    if typing.get_origin(kind) is typing.Literal:  # msgspec says "invalid enum value": say the choices
+        choices = ", ".join(repr(c) for c in typing.get_args(kind))
+        return ConfigError(f"{at} must be {hint or 'one of ' + choices}, got {_shown(value)}")
     got = f", got {_shown(value)}" if found and not said.startswith(("Invalid", "Object")) else ""
     if hint:  # a pattern is said by the description alone
         said_more = "" if " matching regex " in said else f" ({expected})"
-        return ConfigError(f"{where}: `{shown}` must be {hint}{got}{said_more}")
-    return ConfigError(f"{where}: `{shown}` {expected}{got}")
+        return ConfigError(f"{at} must be {hint}{got}{said_more}")
+    return ConfigError(f"{at} {expected}{got}")
 
 
 def _walk(cls: Any, raw: Any, path: str) -> tuple[str, bool, Any, str, Any]:
     """``(the path shown, found, the value at path in raw, the description declared for it, its type)``.  A dict's
     key is ``[...]`` in msgspec's paths: the first key whose value fails is looked for and shown instead."""
-    shown, found, value, hint, kind = "", True, raw, "", cls
+    kind, meta = _unwrap(cls)
+    shown, found, value, hint = (
+        "",
+        True,
+        raw,
+        next((x.description for x in meta if isinstance(x, Meta) and x.description), ""),
+    )
     for m in _SEGMENT.finditer(path):
         name, index = m[1], m[2]
         if name is not None:
@@ -168,10 +279,13 @@ def _walk(cls: Any, raw: Any, path: str) -> tuple[str, bool, Any, str, Any]:
                 kind, meta = None, []
             hint = next((x.description for x in meta if isinstance(x, Meta) and x.description), "")
             value = value.get(name, _MISSING) if isinstance(value, Mapping) else getattr(value, name, _MISSING)
-            found, shown = found and value is not _MISSING, f"{shown}.{name}" if shown else name
+            found, shown = found and value is not _MISSING and not _secret(meta), f"{shown}.{name}" if shown else name
             continue
         args = typing.get_args(kind)
-        inner = args[-1] if args else Any
+        if typing.get_origin(kind) is tuple and ... not in args:  # a fixed-size tuple: its own type per place
+            inner = args[int(index)] if index.isdigit() and int(index) < len(args) else Any
+        else:  # list[X], tuple[X, ...], dict[K, X]
+            inner = args[0] if args[-1:] == (...,) else args[-1] if args else Any
         kind, meta = _unwrap(inner)
         hint = next((x.description for x in meta if isinstance(x, Meta) and x.description), hint)
         if index == "..." and found and isinstance(value, Mapping):
@@ -181,7 +295,13 @@ def _walk(cls: Any, raw: Any, path: str) -> tuple[str, bool, Any, str, Any]:
         else:
             found = found and index != "..." and isinstance(value, (list, tuple)) and int(index) < len(value)
             value, shown = value[int(index)] if found else None, f"{shown}[{index}]"
+        found = found and not _secret(meta)
     return shown, found, value, hint, kind
+
+
+def _secret(meta: list[Any]) -> bool:
+    """Whether a field is declared secret (``Meta(extra={"secret": True})``): its value is never shown."""
+    return any(isinstance(x, Meta) and (x.extra or {}).get("secret") for x in meta)
 
 
 def _fits(value: Any, kind: Any) -> bool:

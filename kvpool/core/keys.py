@@ -9,14 +9,13 @@ depends on the process, the host or ``PYTHONHASHSEED``: the same prompt gives th
 
 import hashlib
 import json
-import re
 from collections.abc import Mapping, Set
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any, Protocol, runtime_checkable
 
 import msgspec
 import numpy as np
 
-from kvpool.core.config import Config, NonNegative, Positive
+from kvpool.core.config import Config, NonNegative, Positive, checked, validated
 from kvpool.errors import ConfigError
 
 KEY_BYTES = 32  #: chunk keys are SHA-256 digests
@@ -24,7 +23,25 @@ DEFAULT_CHUNK_SIZE = 256
 _MAX_TOKEN_ID = 2**32 - 1  # tokens are hashed as little-endian uint32
 _IDENTITY_TAG = "kvpool.cache-identity/1"
 _Text = Annotated[str, msgspec.Meta(min_length=1, description="a non-empty string")]
-_KEY_HEX = re.compile(rf"[0-9a-fA-F]{{{2 * KEY_BYTES}}}", re.ASCII)
+#: a chunk key, as :func:`chunk_keys` makes them
+ChunkKey = Annotated[
+    bytes,
+    msgspec.Meta(
+        min_length=KEY_BYTES,
+        max_length=KEY_BYTES,
+        description=f"a {KEY_BYTES}-byte chunk key (kvpool.core.keys.chunk_keys makes them)",
+    ),
+]
+#: a chunk key as ``kvpool ls`` shows it: its hex digits, surrounding whitespace ignored
+ChunkKeyText = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=rf"^\s*[0-9a-fA-F]{{{2 * KEY_BYTES}}}\s*\Z",
+        description=f"a chunk key: {2 * KEY_BYTES} hex digits (kvpool ls shows them)",
+    ),
+]
+_Keys = list[ChunkKey]
+_Items = list[tuple[ChunkKey, Any]]
 
 
 class CacheIdentity(Config, frozen=True):
@@ -54,6 +71,7 @@ class CacheIdentity(Config, frozen=True):
         return hashlib.sha256(canonical.encode()).digest()
 
 
+@runtime_checkable
 class KeyScope(Protocol):
     """What roots a chain instead of the identity's own hash: a tenant's or a shared namespace's scope
     (:class:`kvpool.pool.tenants.Scope`, rooted in its secret).  The chain asks it only for ``H_0``."""
@@ -61,6 +79,9 @@ class KeyScope(Protocol):
     def root(self, identity_root: bytes) -> bytes:
         """``H_0`` of this scope's chain for a cache whose identity hashes to ``identity_root``."""
         ...
+
+
+_Scope = Annotated[KeyScope | None, msgspec.Meta(description="a Scope (Tenants.scope(tenant)) or None")]
 
 
 def check_key(key: Any, field: str = "key") -> bytes:
@@ -76,34 +97,23 @@ def check_key(key: Any, field: str = "key") -> bytes:
 
 def check_list(value: Any, field: str) -> list[Any]:
     """``value`` as a list if it is a list or tuple; ``ConfigError`` naming ``field`` otherwise."""
-    if not isinstance(value, (list, tuple)):
-        raise ConfigError(f"{field} must be a list, got {type(value).__name__} {value!r:.60}")
-    return list(value)
+    return validated(list[Any], value, field)
 
 
 def check_keys(keys: Any, field: str = "keys") -> list[bytes]:
     """``keys`` if it is a list of chunk keys; ``ConfigError`` naming ``field`` (and the index) otherwise."""
-    return [check_key(k, f"{field}[{i}]") for i, k in enumerate(check_list(keys, field))]
+    return validated(_Keys, keys, field)
 
 
 def check_items(items: Any, field: str = "items") -> list[tuple[bytes, Any]]:
     """``items`` if it is a list of ``(chunk key, data)`` pairs; ``ConfigError`` naming the bad one otherwise."""
-    out = []
-    for i, item in enumerate(check_list(items, field)):
-        if not isinstance(item, (list, tuple)) or len(item) != 2:
-            raise ConfigError(f"{field}[{i}] must be a (key, data) pair, got {item!r:.60}")
-        out.append((check_key(item[0], f"{field}[{i}] key"), item[1]))
-    return out
+    return validated(_Items, items, field)
 
 
 def parse_key(text: Any, field: str = "key") -> bytes:
-    """A chunk key written as ``2 * KEY_BYTES`` hex digits (``key.hex()``, as ``kvpool ls`` shows it; surrounding
-    whitespace ignored) → its bytes; ``ConfigError`` naming ``field`` otherwise."""
-    if not isinstance(text, str) or not _KEY_HEX.fullmatch(text.strip()):
-        raise ConfigError(
-            f"{field}: a chunk key is {2 * KEY_BYTES} hex digits (kvpool ls shows them), got {text!r:.80}"
-        )
-    return bytes.fromhex(text.strip())
+    """A :data:`ChunkKeyText` (``key.hex()``, as ``kvpool ls`` shows it) → its bytes; ``ConfigError`` naming
+    ``field`` otherwise."""
+    return bytes.fromhex(validated(ChunkKeyText, text, field).strip())
 
 
 def token_array(tokens: Any, field: str = "tokens") -> np.ndarray:
@@ -154,13 +164,11 @@ def next_key(previous: bytes, chunk_tokens: np.ndarray) -> bytes:
     return h.digest()
 
 
-def chunk_keys(identity: CacheIdentity, tokens: Any, scope: KeyScope | None = None) -> list[bytes]:
+@checked
+def chunk_keys(identity: CacheIdentity, tokens: Any, scope: _Scope = None) -> list[bytes]:
     """The keys of every *full* chunk of ``tokens``; a trailing partial chunk gets no key.  ``scope``: a tenant's
-    (or a shared namespace's) chain, rooted in its secret (:mod:`kvpool.pool.tenants`); None: the identity's own."""
-    if not isinstance(identity, CacheIdentity):
-        raise ConfigError(f"identity must be a CacheIdentity, got {type(identity).__name__}")
-    if scope is not None and not callable(getattr(scope, "root", None)):
-        raise ConfigError(f"scope must be a Scope (Tenants.scope(tenant)) or None, got {type(scope).__name__}")
+    (or a shared namespace's) chain, rooted in its secret (:mod:`kvpool.pool.tenants`: ``Tenants.scope(tenant)``);
+    None: the identity's own."""
     arr = token_array(tokens)
     c = identity.chunk_size
     keys: list[bytes] = []

@@ -25,13 +25,16 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from msgspec import Meta
 
+from kvpool.core.config import checked
 from kvpool.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -96,11 +99,20 @@ def server_files(directory: str | os.PathLike[str], hosts: Iterable[str] = ()) -
     return ServerTls(d / "ca.pem", cert_path, key_path)
 
 
-def client_files(directory: str | os.PathLike[str], name: str = "client") -> ClientTls:
+#: a client certificate's name (its CN and file name): not one of the names the CA and etcd's own files take
+_ClientName = Annotated[
+    str,
+    Meta(
+        pattern=r"^(?!(ca|ca-key|server)\Z)[A-Za-z0-9_-]+\Z",
+        description="letters, digits, '-' and '_' only, and not ca or server",
+    ),
+]
+
+
+@checked
+def client_files(directory: str | os.PathLike[str], name: _ClientName = "client") -> ClientTls:
     """The CA and the client certificate ``name`` (its CN) in ``directory``: ``<name>.pem`` and ``<name>-key.pem``,
     made there if missing and the CA key is present.  Never makes a CA: a client trusts the one etcd's was made by."""
-    if not name.replace("-", "").replace("_", "").isalnum() or name in ("ca", "ca-key", "server"):
-        raise ConfigError(f"client name {name!r}: letters, digits, '-' and '_' only, and not ca or server")
     d = Path(directory).expanduser().absolute()
     if not (d / "ca.pem").is_file():
         raise ConfigError(

@@ -34,6 +34,7 @@ import botocore.config
 import botocore.exceptions
 from botocore import UNSIGNED
 
+from kvpool.core.config import Positive, checked
 from kvpool.errors import ConfigError, RemoteUnavailable
 from kvpool.servers.process import ServerProcess, free_ports
 
@@ -78,19 +79,18 @@ class SeaweedServer:
     them; ``generate_credentials()`` gives a fresh pair.
     """
 
+    @checked
     def __init__(
         self,
         host: str = "127.0.0.1",
         *,
         access_key_id: str = "",
         secret_access_key: str = "",
-        volume_size_limit_mb: int = 64,
+        volume_size_limit_mb: Positive = 64,
         binary: str | None = None,
     ) -> None:
         if bool(access_key_id) != bool(secret_access_key):
             raise ConfigError("access_key_id and secret_access_key: give both (an authenticated server) or neither")
-        if not isinstance(volume_size_limit_mb, int) or volume_size_limit_mb < 1:
-            raise ConfigError(f"volume_size_limit_mb must be an int >= 1, got {volume_size_limit_mb!r}")
         self.host = host
         self.access_key_id = access_key_id
         self.secret_access_key = secret_access_key

@@ -53,6 +53,7 @@ this codec, and the stored codec name then ends in ``+aes256gcm`` (``codec_key``
 
 import hashlib
 import math
+import re
 import struct
 import warnings
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ import numpy as np
 import torch
 from msgspec import Meta
 
-from kvpool.core.config import Config, Positive
+from kvpool.core.config import Config, Positive, validated
 from kvpool.errors import ConfigError, UndecodableChunk, UnencodableTensor
 from kvpool.pool.tiers import crypto
 from kvpool.pool.tiers.lossless import compress, decompress, delta, from_planes, to_planes, undelta
@@ -76,6 +77,12 @@ _DTYPE_CODE = {dtype: i + 1 for i, dtype in enumerate(DTYPES)}
 _DTYPE_NAMES = {str(dtype).removeprefix("torch."): dtype for dtype in DTYPES}
 _KEY_BYTES = hashlib.sha256().digest_size  # chunk keys are SHA-256 digests (kvpool/core/keys.py)
 _GRAMMAR = "raw | fp8-e4m3[/channel] | fp8-e5m2[/channel] | int4[:gN], then nothing, +zstd or +delta+zstd"
+_SPEC = re.compile(
+    r"(?P<zstd_only>zstd)|(?:raw|fp8-(?P<fp8>e4m3|e5m2)(?:/(?P<scope>tensor|channel))?|(?P<int4>int4)(?::g(?P<group>\d+))?)"
+    r"(?P<stages>\+zstd|\+delta\+zstd)?",
+    re.ASCII,
+)
+_SpecText = Annotated[str, Meta(description=f"a string ({_GRAMMAR})")]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -235,41 +242,27 @@ def parse_codec(spec: str) -> Codec:
 
     Specs are case-insensitive and canonicalised: ``parse_codec("int4:g32").name == "int4"``.
     """
-    if not isinstance(spec, str):
-        raise ConfigError(f"codec spec must be a string, got {type(spec).__name__}")
+    if not isinstance(spec, str):  # per chunk: msgspec only when it is to say what is wrong
+        validated(_SpecText, spec, "codec spec")
     return _parse(spec.strip().lower())
 
 
 @lru_cache(maxsize=256)
 def _parse(spec: str) -> Codec:
-    base, *stages = spec.split("+")
-    if base == "zstd":
-        base, stages = "raw", ["zstd", *stages]
-    if crypto.STAGE.removeprefix("+") in stages:
+    if crypto.STAGE.removeprefix("+") in spec.split("+"):
         raise ConfigError(
             f"codec spec {spec!r}: encryption is not a codec stage; set the tier's encryption (PoolConfig.encryption "
             "for NVMe, RemoteConfig.encryption for S3), which seals every chunk there, bytes or tensors"
         )
-    if stages not in ([], ["zstd"], ["delta", "zstd"]):
-        raise ConfigError(f"codec spec {spec!r}: stages must be nothing, +zstd or +delta+zstd ({_GRAMMAR})")
-    quantizer: Quantizer
-    if base == "raw":
-        quantizer = Raw()
-    elif base.startswith("fp8-"):
-        fmt, _, scope = base.removeprefix("fp8-").partition("/")
-        if fmt not in ("e4m3", "e5m2") or scope not in ("", "tensor", "channel"):
-            raise ConfigError(f"codec spec {spec!r}: fp8 is fp8-e4m3 or fp8-e5m2, then /tensor or /channel")
-        quantizer = Fp8(fmt, per_channel=scope == "channel")
-    elif base == "int4" or base.startswith("int4:"):
-        option = base.removeprefix("int4").removeprefix(":")
-        group = DEFAULT_GROUP
-        if option:
-            if not option.startswith("g") or not option[1:].isdigit():
-                raise ConfigError(f"codec spec {spec!r}: int4 takes a group size as int4:gN, e.g. int4:g64")
-            group = int(option[1:])
-        quantizer = Int4(group)
-    else:
+    m = _SPEC.fullmatch(spec)
+    if m is None:
         raise ConfigError(f"unknown codec spec {spec!r}; expected {_GRAMMAR}")
+    stages = (m["stages"] or "") + ("+zstd" if m["zstd_only"] else "")
+    quantizer: Quantizer = Raw()
+    if m["fp8"]:
+        quantizer = Fp8(m["fp8"], per_channel=m["scope"] == "channel")  # type: ignore[arg-type]  # e4m3 or e5m2
+    elif m["int4"]:
+        quantizer = Int4(int(m["group"]) if m["group"] else DEFAULT_GROUP)
     return Codec(quantizer, delta="delta" in stages, zstd="zstd" in stages)
 
 

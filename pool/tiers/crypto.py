@@ -42,15 +42,12 @@ etcd record or a metric; a :class:`Keyring` refuses to be pickled.
 """
 
 import base64
-import binascii
 import hmac
 import logging
 import os
-import re
 import secrets
 import stat
 import time
-from collections.abc import Mapping
 from functools import lru_cache
 from typing import Annotated
 
@@ -58,7 +55,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from msgspec import Meta
 
-from kvpool.core.config import Config
+from kvpool.core.config import Config, checked, validated
 from kvpool.errors import ConfigError, UndecryptableChunk
 
 log = logging.getLogger(__name__)
@@ -73,8 +70,22 @@ _SALT = b"kvpool aes256gcm v1"
 _KEY_ID = r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}"
 _ENV_NAME = r"^([A-Za-z_][A-Za-z0-9_]*)?\Z"
 _KEY_ID_RULE = "1-64 characters of letters, digits, '_', '.', ':' or '-', starting with a letter or digit"
+_NEW_KEY = "kvpool keys new PATH"
 
 Buffer = bytes | bytearray | memoryview
+KeyId = Annotated[str, Meta(pattern=rf"^{_KEY_ID}\Z", description=_KEY_ID_RULE)]
+KeyIdOrNone = Annotated[str, Meta(pattern=rf"^({_KEY_ID})?\Z", description=f"empty or {_KEY_ID_RULE}")]
+#: 32 bytes (base64 text in a key file); never shown in an error
+AesKey = Annotated[
+    bytes,
+    Meta(
+        min_length=KEY_BYTES,
+        max_length=KEY_BYTES,
+        description=f"{KEY_BYTES} bytes, base64 in a key file ({_NEW_KEY} makes one)",
+        extra={"secret": True},
+    ),
+]
+Keys = Annotated[dict[KeyId, AesKey], Meta(min_length=1, description=f"one key or more ({_NEW_KEY} makes one)")]
 
 
 def sealed_name(codec: str) -> str:
@@ -87,12 +98,6 @@ def split(codec: str) -> tuple[str, bool]:
     return (codec.removesuffix(STAGE), True) if codec.endswith(STAGE) else (codec, False)
 
 
-def check_key_id(key_id: object, field: str = "key_id") -> str:
-    if not isinstance(key_id, str) or not re.fullmatch(_KEY_ID, key_id):
-        raise ConfigError(f"{field} must be {_KEY_ID_RULE}, got {key_id!r:.80}")
-    return key_id
-
-
 class Keyring:
     """Key ids and their 32-byte AES-256 keys, and the id that seals new chunks (``current``: the last one given,
     unless named).  ``seal`` and ``open`` may be called from several threads at once.  Holds key material: its repr
@@ -100,14 +105,8 @@ class Keyring:
 
     __slots__ = ("_prks", "current")
 
-    def __init__(self, keys: Mapping[str, bytes], current: str = "") -> None:
-        if not keys:
-            raise ConfigError("a keyring needs at least one key: make one with kvpool keys new PATH")
-        for key_id, key in keys.items():
-            check_key_id(key_id, "key id")
-            if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-                got = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
-                raise ConfigError(f"key {key_id!r}: AES-256 takes {KEY_BYTES}-byte keys, got {got}")
+    @checked
+    def __init__(self, keys: Keys, current: KeyIdOrNone = "") -> None:
         self.current = current or list(keys)[-1]  #: the id that seals new chunks
         if self.current not in keys:
             raise ConfigError(f"key_id {self.current!r:.80} is not in the keyring (it holds {', '.join(keys)})")
@@ -221,42 +220,39 @@ def unseal(data: Buffer, codec: str, chunk_key: bytes, keys: "Keyring | None") -
 # -- keys from a file or an environment variable -------------------------------------------------------------
 
 
+class KeyLine(Config, frozen=True):
+    """One line of a key file: ``<key id> <base64 key>``."""
+
+    id: KeyId
+    key: AesKey
+
+
 def parse_keys(text: str, source: str) -> dict[str, bytes]:
-    """Key ids and keys from a key file's text: one ``<key id> <base64 of 32 bytes>`` a line, ``#`` comments and
-    blank lines ignored.  Errors name ``source`` and the line number, never the line."""
+    """Key ids and keys from a key file's text: one ``<key id> <base64 of 32 bytes>`` a line (a :class:`KeyLine`),
+    ``#`` comments and blank lines ignored.  Errors name ``source`` and the line number, never the key."""
     keys: dict[str, bytes] = {}
     for number, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
         parts = line.split()
         where = f"{source}, line {number}"
+        if not parts or parts[0].startswith("#"):
+            continue
         if len(parts) != 2:
-            raise ConfigError(f"{where}: expected '<key id> <base64 key>' (kvpool keys new PATH writes such lines)")
-        key_id, encoded = parts
-        if not re.fullmatch(_KEY_ID, key_id):
-            raise ConfigError(f"{where}: a key id is {_KEY_ID_RULE}")
-        try:
-            key = base64.b64decode(encoded, validate=True)
-        except binascii.Error:
-            raise ConfigError(f"{where}: the key is not base64") from None
-        if len(key) != KEY_BYTES:
-            raise ConfigError(
-                f"{where}: key {key_id!r} is {len(key)} bytes; AES-256 takes {KEY_BYTES} (kvpool keys new PATH)"
-            )
-        if key_id in keys:
-            raise ConfigError(f"{where}: key id {key_id!r} appears twice; give each key its own id")
-        keys[key_id] = key
+            raise ConfigError(f"{where}: expected '<key id> <base64 key>' ({_NEW_KEY} writes such lines)")
+        entry = validated(KeyLine, dict(zip(("id", "key"), parts, strict=True)), where)
+        if entry.id in keys:
+            raise ConfigError(f"{where}: key id {entry.id!r} appears twice; give each key its own id")
+        keys[entry.id] = entry.key
     if not keys:
-        raise ConfigError(f"{source} holds no key: add one with kvpool keys new PATH")
+        raise ConfigError(f"{source} holds no key: add one with {_NEW_KEY}")
     return keys
 
 
-def new_key(path: str, key_id: str = "") -> str:
+@checked
+def new_key(path: str, key_id: KeyIdOrNone = "") -> str:
     """Append a fresh random key to the key file at ``path`` (created with mode 0600); its id (default
     ``k-<date>-<6 hex>``).  The last key of a file seals new chunks, so this also rotates the key: chunks sealed
     with the earlier ones still open while their lines stay."""
-    key_id = check_key_id(key_id) if key_id else f"k-{time.strftime('%Y%m%d')}-{secrets.token_hex(3)}"
+    key_id = key_id or f"k-{time.strftime('%Y%m%d')}-{secrets.token_hex(3)}"
     if os.path.exists(path):
         with open(path, encoding="ascii") as f:
             existing = f.read()
@@ -305,7 +301,7 @@ class EncryptionConfig(Config, frozen=True):
     #: or: the name of an environment variable holding the key file's text
     key_env: Annotated[str, Meta(pattern=_ENV_NAME, description="the name of an environment variable")] = ""
     #: the key that seals new chunks; empty: the last one listed
-    key_id: Annotated[str, Meta(pattern=rf"^({_KEY_ID})?\Z", description=_KEY_ID_RULE)] = ""
+    key_id: KeyIdOrNone = ""
 
     def check(self) -> None:
         if self.key_file and self.key_env:

@@ -43,10 +43,12 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Self
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 
 import torch
+from msgspec import Meta
 
+from kvpool.core.config import checked, validated
 from kvpool.errors import ConfigError
 from kvpool.pool.buffers import byte_view
 from kvpool.pool.segment import ALIGN, CHUNK
@@ -89,10 +91,15 @@ def nvme_io_path() -> IoPath:
     return path
 
 
+_Setting = Annotated[
+    Literal["", "auto", "posix", "kvikio"],
+    Meta(description="one of posix, kvikio, auto; unset it for automatic choice"),
+]
+_Bounce = Annotated[int, Meta(gt=0, multiple_of=ALIGN, description=f"a positive multiple of {ALIGN}")]
+
+
 def _choose(setting: str) -> IoPath:
-    forced = setting.strip().lower()
-    if forced not in ("", "auto", "posix", "kvikio"):
-        raise ConfigError(f"{ENV}={setting!r} is not one of posix, kvikio, auto; unset it for automatic choice")
+    forced = validated(_Setting, setting.strip().lower(), ENV)
     if forced == "posix":
         return IoPath("posix", f"forced by {ENV}=posix: O_DIRECT into host memory, then a host-to-device copy")
     demanded = forced == "kvikio"
@@ -198,9 +205,8 @@ class DeviceIO:
     ``OSError`` on every path (kvikio's errors are translated).
     """
 
-    def __init__(self, segment: NvmeSegment, path: IoPath | None = None, bounce_bytes: int = CHUNK) -> None:
-        if bounce_bytes <= 0 or bounce_bytes % ALIGN:
-            raise ConfigError(f"bounce_bytes must be a positive multiple of {ALIGN}, got {bounce_bytes}")
+    @checked
+    def __init__(self, segment: NvmeSegment, path: IoPath | None = None, bounce_bytes: _Bounce = CHUNK) -> None:
         self.segment = segment
         self.path: IoPath = nvme_io_path() if path is None else path  #: The path CUDA tensors take.
         self.bounce_bytes = bounce_bytes

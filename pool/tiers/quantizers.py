@@ -4,12 +4,14 @@
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar, Literal
 
 import numpy as np
 import torch
+from msgspec import Meta
 
-from kvpool.errors import ConfigError, UndecodableChunk, UnencodableTensor
+from kvpool.core.config import checked
+from kvpool.errors import UndecodableChunk, UnencodableTensor
 
 DEFAULT_GROUP = 32
 _FP16_SAFE = 60000.0  # int4 parameters are float16 while every |x| is below this
@@ -107,17 +109,14 @@ class Raw(Quantizer):
         return torch.from_numpy(codes).view(dtype).reshape(shape)
 
 
+@checked
 @dataclass(frozen=True)
 class Fp8(Quantizer):
     """FP8 with a float32 scale per tensor, or per channel (every position of ``shape[1:]``, max over tokens)."""
 
-    format: str = "e4m3"  #: "e4m3" (torch.float8_e4m3fn) or "e5m2" (torch.float8_e5m2)
+    format: Literal["e4m3", "e5m2"] = "e4m3"  #: torch.float8_e4m3fn or torch.float8_e5m2
     per_channel: bool = False
     _FORMATS: ClassVar[dict[str, torch.dtype]] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-
-    def __post_init__(self) -> None:
-        if self.format not in self._FORMATS:
-            raise ConfigError(f"fp8 format must be one of {', '.join(self._FORMATS)}, got {self.format!r}")
 
     @property
     def spec(self) -> str:
@@ -174,16 +173,12 @@ _FP8_VALUES = {
 }
 
 
+@checked
 @dataclass(frozen=True)
 class Int4(Quantizer):
     """Asymmetric 4-bit group quantization along the last axis: per group a ``min`` and a ``step``."""
 
-    group: int = DEFAULT_GROUP
-
-    def __post_init__(self) -> None:
-        g = self.group
-        if not isinstance(g, int) or isinstance(g, bool) or not 2 <= g <= 4096 or g % 2:
-            raise ConfigError(f"int4 group size must be an even int from 2 to 4096, got {g!r}")
+    group: Annotated[int, Meta(ge=2, le=4096, multiple_of=2, description="an even int from 2 to 4096")] = DEFAULT_GROUP
 
     @property
     def spec(self) -> str:

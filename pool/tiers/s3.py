@@ -44,10 +44,11 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
+from kvpool.core.config import Positive, checked
 from kvpool.core.types import Tier
 from kvpool.errors import ChunkNotFound, ConfigError, RemoteUnavailable
 from kvpool.metadata.cache import MetadataCache
-from kvpool.metadata.config import validate_name
+from kvpool.metadata.config import Name
 from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.tiers.codecs import Buffer, codec_key
 from kvpool.pool.tiers.s3_config import GC_GRACE_S, RemoteConfig
@@ -93,13 +94,12 @@ class RemoteStore:
     the client's connection pool: as many requests as that run at once.
     """
 
-    def __init__(self, config: RemoteConfig, cluster: str, *, max_connections: int = 32) -> None:
-        if not isinstance(config, RemoteConfig):
-            raise ConfigError(f"config must be a RemoteConfig, got {type(config).__name__}")
+    @checked
+    def __init__(self, config: RemoteConfig, cluster: Name, *, max_connections: Positive = 32) -> None:
         if not config.enabled:
             raise ConfigError("bucket is empty, so the remote tier is off: set RemoteConfig.bucket to use it")
         self.config = config
-        self.cluster = validate_name("cluster", cluster)
+        self.cluster = cluster
         self.bucket = config.bucket
         self.root = f"{config.prefix}/{cluster}/"  #: every object of this store is named under it
         session = boto3.session.Session(

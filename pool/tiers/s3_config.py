@@ -1,8 +1,6 @@
 """The S3 (remote) tier's settings, checked when they are made: importing this needs neither boto3 nor torch (nor
 more of ``cryptography`` than its AES-GCM, for the tier's encryption at rest)."""
 
-import re
-import urllib.parse
 from typing import Annotated
 
 from msgspec import Meta, field
@@ -12,8 +10,22 @@ from kvpool.errors import ConfigError
 from kvpool.metadata.config import Name
 from kvpool.pool.tiers.crypto import EncryptionConfig
 
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_IPV4 = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
+#: S3's bucket naming rules; empty: the remote tier is off
+_Bucket = Annotated[
+    str,
+    Meta(
+        pattern=r"^((?!\d+\.\d+\.\d+\.\d+\Z)(?!.*(\.\.|\.-|-\.))[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])?\Z",
+        description="an S3 bucket name (3-63 characters of lowercase letters, digits, '.' and '-', starting and "
+        "ending with a letter or digit, no '..', '.-' or '-.', not an IP address), or empty for no remote tier",
+    ),
+]
+_Url = Annotated[
+    str,
+    Meta(
+        pattern=r"^(https?://(\[[0-9a-fA-F:]+\]|[^/:?#\s\[\]]+)(:\d{1,5})?([/?#]\S*)?)?\Z",
+        description="an http:// or https:// URL such as http://127.0.0.1:8333, or empty for AWS_ENDPOINT_URL / AWS",
+    ),
+]
 _SEGMENT = r"(?!\.\.?(?:/|\Z))[A-Za-z0-9_.-]+"
 _Prefix = Annotated[
     str,
@@ -43,8 +55,8 @@ class RemoteConfig(Config, frozen=True):
     resolution (the ``AWS_*`` environment, ``~/.aws``); see the module docstring.
     """
 
-    bucket: str = ""  #: the S3 bucket; empty: the remote tier is off
-    endpoint_url: str = ""  #: e.g. ``http://127.0.0.1:8333``; empty: ``AWS_ENDPOINT_URL(_S3)``, else AWS
+    bucket: _Bucket = ""  #: the S3 bucket; empty: the remote tier is off
+    endpoint_url: _Url = ""  #: e.g. ``http://127.0.0.1:8333``; empty: ``AWS_ENDPOINT_URL(_S3)``, else AWS
     prefix: _Prefix = "kvpool"  #: objects are ``<prefix>/<cluster>/<chunk key hex>``
     region: _Region = ""  #: empty: ``AWS_REGION``, ``AWS_DEFAULT_REGION`` or ``~/.aws/config``, else us-east-1
     access_key_id: str = ""  #: with ``secret_access_key``; both empty: boto3's credential chain
@@ -63,14 +75,6 @@ class RemoteConfig(Config, frozen=True):
         return f"RemoteConfig({shown})"
 
     def check(self) -> None:
-        if self.bucket:
-            _check_bucket(self.bucket)
-        url = urllib.parse.urlsplit(self.endpoint_url)
-        if self.endpoint_url and (url.scheme not in ("http", "https") or not url.hostname):
-            raise ConfigError(
-                f"endpoint_url must be an http:// or https:// URL such as http://127.0.0.1:8333, "
-                f"or empty for AWS_ENDPOINT_URL / AWS, got {self.endpoint_url!r}"
-            )
         if bool(self.access_key_id) != bool(self.secret_access_key):
             raise ConfigError(
                 "access_key_id and secret_access_key: give both, or neither for boto3's credential chain "
@@ -82,17 +86,3 @@ class RemoteConfig(Config, frozen=True):
     def enabled(self) -> bool:
         """Whether the remote tier is on (a bucket is set)."""
         return bool(self.bucket)
-
-
-def _check_bucket(bucket: str) -> None:
-    problem = ""
-    if not _BUCKET.match(bucket):
-        problem = (
-            "3-63 characters of lowercase letters, digits, '.' and '-', starting and ending with a letter or digit"
-        )
-    elif ".." in bucket or ".-" in bucket or "-." in bucket:
-        problem = "no '..', '.-' or '-.'"
-    elif _IPV4.match(bucket):
-        problem = "not formatted as an IP address"
-    if problem:
-        raise ConfigError(f"bucket must be an S3 bucket name ({problem}), got {bucket!r}")

@@ -74,7 +74,7 @@ def test_field_default_refuses_what_is_not_there() -> None:
     ("args", "message"),
     [
         (["join", "--ray-address", "127.0.0.2:6379"], "join needs the pool's etcd: pass --etcd"),
-        (["ls", "--etcd", "not-an-endpoint"], "is not an etcd endpoint"),
+        (["ls", "--etcd", "not-an-endpoint"], "must be an etcd endpoint: host:port"),
         (["up", "--demo", "gpt-9"], "--demo must be one of smollm2-135m, tiny-llama or none, got 'gpt-9'"),
         (["bench", "--ttft", "12,x"], "--ttft takes prompt lengths like 1024,4096"),
         (["etcd", "--data-dir", "/tmp/x", "--host", "0.0.0.0"], "--advertise: with --host 0.0.0.0"),

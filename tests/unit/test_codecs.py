@@ -294,6 +294,7 @@ def test_codec_objects_match_their_specs() -> None:
         "raw+lz4",
         "raw+zstd+zstd",
         "zstd+raw",
+        "zstd+zstd",
         "int4+delta",
         "fp8-e4m3+delta+zstd",
         "raw+delta+zstd",
@@ -314,7 +315,7 @@ def test_bad_codec_objects_raise_config_error(make: object) -> None:
 
 @pytest.mark.parametrize("spec", [None, 4, b"raw"])
 def test_spec_must_be_a_string(spec: object) -> None:
-    with pytest.raises(ConfigError, match="string"):
+    with pytest.raises(ConfigError, match=r"codec spec must be a string \(raw \| .*\(expected `str`\)"):
         parse_codec(spec)  # type: ignore[arg-type]
 
 

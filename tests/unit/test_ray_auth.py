@@ -63,7 +63,7 @@ def test_the_mode_to_start_in_is_token_unless_the_user_asks_otherwise(monkeypatc
     monkeypatch.setenv(MODE_ENV, "DISABLED")
     assert ray_auth.requested_mode() == "disabled"
     assert ray_auth.requested_mode("token") == "token"  # --ray-auth before the variable
-    with pytest.raises(ConfigError, match="--ray-auth must be token or disabled, got 'off'"):
+    with pytest.raises(ConfigError, match="--ray-auth must be token or disabled, got str 'off'"):
         ray_auth.requested_mode("off")
     monkeypatch.setenv(MODE_ENV, "k8s")
     with pytest.raises(ConfigError, match="RAY_AUTH_MODE must be token or disabled"):

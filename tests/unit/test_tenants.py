@@ -53,7 +53,7 @@ def test_two_tenants_keys_never_meet_and_a_shared_namespace_is_shared(tenants: T
 
 
 def test_a_scope_that_is_not_one_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="scope must be a Scope"):
+    with pytest.raises(ConfigError, match="chunk_keys: `scope` must be a Scope"):
         chunk_keys(IDENTITY, TOKENS, "acme")  # type: ignore[arg-type]
 
 

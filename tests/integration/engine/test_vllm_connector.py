@@ -109,7 +109,7 @@ def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: 
         ({"chunck_size": 256}, "unknown field `chunck_size`"),
         ({"replicas": 0}, "replicas` expected `int` >= 1"),
         ({"load_failure": "ignore"}, "load_failure` must be"),
-        ({"etcd": ["nohost"]}, "not an etcd endpoint"),
+        ({"etcd": ["nohost"]}, "must be an etcd endpoint: host:port"),
         ("etcd=1", "expected `object`, got `str`"),
     ],
 )
