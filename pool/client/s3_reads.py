@@ -23,7 +23,7 @@ from kvpool.pool.tiers.s3_config import RemoteConfig
 
 log = logging.getLogger(__name__)
 
-S3_THREADS = 8  #: concurrent GETs from the S3 tier in one batch
+S3_THREADS = 8  #: concurrent GETs from the remote tier in one batch
 
 
 class S3Reads:
@@ -58,7 +58,7 @@ class S3Reads:
         the object is gone — its placement is dropped — or the tier is unavailable or not configured here)."""
         s3 = self.store()
         if s3 is None:
-            log.warning("%d chunks are only in the S3 tier, which this client has no config for", len(replicas))
+            log.warning("%d chunks are only in the remote tier, which this client has no config for", len(replicas))
             return [None] * len(replicas)
         with ThreadPoolExecutor(S3_THREADS, thread_name_prefix="kvpool-s3") as pool:
             fetches = [pool.submit(s3.get, p.key, p.codec) for p in replicas]
@@ -73,7 +73,7 @@ class S3Reads:
                 out.append(None)
                 continue
             except RemoteUnavailable as exc:
-                log.warning("chunk %s: S3 tier unavailable, a miss: %s", short(p.key), exc)
+                log.warning("chunk %s: remote tier unavailable, a miss: %s", short(p.key), exc)
                 out.append(None)
                 continue
             intact, body, codec = self._fill(p, dest, data)  # body, codec: below the seal, if any
@@ -90,7 +90,7 @@ class S3Reads:
                 for identity, items in promote.items():
                     self.put_back(items, identity=identity)
             except KvPoolError as exc:  # the read succeeded; only the promotion did not
-                log.info("could not promote %d chunks from the S3 tier: %s", sum(map(len, promote.values())), exc)
+                log.info("could not promote %d chunks from the remote tier: %s", sum(map(len, promote.values())), exc)
         return out
 
     def _fill(self, p: Placement, dest: memoryview, data: bytes) -> tuple[Outcome, Buffer, str]:
@@ -105,7 +105,7 @@ class S3Reads:
                 self._keys = self.config.encryption.keyring()
             plain, codec = unseal(data, p.codec, p.key, self._keys)
         except (UndecryptableChunk, ConfigError) as exc:  # ConfigError: this process cannot load the keys
-            log.warning("chunk %s in the S3 tier cannot be opened here, a miss: %s", short(p.key), exc)
+            log.warning("chunk %s in the remote tier cannot be opened here, a miss: %s", short(p.key), exc)
             return None, data, p.codec
         return fill(dest, plain, codec, checksum(plain)), plain, codec
 

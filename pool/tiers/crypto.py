@@ -24,7 +24,7 @@ HKDF-SHA256 (RFC 5869; salt ``kvpool aes256gcm v1``, info ``chunk`` + the chunk 
 (``kvpool keys new PATH`` writes and appends to one) or from an environment variable holding the same text; each
 process loads its own copy (:meth:`EncryptionConfig.keyring`), so the config holds no key material and travels to
 Ray actors as it is.  Every process that reads a sealed tier needs the keys: the ``PoolNode`` (moves, flushes) and
-each ``PoolClient`` (reads of a chunk left on NVMe, and of the S3 tier).
+each ``PoolClient`` (reads of a chunk left on NVMe, and of the remote tier).
 
 Nonces.  96 random bits per sealing, under the per-chunk derived key.  A derived nonce (key, chunk key, counter)
 would need a counter that never repeats across nodes and restarts, which the pool does not have: two nodes seal the

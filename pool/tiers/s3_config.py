@@ -49,7 +49,7 @@ def check_codec(spec: object) -> None:
 
 
 class RemoteConfig(Config, frozen=True):
-    """Where the remote (S3) tier keeps chunks, and when chunks go there.
+    """Where the remote tier keeps chunks, and when chunks go there.
 
     Empty ``endpoint_url``, ``region``, ``access_key_id`` and ``secret_access_key`` fall back to boto3's own
     resolution (the ``AWS_*`` environment, ``~/.aws``); see the module docstring.
