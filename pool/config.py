@@ -57,7 +57,8 @@ class PoolConfig(Config, frozen=True):
     metrics_host: _Text = "127.0.0.1"  #: where each PoolNode serves Prometheus metrics
     #: 0: a free port per node (published in its node record); -1: no metrics
     metrics_port: Annotated[int, Meta(ge=-1, le=65535, description="-1 (off), 0 (a free port) or a port")] = 0
-    reservation_ttl_s: Seconds = 30.0  #: room reserved but never committed (its writer died) is reclaimed after this
+    #: a room prepared for a store but never completed or aborted (its writer died) is reclaimed after this
+    reservation_ttl_s: Seconds = 30.0
     #: a move or remove of a chunk being read waits this long for the read, then ChunkBusy
     busy_wait_s: Annotated[float, Meta(ge=0, le=sys.float_info.max, description="a number of seconds >= 0")] = 10.0
     nvme_codec: str = "raw"  #: how chunks put as tensors are stored on NVMe (pool/tiers/codecs.py), e.g. "fp8-e4m3"

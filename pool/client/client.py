@@ -135,7 +135,7 @@ class PoolClient:
     # -- put -------------------------------------------------------------------------------------------
 
     def put(self, key: bytes, data: Any, replicas: int = 1) -> None:
-        self.put_batch([(key, data)], replicas=replicas)
+        self.put_batch([(check_key(key), data)], replicas=replicas)  # a bad key named as the caller wrote it
 
     def put_batch(
         self,

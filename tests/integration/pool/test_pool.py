@@ -76,6 +76,7 @@ def test_put_on_one_node_get_on_another(pool: PoolConfig, client: PoolClient, ra
     keys = chunk_keys(IDENT, range(20))
     other = remote_client(pool, ray_cluster[1])
     ray.get(other.call.remote("put_batch", [(k, blob(i)) for i, k in enumerate(keys[:3])]))
+    client.cache.sync()  # another process's put: this client's watch sees it once caught up with etcd
     assert {p.node for k in keys[:3] for p in client.cache.replicas(k)} == {ray_cluster[1]}
     assert client.get_batch(keys[:3]) == [blob(i) for i in range(3)]
     kv = np.zeros(3 * len(blob(0)), dtype=np.uint8)  # a caller's long-lived buffer: READs land in it directly
