@@ -13,9 +13,9 @@ from kvpool.core.types import Placement, Tier
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.pool.buffers import byte_view
 from kvpool.pool.chunks import checksum, short
+from kvpool.pool.gds import DeviceIO
 from kvpool.pool.protocol import NodeHandle, NodeInfo
 from kvpool.pool.segment import NvmeSegment
-from kvpool.pool.tiers.gds import DeviceIO
 
 log = logging.getLogger(__name__)
 

@@ -29,6 +29,7 @@ from kvpool.core.types import NodeRecord, SegmentInfo, Tier
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, MetadataUnavailable, PoolFull, RemoteUnavailable
 from kvpool.pool.chunks import SEGMENT_NAMES, Origin, StoredChunk, check_length, check_origin
 from kvpool.pool.config import PoolConfig
+from kvpool.pool.gds import nvme_io_path
 from kvpool.pool.metrics import ClientStats
 from kvpool.pool.node.collector import StoreCollector, serve_metrics
 from kvpool.pool.node.flush import FLUSH_BYTES, Flusher
@@ -38,7 +39,6 @@ from kvpool.pool.node.publish import Publisher
 from kvpool.pool.node.store import ChunkStore
 from kvpool.pool.protocol import Loaded, NodeInfo, Room, Settled, Stored
 from kvpool.pool.segment import DramSegment, NvmeSegment, reap_stale_segments
-from kvpool.pool.tiers.gds import nvme_io_path
 from kvpool.pool.tiers.s3 import RemoteStore
 from kvpool.transport.nixl import NixlTransport
 
@@ -364,7 +364,7 @@ class PoolNode:
             "watermarks": {"high": self.config.watermarks.high, "low": self.config.watermarks.low},
             "nvme_direct": bool(self.nvme and self.nvme.direct),
             "registrations": self.transport.registrations,
-            "nvme_io": nvme_io_path().name,  #: NVMe <-> GPU: gds (cuFile), kvikio-compat or posix (see pool/tiers/gds.py)
+            "nvme_io": nvme_io_path().name,  #: NVMe <-> GPU: gds (cuFile), kvikio-compat or posix (see pool/gds.py)
             "nvme_io_reason": nvme_io_path().reason,
             "restart": self.recovery.figures() if self.recovery else {},
             "codecs": {Tier.DRAM.value: "raw", Tier.NVME.value: self.config.nvme_codec}
