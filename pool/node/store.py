@@ -34,7 +34,7 @@ from kvpool.pool.node.allocator import OffsetAllocator
 from kvpool.pool.node.eviction import EvictionPolicy
 from kvpool.pool.node.holds import Holds
 from kvpool.pool.node.move_books import MoveBooks
-from kvpool.pool.node.moves import Move, read_stored
+from kvpool.pool.node.moves import read_stored
 from kvpool.pool.protocol import Filled, Room
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import TensorFormat, parse_codec
@@ -247,18 +247,6 @@ class ChunkStore:
         chunk = self._require(key)
         self.moves.check_tier(tier)
         return chunk if chunk.tier is tier else self.moves.move_now(chunk, tier)
-
-    def begin_move(self, key: bytes, tier: Tier) -> Move:
-        """Start moving a held chunk to ``tier`` (see :meth:`MoveBooks.begin`)."""
-        return self.moves.begin(self._require(key), tier)
-
-    def place(self, move: Move) -> None:
-        """Give a begun move its room in the target tier (see :meth:`MoveBooks.place`)."""
-        self.moves.place(move)
-
-    def finish_move(self, move: Move) -> StoredChunk | None:
-        """End a move (see :meth:`MoveBooks.finish`); what the chunk is now (None: not held)."""
-        return self.moves.finish(move)
 
     def drop_corrupt(self, chunk: StoredChunk) -> None:
         """``chunk``'s bytes failed their checksum where it was read: drop it, unless it has moved since."""
