@@ -9,6 +9,7 @@ from rich.table import Table
 
 from kvpool import ray_auth
 from kvpool.cli import options, root
+from kvpool.cli.vllm import serve_line
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
@@ -81,11 +82,8 @@ def _hold(pool: PoolConfig) -> None:
             f"Ray asks for its token: export {ray_auth.TOKEN_PATH_ENV}={token.path} in that shell", soft_wrap=True
         )
     root.console.print(f"pool up. In another shell: kvpool status {where}")
-    root.console.print(
-        f'vLLM on it: vllm serve MODEL --kv-transfer-config "$(kvpool vllm-config {where} '
-        f'--namespace {pool.namespace} --ray-address {ray.get_runtime_context().gcs_address} --node-ip {node_ip})"',
-        soft_wrap=True,
-    )
+    args = f"{where} --namespace {pool.namespace} --ray-address {ray.get_runtime_context().gcs_address} --node-ip {node_ip}"
+    root.console.print(f"vLLM on it: {serve_line(args)}", soft_wrap=True, markup=False)
     root.console.print("Ctrl-C (or kill) stops it.")
     root.wait_for_interrupt("the pool")
 
