@@ -21,6 +21,8 @@ from kvpool.errors import ConfigError
 KEY_BYTES = 32  #: chunk keys are SHA-256 digests
 DEFAULT_CHUNK_SIZE = 256
 _MAX_TOKEN_ID = 2**32 - 1  # tokens are hashed as little-endian uint32
+#: one token id in a message (a request's prompt): what :func:`token_array` takes, as a declared type
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=_MAX_TOKEN_ID, description="a token id: an int in [0, 2**32)")]
 _IDENTITY_TAG = "kvpool.cache-identity/1"
 _Text = Annotated[str, msgspec.Meta(min_length=1, description="a non-empty string")]
 #: a chunk key, as :func:`chunk_keys` makes them

@@ -231,19 +231,22 @@ def make_engine_app(front: EngineFront, model: str, tokenizer: Any = None, vocab
     above it are refused before they reach an engine.  Tenants are not served here (see docs/routing.md)."""
     from aiohttp import web
 
-    from kvpool.prefill_decode.reference.service import completion_request, error_response, front_app, tokenize
+    from kvpool.prefill_decode.reference.runner import prompt_array
+    from kvpool.prefill_decode.reference.service import (
+        completion_request,
+        error_response,
+        front_app,
+        tokenize,
+        untenanted,
+    )
 
     async def completions(request: web.Request) -> web.Response:
         try:
-            prompt, max_tokens, namespace, chat = await completion_request(request)
-            if namespace or request.headers.get("Authorization"):
-                raise ConfigError("this front over vLLM engines serves no tenants: send no API key or cache_namespace")
-            tokens = tokenize(tokenizer, model, prompt, chat=chat)
-            if not tokens:
-                raise ConfigError("the prompt is empty")
-            if vocab and max(tokens) >= vocab:
-                raise ConfigError(f"token ids must be below the model's vocabulary size {vocab}, got {max(tokens)}")
-            done = await asyncio.to_thread(front.complete, tokens, max_tokens)
+            body = await completion_request(request)
+            untenanted(request.headers.get("Authorization"), body.cache_namespace, " (the workers' front serves them)")
+            tokens = tokenize(tokenizer, model, body.prompt, chat=body.chat)
+            prompt_array(tokens, vocab=vocab, model=model)
+            done = await asyncio.to_thread(front.complete, tokens, body.max_tokens)
         except ConfigError as exc:
             return error_response(400, str(exc), "invalid_request_error")
         except KvPoolError as exc:
