@@ -223,11 +223,15 @@ def _quiet_progress() -> Iterator[None]:
 MODELS: dict[str, Callable[..., LoadedModel]] = {"tiny-llama": tiny_llama, "smollm2-135m": smollm2}
 
 
-def load_tokenizer(name: str) -> PreTrainedTokenizerBase | None:
-    """The tokenizer of the model called ``name``, without its weights; None for random-weight models."""
+def _loader(name: str) -> Callable[..., LoadedModel]:
     if name not in MODELS:
         raise ConfigError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
-    if name != "smollm2-135m":
+    return MODELS[name]
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase | None:
+    """The tokenizer of the model called ``name``, without its weights; None for random-weight models."""
+    if _loader(name) is not smollm2:
         return None
     tokenizer = AutoTokenizer.from_pretrained(converted_smollm2(), local_files_only=True)
     _check_tokenizer(tokenizer)
@@ -236,6 +240,4 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase | None:
 
 def load_model(name: str, **kw: Any) -> LoadedModel:
     """The model called ``name`` (a key of :data:`MODELS`), built with ``kw``."""
-    if name not in MODELS:
-        raise ConfigError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
-    return MODELS[name](**kw)
+    return _loader(name)(**kw)

@@ -15,8 +15,11 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
+from msgspec import Meta
+
+from kvpool.core.config import validated
 from kvpool.core.keys import token_array
 from kvpool.core.types import Placement, Tier, nearest
 from kvpool.errors import ConfigError
@@ -112,14 +115,10 @@ class Policy(enum.Enum):
 
     @classmethod
     def of(cls, name: "str | Policy") -> "Policy":
-        if isinstance(name, Policy):
-            return name
-        try:
-            return cls(name)
-        except ValueError:
-            raise ConfigError(
-                f"routing policy must be one of {', '.join(p.value for p in cls)}, got {name!r:.40}"
-            ) from None
+        return validated(_Policy, name, "routing policy")
+
+
+_Policy = Annotated[Policy, Meta(description=f"one of {', '.join(p.value for p in Policy)}")]
 
 
 @dataclass(frozen=True)
