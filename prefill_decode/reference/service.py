@@ -24,28 +24,15 @@ from aiohttp import web
 from msgspec import Meta
 
 from kvpool.core.config import Positive, checked, validated
-from kvpool.core.keys import TokenId, token_array
+from kvpool.core.keys import TokenId
 from kvpool.errors import ConfigError, KvPoolError, TenantRefused, WorkerUnavailable
 from kvpool.pool.tenants import Scope, Tenants
+from kvpool.prefill_decode.reference.model import tokenize
 from kvpool.prefill_decode.reference.workers import DecodeResult, PrefillResult
-from kvpool.prefill_decode.routing.router import LaneRouter, Policy, Quote
+from kvpool.prefill_decode.routing.router import LaneRouter, Policy, Quote, one_identity
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.Response]]
-
-
-def tokenize(tokenizer: Any, model: str, prompt: str | list[int], *, chat: bool = False) -> list[int]:
-    """A prompt's token ids: a list of ids as it is (checked), text through ``tokenizer`` (``chat``: as a user's
-    message in the model's chat template); a model without a tokenizer takes token ids only."""
-    if isinstance(prompt, list):
-        return [int(t) for t in token_array(prompt, "prompt")]
-    if tokenizer is None:
-        raise ConfigError(f"model {model} has no tokenizer: send the prompt as a list of token ids")
-    if chat:
-        messages = [{"role": "user", "content": prompt}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    return list(tokenizer.encode(prompt))
 
 
 @dataclass(frozen=True)
@@ -95,8 +82,8 @@ class Service:
         self.lanes = [lanes] if isinstance(lanes, Lane) else list(lanes)
         if router is None and len(self.lanes) > 1:
             raise ConfigError(f"{len(self.lanes)} lanes need a LaneRouter to choose between them")
-        if router is not None and len(router.nodes) != len(self.lanes):
-            raise ConfigError(f"the router knows {len(router.nodes)} lanes, the service has {len(self.lanes)}")
+        if router is not None:
+            router.serves(len(self.lanes))
         self.router = router
         self.tenants = tenants  #: when set, every request is a tenant's (its API key), keyed in the tenant's chain
         self.model = model
@@ -158,10 +145,8 @@ def lane_router(lanes: Sequence[Lane], replicas: Any, policy: "Policy | str" = P
     with ``replicas`` (a :class:`~kvpool.metadata.cache.MetadataCache`'s ``replicas``).  Every lane must name
     chunks alike (one cache identity and layout), or the router could not predict their hits."""
     infos = ray.get([lane.prefill.routing.remote() for lane in lanes])
+    one_identity([(layout, identity) for _, layout, identity, _ in infos])
     _, layout, identity, _ = infos[0]
-    for i, (_, other_layout, other, _) in enumerate(infos):
-        if (other_layout, other) != (layout, identity):
-            raise ConfigError(f"lane {i} caches under another identity or layout than lane 0: start every lane alike")
     return LaneRouter(
         [node for node, *_ in infos],
         [cost for *_, cost in infos],

@@ -155,6 +155,15 @@ def choose(policy: Policy, quotes: Sequence[Quote], turn: int) -> Quote:
     return min(quotes, key=lambda q: (q.ttft_s, q.queued, after[q.lane]))
 
 
+def one_identity(identities: Sequence[Any], lane: str = "lane") -> None:
+    """Every lane names chunks alike (one cache identity and layout), or a router could not predict their hits."""
+    for i, other in enumerate(identities):
+        if other != identities[0]:
+            raise ConfigError(
+                f"{lane} {i} caches under another identity or layout than {lane} 0: start every {lane} alike"
+            )
+
+
 class LaneRouter:
     """Sends each request to a lane by ``policy`` and keeps every lane's queue.
 
@@ -185,6 +194,11 @@ class LaneRouter:
         self._turn = 0
         self._lock = threading.Lock()
         self.counts: Counter[str] = Counter()
+
+    def serves(self, lanes: int, front: str = "the service", lane: str = "lanes") -> None:
+        """That this router routes over ``front``'s ``lanes`` lanes (the same ones, in the same order)."""
+        if len(self.nodes) != lanes:
+            raise ConfigError(f"the router knows {len(self.nodes)} {lane}, {front} has {lanes}: build it over the same")
 
     def quotes(self, tokens: Sequence[int], scope: Scope | None = None) -> list[Quote]:
         """Every lane's prediction for ``tokens`` (keyed in ``scope``: a tenant's chain), as things stand."""
