@@ -114,8 +114,9 @@ class Policy(enum.Enum):
     ROUND_ROBIN = "round-robin"  #: each lane in turn
 
     @classmethod
-    def of(cls, name: "str | Policy") -> "Policy":
-        return validated(_Policy, name, "routing policy")
+    def of(cls, name: "str | Policy", where: str = "routing policy") -> "Policy":
+        """The policy called ``name``; ``ConfigError`` naming ``where`` (an option: ``--route``) otherwise."""
+        return validated(_Policy, name, where)
 
 
 _Policy = Annotated[Policy, Meta(description=f"one of {', '.join(p.value for p in Policy)}")]
