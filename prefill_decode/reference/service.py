@@ -108,10 +108,11 @@ class Service:
             return None
         return self.tenants.scope(self.tenants.by_api_key(api_key or ""), namespace)
 
-    @checked
-    async def complete(self, tokens: list[int], max_tokens: Positive, scope: Scope | None = None) -> Completion:
+    async def complete(self, tokens: list[int], max_tokens: int, scope: Scope | None = None) -> Completion:
         """``scope``: whose chain the prompt's chunks are keyed in (:meth:`scope`); None: the identity's own.  The
-        prefill worker checks the prompt (:meth:`~kvpool.prefill_decode.reference.runner.ModelRunner.prompt`)."""
+        prefill worker checks the prompt (:meth:`~kvpool.prefill_decode.reference.runner.ModelRunner.prompt`): not
+        @checked here, which would convert every token id once more on the front's event loop."""
+        validated(Positive, max_tokens, "max_tokens")
         t0 = time.perf_counter()
         quote = self.router.pick(tokens, scope) if self.router is not None else None
         lane = self.lanes[quote.lane if quote is not None else 0]
