@@ -96,7 +96,8 @@ class ModelSpec(Config, frozen=True):
                 )
             head_dim = hidden // heads
         shape = {"layers": read("num_hidden_layers"), "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
-        return validated(cls, {"name": name, "params": params, **shape, "kv_dtype_bytes": kv_dtype_bytes})
+        spec = {"name": name, "params": params, **shape, "kv_dtype_bytes": kv_dtype_bytes}
+        return validated(cls, spec, f"model config of {name!r}")
 
 
 KNOWN_MODELS: dict[str, ModelSpec] = {
