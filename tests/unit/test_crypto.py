@@ -51,7 +51,7 @@ def test_seal_open_round_trip_and_the_format() -> None:
     assert bytes(sealed[:4]) == b"KVE\x01" and bytes(sealed[5:6]) == b"b"  # the current key: the last one
     assert len(sealed) == 4 + 1 + 1 + 12 + len(plain) + 16 and plain not in bytes(sealed)
     assert bytes(ring.open(sealed, KEY, "raw")) == plain
-    assert bytes(ring.open(ring.seal(b"", KEY, "raw", key_id="a"), KEY, "raw")) == b""
+    assert bytes(ring.open(ring.seal(b"", KEY, "raw", tenant="a"), KEY, "raw")) == b""
     assert ring.seal(plain, KEY, "raw") != sealed  # a fresh random nonce every time
 
 
