@@ -21,11 +21,14 @@ import shutil
 import threading
 import uuid
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Annotated, Self
 
 import numpy as np
+from msgspec import Meta
 
+from kvpool.core.config import checked
 from kvpool.errors import ConfigError, PoolFull
+from kvpool.pool.buffers import byte_view
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -37,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 ALIGN = 4096  #: NVMe offsets and O_DIRECT transfers are multiples of this many bytes.
 CHUNK = 8 << 20  #: Largest single O_DIRECT transfer; the bounce buffer's size.
+_Capacity = Annotated[int, Meta(ge=1, description="a segment capacity in bytes > 0")]
 
 
 def _round_up(n: int) -> int:
@@ -48,8 +52,6 @@ def _create_file(directory: str, name: str | None, suffix: str, capacity: int, r
 
     Returns ``(path, fd)`` with ``fd`` open read/write.  On any failure the file is removed again.
     """
-    if capacity <= 0:
-        raise ConfigError(f"segment capacity must be > 0 bytes, got {capacity}")
     path = os.path.join(directory, f"kvpool-{name or uuid.uuid4().hex}.{suffix}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -65,16 +67,6 @@ def _create_file(directory: str, name: str | None, suffix: str, capacity: int, r
             ) from e
         raise
     return path, fd
-
-
-def _buffer(data: Buffer, writable: bool = False) -> memoryview:
-    """A flat byte view of any C-contiguous buffer (bytes, bytearray, memoryview, numpy array)."""
-    with memoryview(data) as view:
-        if not view.c_contiguous:
-            raise ConfigError("buffer must be C-contiguous")
-        if writable and view.readonly:
-            raise ConfigError("destination buffer is read-only")
-        return view.cast("B")
 
 
 class _Segment(ABC):
@@ -122,7 +114,8 @@ class DramSegment(_Segment):
         del anchor  # drop the export, or mmap.close() would refuse
 
     @classmethod
-    def create(cls, capacity: int, directory: str = "/dev/shm", name: str | None = None) -> Self:
+    @checked
+    def create(cls, capacity: _Capacity, directory: str = "/dev/shm", name: str | None = None) -> Self:
         """Create and map a new segment file of ``capacity`` bytes, all reserved now (``PoolFull`` if not)."""
         path, fd = _create_file(directory, name, "seg", capacity, capacity)
         try:
@@ -155,12 +148,12 @@ class DramSegment(_Segment):
 
     def write(self, offset: int, data: Buffer) -> None:
         """Copy ``data`` (any C-contiguous buffer) to ``offset``."""
-        with _buffer(data) as src:
+        with byte_view(data) as src:
             self._map(offset, src.nbytes)[offset : offset + src.nbytes] = src
 
     def read_into(self, offset: int, dest: Buffer) -> int:
         """Fill the writable buffer ``dest`` from ``offset``; returns the number of bytes copied."""
-        with _buffer(dest, writable=True) as dst:
+        with byte_view(dest, writable=True, field="dest") as dst:
             with memoryview(self._map(offset, dst.nbytes)) as whole:
                 dst[:] = whole[offset : offset + dst.nbytes]
             return dst.nbytes
@@ -206,7 +199,8 @@ class NvmeSegment(_Segment):
         return self._fd is None
 
     @classmethod
-    def create(cls, capacity: int, directory: str, name: str | None = None, direct: bool | None = None) -> Self:
+    @checked
+    def create(cls, capacity: _Capacity, directory: str, name: str | None = None, direct: bool | None = None) -> Self:
         """Create ``kvpool-<name>.nvme`` in ``directory``, reserve its space, and open it.
 
         ``direct=None`` uses ``O_DIRECT`` if the filesystem allows it, else buffered I/O with one warning;
@@ -264,7 +258,9 @@ class NvmeSegment(_Segment):
             fd, direct = os.open(path, os.O_RDONLY), False
         return cls(path, capacity, fd, direct, owner=False)
 
-    def _fd_for(self, offset: int, length: int) -> int:
+    def fd_for(self, offset: int, length: int) -> int:
+        """The file to read or write ``[offset, offset + length)`` through; ``ConfigError`` if the segment is closed,
+        ``offset`` is not a multiple of :data:`ALIGN`, or the range is not inside the segment."""
         if self._fd is None:
             raise ConfigError(f"segment {self.path} is closed")
         if offset % ALIGN:
@@ -285,8 +281,8 @@ class NvmeSegment(_Segment):
 
     def write(self, offset: int, data: Buffer) -> None:
         """Write ``data`` (any C-contiguous buffer) at ``offset``."""
-        with _buffer(data) as src:
-            fd = self._fd_for(offset, src.nbytes)
+        with byte_view(data) as src:
+            fd = self.fd_for(offset, src.nbytes)
             bounce = self._bounce(src)
             if bounce is None:
                 _transfer(os.pwritev, fd, src, offset)
@@ -301,8 +297,8 @@ class NvmeSegment(_Segment):
 
     def read_into(self, offset: int, dest: Buffer) -> int:
         """Fill the writable buffer ``dest`` from ``offset``; returns the number of bytes read."""
-        with _buffer(dest, writable=True) as dst:
-            fd = self._fd_for(offset, dst.nbytes)
+        with byte_view(dest, writable=True, field="dest") as dst:
+            fd = self.fd_for(offset, dst.nbytes)
             bounce = self._bounce(dst)
             if bounce is None:
                 _transfer(os.preadv, fd, dst, offset)

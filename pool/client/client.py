@@ -52,7 +52,7 @@ from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.advisor import AccessLog
 from kvpool.pool.buffers import byte_view
 from kvpool.pool.chunks import Origin, checksum, short
-from kvpool.pool.client.device_reads import DeviceReads, device_bytes
+from kvpool.pool.client.device_reads import DeviceReads
 from kvpool.pool.client.peers import Peers, node_record
 from kvpool.pool.client.reads import NodeReads, Outcome
 from kvpool.pool.client.replicas import Replicas
@@ -63,6 +63,7 @@ from kvpool.pool.metrics import SOURCES, StatsReporter
 from kvpool.pool.protocol import NodeHandle, NodeHandles, NodeInfo, Settled
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.tiers.codecs import TensorFormat
+from kvpool.pool.tiers.gds import tensor_bytes
 from kvpool.pool.tiers.s3_config import GC_GRACE_S
 
 log = logging.getLogger(__name__)
@@ -287,7 +288,7 @@ class PoolClient:
         into their memory.  ``device_reads`` counts both paths."""
         if len(keys) != len(tensors):
             raise ConfigError(f"{len(keys)} keys but {len(tensors)} tensors: pass one tensor per key")
-        flats = [device_bytes(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
+        flats = [tensor_bytes(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
         self.device.get_into(keys, flats, [r[0] for r in self.replicas.of(keys)], self.get_into_batch)
         return [f.numel() for f in flats]
 
