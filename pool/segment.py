@@ -77,7 +77,15 @@ class _Segment(ABC):
         self.capacity = capacity
         self.owner = owner
 
+    @property
+    @abstractmethod
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (then every read and write raises ``ConfigError``)."""
+
     def _check(self, offset: int, length: int) -> None:
+        """``ConfigError`` if the segment is closed or ``[offset, offset + length)`` is not inside it."""
+        if self.closed:
+            raise ConfigError(f"segment {self.path} is closed")
         if offset < 0 or length < 0 or offset + length > self.capacity:
             raise ConfigError(f"range [{offset}, {offset + length}) is outside segment [0, {self.capacity})")
 
@@ -134,10 +142,13 @@ class DramSegment(_Segment):
             raise ConfigError(f"cannot attach {capacity} bytes of {path}: the file holds {size} bytes")
         return cls(path, capacity, fd, owner=False)
 
+    @property
+    def closed(self) -> bool:
+        return self._mm is None
+
     def _map(self, offset: int, length: int) -> mmap.mmap:
-        if self._mm is None:
-            raise ConfigError(f"segment {self.path} is closed")
         self._check(offset, length)
+        assert self._mm is not None  # _check: not closed
         return self._mm
 
     def view(self, offset: int, length: int) -> memoryview:
@@ -195,7 +206,6 @@ class NvmeSegment(_Segment):
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`close` has run (then every read and write raises ``ValueError``)."""
         return self._fd is None
 
     @classmethod
@@ -261,11 +271,10 @@ class NvmeSegment(_Segment):
     def fd_for(self, offset: int, length: int) -> int:
         """The file to read or write ``[offset, offset + length)`` through; ``ConfigError`` if the segment is closed,
         ``offset`` is not a multiple of :data:`ALIGN`, or the range is not inside the segment."""
-        if self._fd is None:
-            raise ConfigError(f"segment {self.path} is closed")
+        self._check(offset, length)
         if offset % ALIGN:
             raise ConfigError(f"offset {offset} is not a multiple of {ALIGN}")
-        self._check(offset, length)
+        assert self._fd is not None  # _check: not closed
         return self._fd
 
     def _bounce(self, buf: memoryview) -> memoryview | None:

@@ -50,7 +50,7 @@ from kvpool.metadata.lookup import PrefixLookup
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.advisor import AccessLog
-from kvpool.pool.buffers import byte_view
+from kvpool.pool.buffers import byte_view, tensor_bytes
 from kvpool.pool.chunks import Origin, checksum, short
 from kvpool.pool.client.device_reads import DeviceReads
 from kvpool.pool.client.peers import Peers, node_record
@@ -63,7 +63,6 @@ from kvpool.pool.metrics import SOURCES, StatsReporter
 from kvpool.pool.protocol import NodeHandle, NodeHandles, NodeInfo, Settled
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.tiers.codecs import TensorFormat
-from kvpool.pool.tiers.gds import tensor_bytes
 from kvpool.pool.tiers.s3_config import GC_GRACE_S
 
 log = logging.getLogger(__name__)

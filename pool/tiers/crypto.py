@@ -306,10 +306,6 @@ class EncryptionConfig(Config, frozen=True):
             raise ConfigError("encryption: give key_file or key_env, not both")
         if self.key_id and not self.enabled:
             raise ConfigError("encryption.key_id is set but no keys are: set key_file (or key_env) too")
-        if self.key_file and not os.path.isfile(self.key_file):
-            raise ConfigError(
-                f"encryption.key_file {self.key_file!r}: no such file; make one with kvpool keys new {self.key_file}"
-            )
         self.keyring()  # everything about the keys is checked now, in the process that made the config
 
     @property
@@ -327,8 +323,8 @@ class EncryptionConfig(Config, frozen=True):
                 st = os.stat(self.key_file)
             except OSError:
                 raise ConfigError(
-                    f"encryption.key_file {self.key_file!r} is not there in this process (host {os.uname().nodename}):"
-                    " every node and client needs the key file at the same path"
+                    f"encryption.key_file {self.key_file!r}: no such file on host {os.uname().nodename}; make one "
+                    f"with kvpool keys new {self.key_file}, and copy it to the same path on every node and client"
                 ) from None
             stamp = (st.st_mtime_ns, st.st_size)
         env_text = os.environ.get(self.key_env) if self.key_env else None

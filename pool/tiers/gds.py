@@ -50,7 +50,7 @@ from msgspec import Meta
 
 from kvpool.core.config import checked, validated
 from kvpool.errors import ConfigError
-from kvpool.pool.buffers import byte_view
+from kvpool.pool.buffers import byte_view, tensor_bytes
 from kvpool.pool.segment import ALIGN, CHUNK
 
 if TYPE_CHECKING:
@@ -331,18 +331,6 @@ class DeviceIO:
         with self._lock:
             self._counters[f"{kind}_{op}_bytes"] += n
             self._counters[f"{kind}_{op}_calls"] += 1
-
-
-def tensor_bytes(t: object, field: str) -> torch.Tensor:
-    """``t``'s memory, on whichever device, as a flat uint8 tensor (a view, never a copy); ``ConfigError`` naming
-    ``field`` unless ``t`` is a dense, contiguous torch tensor."""
-    if not isinstance(t, torch.Tensor):
-        raise ConfigError(f"{field} must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout is not torch.strided or not t.is_contiguous():
-        raise ConfigError(f"{field} must be a dense, contiguous tensor (call .contiguous() first)")
-    if t.is_conj() or t.is_neg():
-        raise ConfigError(f"{field} is a lazy conjugate/negative view; call .resolve_conj()/.resolve_neg() first")
-    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def _host_buffer(t: torch.Tensor) -> memoryview:

@@ -198,7 +198,7 @@ def test_config_is_checked_with_errors_that_say_what_to_do(tmp_path: Path) -> No
         return str(path)
 
     cases = [
-        ({"key_file": str(tmp_path / "none")}, "no such file; make one with kvpool keys new"),
+        ({"key_file": str(tmp_path / "none")}, "no such file on host .*; make one with kvpool keys new"),
         ({"key_file": file("# only a comment\n")}, "holds no key"),
         ({"key_file": file("k1\n")}, "line 1: expected '<key id> <base64 key>'"),
         ({"key_file": file(key_line("k1", good[:16]))}, "line 1: `key` must be 32 bytes, base64 in a key file"),
