@@ -20,9 +20,10 @@ touch             :meth:`NodeHandle.touch`: hits a same-node client read without
 and besides them ``remove``, ``move`` (between tiers), ``info``, ``stats``, ``audit``, ``reap``, ``flush``,
 ``report_clients`` and ``shutdown``.
 
-Arguments are checked once, where they arrive: the node's verbs declare theirs (``@checked``: a room's length, an
-:class:`~kvpool.pool.chunks.Origin`, itself checked when unpickled), and what a writer says it put into a room is decoded
-into :class:`Filled` records by ``msgspec`` (:meth:`Room.checked`), since Ray unpickles plain tuples without any check.
+Arguments are checked once, where they arrive, against declared types (``kvpool.core.config.validated``: a room's
+length, an :class:`~kvpool.pool.chunks.Origin`, itself checked again when unpickled), and what a writer says it put
+into a room is decoded into :class:`Filled` records by ``msgspec`` (:meth:`Room.checked`), since Ray unpickles plain
+tuples without any check.  (``@checked`` does not fit an actor's methods: Ray pickles the actor class by value.)
 A node's own refusal (a :class:`~kvpool.errors.KvPoolError` raised inside the actor) comes back as itself; a node
 that is dead, stopped, or does not answer within the timeout is :class:`~kvpool.errors.NodeUnreachable`
 (:func:`call`).  Nothing else in the client catches a Ray exception.

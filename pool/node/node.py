@@ -26,7 +26,7 @@ from typing import Annotated, Any
 import ray
 from msgspec import Meta
 
-from kvpool.core.config import checked
+from kvpool.core.config import validated
 from kvpool.core.types import NodeRecord, SegmentInfo, Tier
 from kvpool.errors import ChunkBusy, ChunkNotFound, MetadataUnavailable, PoolFull, RemoteUnavailable
 from kvpool.pool.chunks import SEGMENT_NAMES, Origin, StoredChunk, shared_origin
@@ -194,11 +194,11 @@ class PoolNode:
             self.recovery.summary() if self.recovery else "",
         )
 
-    @checked
-    def prepare_store(self, length: _Length) -> Room:
+    def prepare_store(self, length: int) -> Room:
         """DRAM room for a writer's next batch (see :class:`~kvpool.pool.protocol.Room`).  When DRAM has no free extent
         that large, LRU chunks move to NVMe first on this call's thread, their disk writes outside the lock (other
         calls go on meanwhile); only what that could not free is evicted under the lock."""
+        validated(_Length, length, "prepare_store: length")
         try:
             with self._lock:
                 moves = [] if self.nvme is None else self.store.moves.demotions(need=length)
@@ -209,22 +209,18 @@ class PoolNode:
         finally:
             self.publisher.publish()  # what moved to make room
 
-    @checked
     def complete_store(
-        self,
-        room_id: int,
-        items: Sequence[object],
-        replicated: bool,
-        next_length: _NextLength,
-        origin: Origin = Origin(),
+        self, room_id: int, items: Sequence[object], replicated: bool, next_length: int, origin: Origin = Origin()
     ) -> Stored:
         """Make the chunks written into room ``room_id`` visible as ``origin``'s (see ``ChunkStore.fill_room``) and open
         the writer's next room of ``next_length`` bytes (none if 0, above an eighth of DRAM, or if DRAM has no room for
         it): one call per batch."""
+        validated(_NextLength, next_length, "complete_store: next_length")
+        origin = shared_origin(validated(Origin, origin, "complete_store: origin"))
         room = None
         try:
             with self._lock:
-                self.store.fill_room(room_id, items, replicated=replicated, origin=shared_origin(origin))
+                self.store.fill_room(room_id, items, replicated=bool(replicated), origin=origin)
                 # a writer's idle room holds an eighth of DRAM at most, and is opened only where there is space
                 # now: making space (disk writes) is left to the writer's next prepare_store, outside the lock
                 if 0 < next_length <= self.dram.capacity // 8 and self.store.allocators[Tier.DRAM].can_allocate(
