@@ -89,8 +89,8 @@ def _at(fn: Callable[[int], None], index: list[int], j: int) -> None:
 
 
 class PoolClient:
-    """Every public method checks its arguments against their annotations (:func:`~kvpool.core.config.checked`),
-    once per call: a ``ConfigError`` naming the method, the argument and what to pass."""
+    """Public methods check their arguments once per call, against declared types (:func:`~kvpool.core.config.checked`
+    on the annotations, or ``kvpool.core.keys.check_keys``): a ``ConfigError`` naming the argument and what to pass."""
 
     @checked
     def __init__(self, config: PoolConfig) -> None:
