@@ -28,7 +28,7 @@ from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.core.keys import check_key
 from kvpool.core.types import DropCause, Tier
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError
-from kvpool.pool.chunks import Change, ChangeKind, ChunkState, Origin, StoredChunk, check_length, short
+from kvpool.pool.chunks import Change, ChangeKind, ChunkState, Origin, StoredChunk, short
 from kvpool.pool.config import Watermarks
 from kvpool.pool.node.allocator import OffsetAllocator
 from kvpool.pool.node.eviction import EvictionPolicy
@@ -123,7 +123,7 @@ class ChunkStore:
     def open_room(self, length: int, ttl_s: float) -> Room:
         """DRAM room of ``length`` bytes for a writer's next batch, making room by migration or drops if needed;
         reclaimed by :meth:`reap` ``ttl_s`` after this unless filled."""
-        return self.holds.open_room(self.moves.allocate(Tier.DRAM, check_length(length, "room length")), ttl_s)
+        return self.holds.open_room(self.moves.allocate(Tier.DRAM, length), ttl_s)
 
     def close_room(self, room_id: int) -> None:
         """Give a room's space back; an unknown room is left alone (cleanup goes on past it)."""

@@ -393,9 +393,9 @@ def test_bad_input_is_a_config_error_and_moves_nothing(nvme: NvmeSegment) -> Non
     cases: list[tuple[int, Any, str]] = [
         (1, torch.zeros(4), "not a multiple of 4096"),
         (ALIGN + 512, torch.zeros(4), "not a multiple of 4096"),
-        (-ALIGN, torch.zeros(4), "do not fit"),
-        (0, torch.zeros(nvme.capacity + 1, dtype=torch.uint8), "do not fit"),
-        (nvme.capacity // ALIGN * ALIGN, torch.zeros(6, dtype=torch.uint8), "do not fit"),
+        (-ALIGN, torch.zeros(4), "outside segment"),
+        (0, torch.zeros(nvme.capacity + 1, dtype=torch.uint8), "outside segment"),
+        (nvme.capacity // ALIGN * ALIGN, torch.zeros(6, dtype=torch.uint8), "outside segment"),
         (0, torch.zeros(4, 4).t(), "contiguous"),
         (0, torch.zeros(8)[::2], "contiguous"),
         (0, torch.zeros(4).to_sparse(), "contiguous"),
