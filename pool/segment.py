@@ -112,7 +112,7 @@ class DramSegment(_Segment):
     def __init__(self, path: str, capacity: int, fd: int, owner: bool) -> None:
         super().__init__(path, capacity, owner)
         try:
-            # MAP_POPULATE faults every page in now, not on each chunk's first touch (a 3x slower first read)
+            # MAP_POPULATE faults every page in now, not on each chunk's first touch (a slower first read)
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self._mm: mmap.mmap | None = mmap.mmap(fd, capacity, flags)
         finally:

@@ -91,7 +91,7 @@ class SeaweedServer:
         self.ports: dict[str, tuple[int, int]] = {
             name: (ports[2 * i], ports[2 * i + 1]) for i, name in enumerate(SERVICES)
         }
-        self._admin: Any = None  # one client for create_bucket/delete_bucket: making one takes 0.2-0.6 s
+        self._admin: Any = None  # one client for create_bucket/delete_bucket: making one is slow
         # weed's own log files (glog) go to TMPDIR: keep them in our directory.
         env = {**os.environ, **_ENV, "TMPDIR": str(self.base_dir / "tmp")}
         cleanup = functools.partial(_remove, self.base_dir, self._sockets())

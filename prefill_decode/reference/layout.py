@@ -11,9 +11,9 @@ chunks of a prefix, laid end to end, *are* the cache:
   while the model computes the group before;
 - ``auto`` (the default): ``groups-of-G`` with the most layers per object that keep an object within
   :data:`AUTO_OBJECT_BYTES` and leave at least two groups to pipeline (``per-layer`` when one layer is already that
-  big).  Measured on this project's CPU runs (docs/prefill_decode.md): 512 KiB objects gave the fastest warm
-  request, 79x below cold at 4k tokens where per-layer (128 KiB) gave 58x and all-layers (1 MiB, nothing to
-  pipeline) 45x.  The layout a cache uses is resolved once, so ``auto`` never appears in a cache identity.
+  big).  On this project's CPU runs 512 KiB objects gave the fastest warm request, faster than per-layer
+  (128 KiB) and all-layers (1 MiB, nothing to pipeline): docs/figures.md, row ttft-layouts.  The layout a cache
+  uses is resolved once, so ``auto`` never appears in a cache identity.
 
 A :class:`KVBuffer` is one host tensor for a whole prefix, ``[L/G, N, G, 2, H, D]`` (``G`` layers per object:
 ``[N, L, 2, H, D]`` for all-layers, ``[L, N, 2, H, D]`` for per-layer).

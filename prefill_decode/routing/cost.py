@@ -156,7 +156,8 @@ class Hardware(Config, frozen=True):
         )  # every other measured figure (latency, forward step) kept
 
 
-#: The figures of the design's reference analysis: 400 TFLOPS, DRAM 64 GB/s, NVMe 14 GB/s, S3 2 GB/s.
+#: The design's reference analysis: stated inputs (400 TFLOPS, DRAM 64 GB/s, NVMe 14 GB/s, S3 2 GB/s), not
+#: measured here; ``kvpool plan --measure`` and the workers measure this cluster's own.
 REFERENCE_HARDWARE = Hardware(400e12, {"dram": 64e9, "nvme": 14e9, "remote": 2e9}, "reference analysis")
 
 
