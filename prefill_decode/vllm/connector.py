@@ -86,9 +86,9 @@ class KvPoolConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config or {})
-        role = kv_role(transfer.kv_role)
-        self.loads_kv = role in ("kv_both", "kv_consumer")
-        self.saves_kv = role in ("kv_both", "kv_producer")
+        kv = kv_role(transfer.kv_role)  # not `role`: that is which side of vLLM this connector is
+        self.loads_kv = kv in ("kv_both", "kv_consumer")
+        self.saves_kv = kv in ("kv_both", "kv_producer")
         if self.config.load_failure == "recompute":
             transfer.kv_load_failure_policy = "recompute"  # a chunk the pool cannot deliver is a miss, not an error
         block_size = vllm_config.cache_config.block_size
