@@ -45,7 +45,6 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 
-import torch
 from msgspec import Meta
 
 from kvpool.core.config import checked, validated
@@ -55,6 +54,8 @@ from kvpool.pool.segment import ALIGN, CHUNK
 
 if TYPE_CHECKING:
     from types import TracebackType
+
+    import torch
 
     from kvpool.pool.segment import NvmeSegment
 
@@ -129,6 +130,8 @@ def _refuse_or_posix(demanded: bool, why: str) -> IoPath:
 
 def _cuda_devices() -> int:
     """How many CUDA devices torch sees (0 on a CPU build), without initialising torch's CUDA state."""
+    import torch  # here, not at the top: a node with no tensor to move never loads it
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -186,6 +189,8 @@ def _kvikio_mode(kvikio: Any) -> tuple[bool, str]:
 def _sync_stream(t: torch.Tensor) -> None:
     """Wait for ``t``'s device's current stream: cuFile is not stream-ordered, so kernels still writing (or reading)
     ``t`` must finish before kvikio touches it."""
+    import torch
+
     torch.cuda.current_stream(t.device).synchronize()
 
 
@@ -311,6 +316,8 @@ class DeviceIO:
 
     def _bounced(self, op: Literal["read", "write"], offset: int, buf: torch.Tensor) -> None:
         """Move ``buf`` (device memory) through the pinned host buffer, ``bounce_bytes`` at a time."""
+        import torch
+
         n = buf.numel()
         with self._lock:
             if self._bounce is None:
