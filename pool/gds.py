@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import glob
 import importlib
 import logging
 import os
@@ -129,8 +130,14 @@ def _refuse_or_posix(demanded: bool, why: str) -> IoPath:
 
 
 def _cuda_devices() -> int:
-    """How many CUDA devices torch sees (0 on a CPU build), without initialising torch's CUDA state."""
-    import torch  # here, not at the top: a node with no tensor to move never loads it
+    """How many CUDA devices torch sees (0 on a CPU build), without initialising torch's CUDA state.
+
+    Without an NVIDIA device file (``/dev/nvidia0``..., WSL's ``/dev/dxg``) CUDA finds no device either, and torch is
+    not imported just to say so: a pool node's stats and metrics ask at start, and torch costs a node process a
+    second or more to import."""
+    if not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/dxg"):
+        return 0
+    import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
