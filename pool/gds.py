@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import glob
 import importlib
 import logging
 import os
@@ -45,7 +46,6 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 
-import torch
 from msgspec import Meta
 
 from kvpool.core.config import checked, validated
@@ -55,6 +55,8 @@ from kvpool.pool.segment import ALIGN, CHUNK
 
 if TYPE_CHECKING:
     from types import TracebackType
+
+    import torch
 
     from kvpool.pool.segment import NvmeSegment
 
@@ -128,7 +130,15 @@ def _refuse_or_posix(demanded: bool, why: str) -> IoPath:
 
 
 def _cuda_devices() -> int:
-    """How many CUDA devices torch sees (0 on a CPU build), without initialising torch's CUDA state."""
+    """How many CUDA devices torch sees (0 on a CPU build), without initialising torch's CUDA state.
+
+    Without an NVIDIA device file (``/dev/nvidia0``..., WSL's ``/dev/dxg``) CUDA finds no device either, and torch is
+    not imported just to say so: a pool node's stats and metrics ask at start, and torch costs a node process a
+    second or more to import."""
+    if not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/dxg"):
+        return 0
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -186,6 +196,8 @@ def _kvikio_mode(kvikio: Any) -> tuple[bool, str]:
 def _sync_stream(t: torch.Tensor) -> None:
     """Wait for ``t``'s device's current stream: cuFile is not stream-ordered, so kernels still writing (or reading)
     ``t`` must finish before kvikio touches it."""
+    import torch
+
     torch.cuda.current_stream(t.device).synchronize()
 
 
@@ -311,6 +323,8 @@ class DeviceIO:
 
     def _bounced(self, op: Literal["read", "write"], offset: int, buf: torch.Tensor) -> None:
         """Move ``buf`` (device memory) through the pinned host buffer, ``bounce_bytes`` at a time."""
+        import torch
+
         n = buf.numel()
         with self._lock:
             if self._bounce is None:

@@ -33,7 +33,6 @@ from functools import partial
 from typing import Annotated, Any, Protocol, runtime_checkable
 
 import ray
-import torch
 from msgspec import Meta
 
 from kvpool.core.config import Finite, NonNegative, checked
@@ -80,7 +79,8 @@ _Nodes = Annotated[Sequence[str], Meta(description="a list of node ids (kvpool s
 _OnDone = Annotated[OnDone | None, Meta(description="a function of the key's index, or None")]
 _GraceS = Annotated[float, Meta(ge=0, description="a number of seconds >= 0")]
 _Counts = Annotated[dict[str, Finite], Meta(description="a dict of count names to numbers")]
-_Tensors = Annotated[Sequence[torch.Tensor], Meta(description="a list of torch tensors, one per key")]
+#: each item is checked by ``tensor_bytes`` (not here: naming torch.Tensor would import torch with the client)
+_Tensors = Annotated[Sequence[Any], Meta(description="a list of torch tensors, one per key")]
 _Tier = Annotated[Tier, Meta(description="Tier.DRAM or Tier.NVME")]
 
 

@@ -3,11 +3,11 @@ tensor — by GPUDirect Storage where the host has it (``nvme_io_path()``: ``gds
 mode, else O_DIRECT and a host-to-device copy) — pinned on the node and not promoted.  Each is verified by its
 checksum over a host copy of what landed; anything else goes the host way and is copied over."""
 
+from __future__ import annotations
+
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvpool.core.types import Placement, Tier
 from kvpool.errors import KvPoolError
@@ -17,11 +17,16 @@ from kvpool.pool.gds import DeviceIO
 from kvpool.pool.protocol import NodeHandle, NodeInfo
 from kvpool.pool.segment import NvmeSegment
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
 
 
 def _host_like(t: torch.Tensor) -> torch.Tensor:
     """A host buffer for ``t``'s bytes: page-locked when CUDA is there, so the copy to the device is a DMA."""
+    import torch  # the caller holds tensors: loaded already
+
     return torch.empty(t.numel(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
 

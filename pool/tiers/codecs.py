@@ -49,19 +49,24 @@ from its plain key (``raw`` keeps the plain key, so nothing stored before codecs
 Encryption at rest is not a stage of a spec but a setting of the tier (``PoolConfig.encryption``,
 ``RemoteConfig.encryption``; see :mod:`~kvpool.pool.tiers.crypto` for why): it seals whatever the tier stores, after
 this codec, and the stored codec name then ends in ``+aes256gcm`` (``codec_key`` accepts such names).
+
+Dtypes are handled by name until a tensor is made or read, and torch is imported only there: a pool node whose
+tiers store chunks raw never loads it (which saves each node process a second or more at start).
 """
+
+from __future__ import annotations
 
 import hashlib
 import math
 import re
 import struct
+import sys
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, TypeGuard
 
 import numpy as np
-import torch
 from msgspec import Meta
 
 from kvpool.core.config import Config, Positive, validated
@@ -71,11 +76,15 @@ from kvpool.pool.tiers import crypto
 from kvpool.pool.tiers.lossless import compress, decompress, delta, from_planes, to_planes, undelta
 from kvpool.pool.tiers.quantizers import DEFAULT_GROUP, Fp8, Int4, Quantizer, Raw
 
+if TYPE_CHECKING:
+    import torch
+
 MAGIC = b"KVC\x01"  # format version 1
 MAX_NDIM = 16
-DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
-_DTYPE_CODE = {dtype: i + 1 for i, dtype in enumerate(DTYPES)}
-_DTYPE_NAMES = {str(dtype).removeprefix("torch."): dtype for dtype in DTYPES}
+#: the dtypes codecs take, by torch name, with their itemsize; a header's dtype code is the position here, from 1
+DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
+_DTYPE_CODE = {name: i + 1 for i, name in enumerate(DTYPES)}
+_DTYPE_NAMES = tuple(DTYPES)
 _GRAMMAR = "raw | fp8-e4m3[/channel] | fp8-e5m2[/channel] | int4[:gN], then nothing, +zstd or +delta+zstd"
 _SPEC = re.compile(
     r"(?P<zstd_only>zstd)|(?:raw|fp8-(?P<fp8>e4m3|e5m2)(?:/(?P<scope>tensor|channel))?|(?P<int4>int4)(?::g(?P<group>\d+))?)"
@@ -92,7 +101,7 @@ class ChunkHeader:
     """What the front of an encoded chunk says."""
 
     codec: str
-    dtype: torch.dtype
+    dtype: str  #: a name in ``DTYPES``
     shape: tuple[int, ...]
     body_offset: int  #: where the body starts in the encoded bytes
     body_length: int
@@ -147,7 +156,8 @@ class Codec:
         shape = tuple(x.shape)
         length = sum(len(p) for p in parts)
         layout = f"<4sB{len(name)}sBB{len(shape)}QQ"
-        head = struct.pack(layout, MAGIC, len(name), name, _DTYPE_CODE[x.dtype], len(shape), *shape, length)
+        code = _DTYPE_CODE[_dtype_name(x)]
+        head = struct.pack(layout, MAGIC, len(name), name, code, len(shape), *shape, length)
         return b"".join((head, *parts))
 
     def decode(self, data: Buffer) -> torch.Tensor:
@@ -158,7 +168,7 @@ class Codec:
             raise UndecodableChunk(f"chunk was encoded with codec {header.codec!r}, not {self.name!r}")
         view = memoryview(data).cast("B")
         body = view[header.body_offset :]
-        q, shape, dtype = self.quantizer, header.shape, header.dtype
+        q, shape, dtype = self.quantizer, header.shape, _torch_dtype(header.dtype)
         if self.zstd:
             body = memoryview(decompress(body, q.max_params_nbytes(shape) + q.codes_nbytes(shape, dtype)))
         n_params = q.params_nbytes(shape, body)
@@ -182,42 +192,38 @@ class TensorFormat(Config, frozen=True):
     A chunk put as a tensor carries its format; one put as bytes has none and is stored raw on every tier.
     """
 
-    dtype: Annotated[
-        str, Meta(pattern=f"^({'|'.join(_DTYPE_NAMES)})\\Z", description=f"one of {', '.join(_DTYPE_NAMES)}")
-    ]
+    dtype: Annotated[str, Meta(pattern=f"^({'|'.join(DTYPES)})\\Z", description=f"one of {', '.join(DTYPES)}")]
     shape: Annotated[
         tuple[Positive, ...], Meta(min_length=1, max_length=MAX_NDIM, description=f"1 to {MAX_NDIM} ints > 0")
     ]
 
     @classmethod
-    def of(cls, data: object) -> "TensorFormat | None":
+    def of(cls, data: object) -> TensorFormat | None:
         """The format of a CPU tensor a codec can encode; None for anything else (bytes, arrays, int tensors)."""
-        if not isinstance(data, torch.Tensor) or data.dtype not in _DTYPE_CODE or data.dim() == 0:
+        if not _is_tensor(data) or _dtype_name(data) not in DTYPES or data.dim() == 0:
             return None
-        return cls(str(data.dtype).removeprefix("torch."), tuple(data.shape))
+        return cls(_dtype_name(data), tuple(data.shape))
 
     @classmethod
-    def of_encoded(cls, data: Buffer) -> "TensorFormat":
+    def of_encoded(cls, data: Buffer) -> TensorFormat:
         """The format of the chunk that encoded bytes hold (from their header; ``UndecodableChunk`` if none)."""
         header = read_header(data)
-        return cls(str(header.dtype).removeprefix("torch."), header.shape)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPE_NAMES[self.dtype]
+        return cls(header.dtype, header.shape)
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.torch_dtype.itemsize
+        return math.prod(self.shape) * DTYPES[self.dtype]
 
     def view(self, data: Buffer) -> torch.Tensor:
         """The bytes as a tensor of this format (no copy)."""
         view = memoryview(data).cast("B")
         if view.nbytes != self.nbytes:
             raise UndecodableChunk(f"{view.nbytes} bytes are not a {self.dtype} tensor of shape {list(self.shape)}")
+        import torch
+
         with warnings.catch_warnings():  # read-only bytes: the tensor is only read (encoded)
             warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(view, dtype=torch.uint8).view(self.torch_dtype).view(self.shape)
+            return torch.frombuffer(view, dtype=torch.uint8).view(_torch_dtype(self.dtype)).view(self.shape)
 
 
 def transcode(data: Buffer, source: str, target: str, fmt: TensorFormat | None) -> tuple[Buffer, TensorFormat | None]:
@@ -233,6 +239,8 @@ def transcode(data: Buffer, source: str, target: str, fmt: TensorFormat | None) 
         raise UnencodableTensor(f"chunk stored as plain bytes (no tensor format) cannot be encoded with {target}")
     fmt = TensorFormat.of(tensor)
     if target == "raw":
+        import torch
+
         return tensor.contiguous().view(torch.uint8).numpy().tobytes(), fmt
     return parse_codec(target).encode(tensor), fmt
 
@@ -288,7 +296,7 @@ def read_header(data: Buffer) -> ChunkHeader:
     (length,) = struct.unpack("<Q", reader.take(8))
     if length != len(view) - reader.pos:
         raise UndecodableChunk(f"encoded chunk announces a {length}-byte body, {len(view) - reader.pos} follow")
-    return ChunkHeader(name, DTYPES[code - 1], shape, reader.pos, length)
+    return ChunkHeader(name, _DTYPE_NAMES[code - 1], shape, reader.pos, length)
 
 
 def decode(data: Buffer) -> torch.Tensor:
@@ -337,14 +345,29 @@ class _Reader:
         return self.take(1)[0]
 
 
+def _is_tensor(data: object) -> TypeGuard[torch.Tensor]:
+    """Whether ``data`` is a torch tensor, without importing torch: a process that has not loaded it holds none."""
+    module = sys.modules.get("torch")
+    return module is not None and isinstance(data, module.Tensor)
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a name in ``DTYPES`` stands for (imports torch)."""
+    import torch
+
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
+
+
 def _checked(tensor: torch.Tensor, codec: str) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor):
+    if not _is_tensor(tensor):
         raise UnencodableTensor(f"codec {codec} encodes torch tensors, got {type(tensor).__name__}")
-    if tensor.dtype not in _DTYPE_CODE:
-        names = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
-        raise UnencodableTensor(
-            f"codec {codec} encodes {names} tensors, got {str(tensor.dtype).removeprefix('torch.')}"
-        )
+    if _dtype_name(tensor) not in DTYPES:
+        raise UnencodableTensor(f"codec {codec} encodes {', '.join(DTYPES)} tensors, got {_dtype_name(tensor)}")
     if not 1 <= tensor.ndim <= MAX_NDIM:
         raise UnencodableTensor(f"codec {codec} encodes tensors of 1 to {MAX_NDIM} dimensions, got {tensor.ndim}")
     return tensor.detach().cpu().contiguous()

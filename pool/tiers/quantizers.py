@@ -1,17 +1,23 @@
 """The base stage of a codec: a tensor to parameters plus one code word per value, and back (``raw``, ``fp8-*``,
-``int4``; the formats are described in :mod:`kvpool.pool.tiers.codecs`)."""
+``int4``; the formats are described in :mod:`kvpool.pool.tiers.codecs`).  torch is imported by the methods that
+make or read tensors, so a process that only moves raw bytes never loads it."""
+
+from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Annotated, ClassVar, Literal
+from functools import cache
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import numpy as np
-import torch
 from msgspec import Meta
 
 from kvpool.core.config import checked
 from kvpool.errors import UndecodableChunk, UnencodableTensor
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_GROUP = 32
 _FP16_SAFE = 60000.0  # int4 parameters are float16 while every |x| is below this
@@ -77,7 +83,8 @@ class Raw(Quantizer):
     """The tensor's own bytes; code words are its 16- or 32-bit patterns."""
 
     lossless: ClassVar[bool] = True
-    _WORDS: ClassVar[dict[int, tuple[str, torch.dtype]]] = {2: ("<i2", torch.int16), 4: ("<i4", torch.int32)}
+    #: code words by itemsize: numpy dtype, torch dtype name
+    _WORDS: ClassVar[dict[int, tuple[str, str]]] = {2: ("<i2", "int16"), 4: ("<i4", "int32")}
 
     @property
     def spec(self) -> str:
@@ -87,7 +94,9 @@ class Raw(Quantizer):
         return dtype.itemsize * 8
 
     def quantize(self, x: torch.Tensor) -> tuple[bytes, np.ndarray]:
-        words = x.view(self._WORDS[x.dtype.itemsize][1]).numpy()
+        import torch
+
+        words = x.view(getattr(torch, self._WORDS[x.dtype.itemsize][1])).numpy()
         return b"", _by_token(words, _tokens(tuple(x.shape)))
 
     def params_nbytes(self, shape: tuple[int, ...], body: memoryview) -> int:
@@ -106,6 +115,8 @@ class Raw(Quantizer):
     def dequantize(
         self, params: memoryview, codes: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor:
+        import torch
+
         return torch.from_numpy(codes).view(dtype).reshape(shape)
 
 
@@ -116,7 +127,7 @@ class Fp8(Quantizer):
 
     format: Literal["e4m3", "e5m2"] = "e4m3"  #: torch.float8_e4m3fn or torch.float8_e5m2
     per_channel: bool = False
-    _FORMATS: ClassVar[dict[str, torch.dtype]] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+    _FORMATS: ClassVar[dict[str, str]] = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}  #: torch dtype names
 
     @property
     def spec(self) -> str:
@@ -124,7 +135,10 @@ class Fp8(Quantizer):
 
     @property
     def fp8(self) -> torch.dtype:
-        return self._FORMATS[self.format]
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self._FORMATS[self.format])
+        return dtype
 
     def bits(self, dtype: torch.dtype) -> int:
         return 8
@@ -133,6 +147,8 @@ class Fp8(Quantizer):
         return shape[1:] if self.per_channel and len(shape) >= 2 else ()
 
     def quantize(self, x: torch.Tensor) -> tuple[bytes, np.ndarray]:
+        import torch
+
         shape = tuple(x.shape)
         xf = x.float()
         if x.numel() == 0:
@@ -162,15 +178,19 @@ class Fp8(Quantizer):
     def dequantize(
         self, params: memoryview, codes: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor:
+        import torch
+
         scale = torch.from_numpy(np.frombuffer(params, dtype="<f4").copy()).reshape(self._scales(shape))
-        values = torch.from_numpy(np.take(_FP8_VALUES[self.format], codes)).reshape(shape)
+        values = torch.from_numpy(np.take(_fp8_values(self.fp8), codes)).reshape(shape)
         return (values * scale).to(dtype)
 
 
-#: every fp8 code's float32 value: a table lookup decodes fp8 several times faster than torch's cast on CPU
-_FP8_VALUES = {
-    name: torch.arange(256, dtype=torch.uint8).view(dtype).float().numpy() for name, dtype in Fp8._FORMATS.items()
-}
+@cache
+def _fp8_values(dtype: torch.dtype) -> np.ndarray:
+    """Every fp8 code's float32 value: a table lookup decodes fp8 several times faster than torch's cast on CPU."""
+    import torch
+
+    return torch.arange(256, dtype=torch.uint8).view(dtype).float().numpy()
 
 
 @checked
@@ -195,6 +215,8 @@ class Int4(Quantizer):
         return math.prod(shape[:-1]), d, -(-d // size) if d else 0, size
 
     def quantize(self, x: torch.Tensor) -> tuple[bytes, np.ndarray]:
+        import torch
+
         shape = tuple(x.shape)
         rows, d, groups, g = self._groups(shape)
         xr = x.reshape(rows, d).float()
@@ -249,6 +271,8 @@ class Int4(Quantizer):
     def dequantize(
         self, params: memoryview, codes: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor:
+        import torch
+
         rows, d, groups, size = self._groups(shape)
         width = params[0]
         count = rows * groups

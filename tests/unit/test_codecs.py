@@ -233,7 +233,7 @@ def test_header_describes_the_chunk() -> None:
     data = parse_codec("INT4:G64+ZSTD").encode(x)
     assert data.startswith(MAGIC)
     header = read_header(data)
-    assert (header.codec, header.dtype, header.shape) == ("int4:g64+zstd", torch.bfloat16, (32, 2, 3, 64))
+    assert (header.codec, header.dtype, header.shape) == ("int4:g64+zstd", "bfloat16", (32, 2, 3, 64))
     assert header.body_offset + header.body_length == len(data)
     y = decode(data)  # no codec given: the header names it
     assert torch.equal(y, parse_codec("int4:g64").decode(parse_codec("int4:g64").encode(x)))
