@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -45,7 +45,7 @@ from kvpool.prefill_decode.sglang.config import StorageConfig
 from kvpool.prefill_decode.sglang.pages import PageLayout, page_key
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
+CONNECT_S = 60.0  #: how long attaching the backend waits for the pool (Ray, etcd, the watch cache)
 
 
 class KvPoolStorage(HiCacheStorage):
@@ -73,7 +73,8 @@ class KvPoolStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """The host pool pages move between: its layout checked, the cache identity and key root derived, and the
-        connection to the pool started (on the I/O thread; until it is up every lookup is 0 pages held)."""
+        pool connected (on the I/O thread, waited for up to ``CONNECT_S``; while it is not, every lookup is 0 pages
+        held and it is tried again every ``RETRY_S``)."""
         super().register_mem_pool_host(mem_pool_host)
         pages = PageLayout(mem_pool_host)
         pages.check_pointers(mem_pool_host.get_page_buffer_meta)
@@ -81,7 +82,10 @@ class KvPoolStorage(HiCacheStorage):
         identity = pages.identity(self.model, cfg.tp_rank, cfg.tp_size, int(getattr(mem_pool_host, "start_layer", 0)))
         self.pages, self.identity, self.fingerprint = pages, identity, fingerprint(identity)
         self.root = identity.root() if self.scope is None else self.scope.root(identity.root())
-        self._io.submit(self._client)
+        try:  # the server starts with the pool's pages visible; a pool that is down does not stop it starting
+            self._io.submit(self._client).result(timeout=CONNECT_S)
+        except Exception:
+            log.warning("kvpool: pool not reachable within %.0f s; pages miss until it is", CONNECT_S)
 
     # -- keys and lookups --------------------------------------------------------------------------------------
 
