@@ -25,8 +25,11 @@ PAGE = 4  #: tokens a page (SGLang's default on GPUs is 64; small pages keep the
 MODULE, CLASS = "kvpool.prefill_decode.sglang.storage", "KvPoolStorage"
 
 
-def host_pool(layout: str, *, layers: int = 3, heads: int = 2, dim: int = 64, size: int = 64) -> MHATokenToKVPoolHost:
-    """A real MHA host pool (twice the device pool's ``size`` tokens) in ``layout``, filled with random bf16."""
+def pools(
+    layout: str, *, layers: int = 3, heads: int = 2, dim: int = 64, size: int = 64
+) -> tuple[MHATokenToKVPool, MHATokenToKVPoolHost]:
+    """A real MHA device pool of ``size`` tokens on CPU and its host pool (twice as many) in ``layout``, the host
+    pool filled with random bf16."""
     dev = MHATokenToKVPool(
         size=size,
         page_size=PAGE,
@@ -50,7 +53,12 @@ def host_pool(layout: str, *, layers: int = 3, heads: int = 2, dim: int = 64, si
         end_layer=dev.end_layer,
     )
     host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape).to(host.dtype))
-    return host
+    return dev, host
+
+
+def host_pool(layout: str, **dims: int) -> MHATokenToKVPoolHost:
+    """A real MHA host pool in ``layout`` (see :func:`pools`)."""
+    return pools(layout, **dims)[1]
 
 
 def storage_config(
