@@ -1,24 +1,23 @@
 """Fixtures of the SGLang tests: SGLang's real host KV pools on CPU (``pin_memory=False``: pinning needs CUDA), a
 pool on the session's Ray cluster, and the extra config that points a backend at it."""
 
+from __future__ import annotations
+
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-from sglang_needed import sglang_module
 
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
 from kvpool.servers.etcd import EmbeddedEtcd
 
-sglang_module("sglang.srt.mem_cache.hicache_storage")  # before the tests import SGLang's classes
-
-import torch  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+if TYPE_CHECKING:  # SGLang is imported by each test module (sglang_needed: skipped where it is not installed)
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 PAGE = 4  #: tokens a page (SGLang's default on GPUs is 64; small pages keep the test's pool small)
@@ -30,6 +29,10 @@ def pools(
 ) -> tuple[MHATokenToKVPool, MHATokenToKVPoolHost]:
     """A real MHA device pool of ``size`` tokens on CPU and its host pool (twice as many) in ``layout``, the host
     pool filled with random bf16."""
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
     dev = MHATokenToKVPool(
         size=size,
         page_size=PAGE,

@@ -13,14 +13,18 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import PAGE, pools
-from sglang.srt.managers.cache_controller import HiCacheController
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.utils import get_storage_hash_str
-from sglang.srt.runtime_context import get_parallel
+from sglang_needed import sglang_module
 
-from kvpool.prefill_decode.sglang.pages import PageLayout
-from kvpool.prefill_decode.sglang.storage import KvPoolStorage
+sglang_module("sglang.srt.mem_cache.hicache_storage")  # a skip where SGLang is not installed (see sglang_needed)
+
+from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
+from sglang.srt.runtime_context import get_parallel  # noqa: E402
+
+from kvpool.prefill_decode.sglang.pages import PageLayout  # noqa: E402
+from kvpool.prefill_decode.sglang.storage import KvPoolStorage  # noqa: E402
 
 WAIT_S = 60
 

@@ -10,11 +10,16 @@ from pathlib import Path
 
 import torch
 from conftest import PAGE, host_pool, storage_config
-from sglang.srt.mem_cache.storage import StorageBackendFactory
-from sglang.srt.mem_cache.utils import get_hash_str
+from sglang_needed import sglang_module
 
 from kvpool.pool.config import PoolConfig
-from kvpool.prefill_decode.sglang.storage import KvPoolStorage
+
+sglang_module("sglang.srt.mem_cache.hicache_storage")  # a skip where SGLang is not installed (see sglang_needed)
+
+from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
+from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
+
+from kvpool.prefill_decode.sglang.storage import KvPoolStorage  # noqa: E402
 
 KVPOOL = str(Path(sys.executable).with_name("kvpool"))
 

@@ -8,15 +8,20 @@ from typing import Any
 import pytest
 import torch
 from conftest import LAYOUTS, PAGE, host_pool, storage_config
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.storage import StorageBackendFactory
-from sglang.srt.mem_cache.utils import get_hash_str
+from sglang_needed import sglang_module
 
 from kvpool.errors import ConfigError
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.node import stop_pool
-from kvpool.prefill_decode.sglang.pages import PageLayout
-from kvpool.prefill_decode.sglang.storage import KvPoolStorage
+
+sglang_module("sglang.srt.mem_cache.hicache_storage")  # a skip where SGLang is not installed (see sglang_needed)
+
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
+from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
+
+from kvpool.prefill_decode.sglang.pages import PageLayout  # noqa: E402
+from kvpool.prefill_decode.sglang.storage import KvPoolStorage  # noqa: E402
 
 
 def backend(host: MHATokenToKVPoolHost, extra: dict[str, Any], **config: Any) -> KvPoolStorage:
