@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import PAGE, pools
+from hicache import PAGE, pools
 from sglang_needed import sglang_module
 
 sglang_module("sglang.srt.mem_cache.hicache_storage")  # a skip where SGLang is not installed (see sglang_needed)

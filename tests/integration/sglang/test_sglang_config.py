@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
-from conftest import PAGE, host_pool, storage_config
+from hicache import PAGE, host_pool, storage_config
 from sglang_needed import sglang_module
 
 from kvpool.pool.config import PoolConfig

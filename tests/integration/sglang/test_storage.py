@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import LAYOUTS, PAGE, host_pool, storage_config
+from hicache import LAYOUTS, PAGE, host_pool, storage_config
 from sglang_needed import sglang_module
 
 from kvpool.errors import ConfigError
