@@ -24,6 +24,7 @@ on the pool node of this host); no batch call returns ``None`` or raises.  A con
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,7 @@ from kvpool.prefill_decode.sglang.config import StorageConfig
 from kvpool.prefill_decode.sglang.pages import PageLayout, page_key
 
 log = logging.getLogger(__name__)
+_METRICS = ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth")  #: StorageMetrics' fields
 CONNECT_S = 60.0  #: how long attaching the backend waits for the pool (Ray, etcd, the watch cache)
 
 
@@ -68,6 +70,9 @@ class KvPoolStorage(HiCacheStorage):
         self.root = b""  #: the chain root page keys are made in (set when the host pool is known)
         self.fingerprint = ""  #: the cache identity's, carried by every put
         self._lookup: PrefixLookup | None = None
+        #: per batch since SGLang last asked (get_stats): pages and GiB/s of prefetches and backups
+        self._batches: dict[str, list[float]] = {k: [] for k in _METRICS}
+        self._batches_lock = threading.Lock()
         self._staging = HostStaging()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvpool-hicache-io")
 
@@ -196,12 +201,9 @@ class KvPoolStorage(HiCacheStorage):
         for i, dest in enumerate(dests):
             if ok[i]:
                 dest.copy_(staged[i])
-        loaded = sum(ok)
-        self.counts.add(
-            loaded_tokens=loaded * pages.page,
-            loaded_bytes=loaded * pages.nbytes,
-            load_seconds=time.perf_counter() - started,
-        )
+        loaded, seconds = sum(ok), time.perf_counter() - started
+        self.counts.add(loaded_tokens=loaded * pages.page, loaded_bytes=loaded * pages.nbytes, load_seconds=seconds)
+        self._batch("prefetch", loaded, loaded * pages.nbytes, seconds)
         if loaded < len(keys):  # the pages were held when looked up, and could not be read
             self.counts.add(load_errors=len(keys) - loaded)
             self.counts.miss(MissCause.READ_FAILED, len(keys) - loaded)
@@ -236,11 +238,11 @@ class KvPoolStorage(HiCacheStorage):
             self.counts.report(client)
             unsaved = set(new)
             return [i not in unsaved for i in range(len(keys))]
+        seconds = time.perf_counter() - started
         self.counts.add(
-            saved_tokens=len(items) * pages.page,
-            saved_bytes=len(items) * pages.nbytes,
-            save_seconds=time.perf_counter() - started,
+            saved_tokens=len(items) * pages.page, saved_bytes=len(items) * pages.nbytes, save_seconds=seconds
         )
+        self._batch("backup", len(items), len(items) * pages.nbytes, seconds)
         self.counts.report(client)
         return [True] * len(keys)
 
@@ -272,9 +274,21 @@ class KvPoolStorage(HiCacheStorage):
         """Nothing is removed: the pool is shared, and flushing one server's cache must not take pages that other
         servers of the model use (``kvpool rm`` removes chunks by key)."""
 
-    def get_stats(self) -> dict[str, float]:
-        """What this backend did since it started (the counts its pool node also reports)."""
-        return dict(self.counts.totals)
+    def _batch(self, kind: str, pages: int, nbytes: int, seconds: float) -> None:
+        """Keep one batch's pages and bandwidth for SGLang's storage metrics (``--enable-storage-metrics``)."""
+        if pages:
+            with self._batches_lock:
+                self._batches[f"{kind}_pgs"].append(pages)
+                self._batches[f"{kind}_bandwidth"].append(nbytes / (1 << 30) / max(seconds, 1e-9))
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` of the batches since it last asked: pages and GiB/s of each prefetch and backup
+        (the pool node's metrics count the rest: ``kvpool_engine_*``)."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        with self._batches_lock:
+            batches, self._batches = self._batches, {k: [] for k in _METRICS}
+        return StorageMetrics(**batches)
 
     def close(self) -> None:
         """Stop the I/O thread and close the pool client (SGLang's detach calls it)."""

@@ -65,6 +65,9 @@ def test_pages_round_trip_in_every_layout(layout: str, extra: dict[str, Any]) ->
         assert store.batch_get_v1([keys[0], other[0]], host.alloc(2 * PAGE)) == [True, False]
         assert store.counts.totals["miss_read_failed"] == 1
         assert store.counts.totals["saved_tokens"] == 5 * PAGE
+        stats = store.get_stats()  # SGLang's StorageMetrics (--enable-storage-metrics): pages and GiB/s per batch
+        assert stats.backup_pgs == [5] and stats.prefetch_pgs == [5, 1] and min(stats.prefetch_bandwidth) > 0
+        assert store.get_stats().backup_pgs == []  # each batch told once
     finally:
         store.close()
 
