@@ -23,7 +23,7 @@ request alone, cold and warm.  Then two checks:
   (what ``kvpool ls`` lists).
 
     python bench/routing.py [--requests 160] [--nodes 3] [--dram-mib 32 --nvme-mib 32] [--advise 0.5,0.25] [--seed 0]
-                            [--advisor-only] [--keep-logs DIR]
+                            [--policies round-robin,least-loaded,cache-aware] [--advisor-only] [--keep-logs DIR]
 
 ``--advisor-only`` replays only what the advisor check needs (cache-aware at each capacity, no round-robin or
 least-loaded lanes, no event consumer); ``--keep-logs DIR`` copies every replay's access logs there.
@@ -135,7 +135,8 @@ def lanes_on(bench: Bench, tag: str, dram_mib: int, nvme_mib: int, policy: str) 
         start_pool(pool)
         stack.callback(stop_pool, pool)
         pairs = start_lanes(
-            replace(bench.worker, pool=pool), [(bench.nodes[i], bench.nodes[(i + 1) % n]) for i in range(n)]
+            msgspec.structs.replace(bench.worker, pool=pool),
+            [(bench.nodes[i], bench.nodes[(i + 1) % n]) for i in range(n)],
         )
 
         def close() -> None:
@@ -269,6 +270,11 @@ def main() -> None:
     ap.add_argument("--advise", default="0.5,0.25", help="the other capacities replayed for the advisor, as factors")
     ap.add_argument("--chunk", type=int, default=256, help="tokens per chunk")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--policies",
+        default="round-robin,least-loaded,cache-aware",
+        help="replayed one after the other, in this order; must include cache-aware",
+    )
     ap.add_argument("--json", default="bench/results/routing.json")
     ap.add_argument("--png", default="bench/results/routing.png")
     ap.add_argument(
@@ -280,6 +286,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.nodes < 2 or args.requests < 4:
         ap.error("need --nodes >= 2 and --requests >= 4")
+    try:
+        policies = [Policy.CACHE_AWARE] if args.advisor_only else [Policy(p) for p in args.policies.split(",")]
+    except ValueError:
+        ap.error(f"--policies: a comma-separated list of {', '.join(p.value for p in Policy)}")
+    if Policy.CACHE_AWARE not in policies:
+        ap.error("--policies must include cache-aware (the advisor and the event check use its replay)")
     from kvpool.metadata.config import MetadataConfig
     from kvpool.servers.etcd import EmbeddedEtcd
     from kvpool.servers.ray_cluster import LocalRayCluster
@@ -298,11 +310,9 @@ def main() -> None:
         bench = Bench(base, [i for _, i in ids], worker, logs, args.concurrency or 2 * args.nodes)
         with console.status("one request alone, cold and warm; measuring the cost model's figures"):
             hardware, cold, warm = probe(bench, make_trace(replace(TraceSettings(), seed=args.seed + 1))[0].tokens)
-        bench.worker = replace(worker, hardware=hardware)  # every replay's workers price alike, and start faster
+        # every replay's workers price alike, and start faster
+        bench.worker = msgspec.structs.replace(worker, hardware=hardware)
         rows, replays = [], {}
-        policies = (
-            [Policy.CACHE_AWARE] if args.advisor_only else [Policy.ROUND_ROBIN, Policy.LEAST_LOADED, Policy.CACHE_AWARE]
-        )
         for policy in policies:
             with console.status(f"replaying {len(trace)} requests, {policy.value}"):
                 r = run_replay(

@@ -2,9 +2,11 @@
 
 import threading
 import time
-from typing import Protocol
+from typing import Annotated, Protocol
 
-from kvpool.errors import ConfigError
+from msgspec import Meta
+
+from kvpool.core.config import checked
 
 
 class Clock(Protocol):
@@ -42,9 +44,8 @@ class ManualClock:
         with self._lock:
             return self._now
 
-    def advance(self, seconds: float) -> None:
-        if seconds < 0:
-            raise ConfigError(f"seconds must be >= 0, got {seconds}")
+    @checked
+    def advance(self, seconds: Annotated[float, Meta(ge=0, description="a number of seconds >= 0")]) -> None:
         with self._lock:
             self._now += seconds
 

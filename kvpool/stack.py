@@ -225,11 +225,12 @@ class EngineService:
 
 
 @contextmanager
+@checked
 def engine_service(
     pool: PoolConfig,
     model: str,
     report: Report | None = None,
-    engines: int = 1,
+    engines: Positive = 1,
     policy: str = "cache-aware",
     chunk_size: int = 256,
 ) -> "Iterator[EngineService]":
@@ -248,10 +249,8 @@ def engine_service(
     if model != "smollm2-135m":
         raise ConfigError(f"vLLM engines run smollm2-135m here (its weights ship with kvpool), not {model!r}")
     ips = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
-    if not isinstance(engines, int) or isinstance(engines, bool) or not 1 <= engines <= len(ips):
-        raise ConfigError(
-            f"engines must be an int from 1 to the {len(ips)} Ray nodes (one engine each), got {engines!r}"
-        )
+    if engines > len(ips):
+        raise ConfigError(f"engines: one per Ray node, so at most {len(ips)} here, got {engines}")
     directory = converted_smollm2()
     vocab = int(json.loads((directory / "config.json").read_text())["vocab_size"])
     connector = {

@@ -4,29 +4,21 @@ Views, never copies: a non-contiguous array or a GPU tensor is refused with a ``
 hand instead, rather than silently copied.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvpool.errors import ConfigError
 
+if TYPE_CHECKING:
+    import torch
+
 
 def byte_view(data: Any, *, writable: bool = False, field: str = "data") -> memoryview:
-    """A flat ``uint8`` memoryview over ``data``'s memory."""
-    if hasattr(data, "data_ptr") and hasattr(data, "is_contiguous"):  # a torch tensor, without importing torch
-        if data.device.type != "cpu":
-            raise ConfigError(
-                f"{field} is a tensor on {data.device}; the pool takes CPU tensors (copy it to host first)"
-            )
-        if not data.is_contiguous():
-            raise ConfigError(f"{field} is a non-contiguous tensor; call .contiguous() first")
-        import torch
-
-        data = data.detach().reshape(-1).view(torch.uint8).numpy()
-    if isinstance(data, np.ndarray):
-        if not data.flags.c_contiguous:
-            raise ConfigError(f"{field} is a non-contiguous array; use np.ascontiguousarray first")
-        data = data.reshape(-1).view(np.uint8)
+    """A flat ``uint8`` memoryview over ``data``'s memory (the segments' reads and writes take any buffer through it,
+    so plain buffers come first)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        data = _array(data, field)
     try:
         view = memoryview(data)
     except TypeError:
@@ -39,3 +31,32 @@ def byte_view(data: Any, *, writable: bool = False, field: str = "data") -> memo
     if writable and view.readonly:
         raise ConfigError(f"{field} is read-only; pass a writable buffer (bytearray, numpy array, tensor)")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _array(data: Any, field: str) -> Any:
+    """A CPU torch tensor or a numpy array as a flat uint8 array over the same memory; anything else as it is."""
+    if hasattr(data, "data_ptr") and hasattr(data, "is_contiguous"):  # a torch tensor, without importing torch
+        if data.device.type != "cpu":
+            raise ConfigError(
+                f"{field} is a tensor on {data.device}; the pool takes CPU tensors (copy it to host first)"
+            )
+        data = tensor_bytes(data, field).numpy()
+    if isinstance(data, np.ndarray):
+        if not data.flags.c_contiguous:
+            raise ConfigError(f"{field} is a non-contiguous array; use np.ascontiguousarray first")
+        data = data.reshape(-1).view(np.uint8)
+    return data
+
+
+def tensor_bytes(t: object, field: str) -> "torch.Tensor":
+    """``t``'s memory, on whichever device, as a flat uint8 tensor (a view, never a copy); ``ConfigError`` naming
+    ``field`` unless ``t`` is a dense, contiguous torch tensor.  Imports torch when called."""
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise ConfigError(f"{field} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout is not torch.strided or not t.is_contiguous():
+        raise ConfigError(f"{field} must be a dense, contiguous tensor (call .contiguous() first)")
+    if t.is_conj() or t.is_neg():
+        raise ConfigError(f"{field} is a lazy conjugate/negative view; call .resolve_conj()/.resolve_neg() first")
+    return t.detach().reshape(-1).view(torch.uint8)

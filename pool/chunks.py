@@ -3,21 +3,21 @@ under which codec, whose it is, a change to publish.  (A writer's room and the o
 :mod:`kvpool.pool.protocol`.)"""
 
 import enum
-import re
-import sys
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Annotated
 
 import crc32c
 import msgspec
+from msgspec import Meta
 
+from kvpool.core.config import Config
 from kvpool.core.types import DropCause, Tier
-from kvpool.errors import ConfigError
 from kvpool.metadata.namespace import FINGERPRINT_HEX
-from kvpool.pool.tenants import check_tenant
+from kvpool.pool.tenants import TenantName
 from kvpool.pool.tiers.codecs import Buffer, TensorFormat
 
 SEGMENT_NAMES = {Tier.DRAM: "dram0", Tier.NVME: "nvme0"}
-_FINGERPRINT = re.compile(f"[0-9a-f]{{{FINGERPRINT_HEX}}}", re.ASCII)
 
 
 def checksum(data: Buffer) -> int:
@@ -25,37 +25,31 @@ def checksum(data: Buffer) -> int:
     return int(crc32c.crc32c(data))
 
 
-def check_fingerprint(identity: object) -> str:
-    """``identity`` if it is a cache identity's fingerprint (or "" for none); ``ConfigError`` saying what to pass."""
-    if identity != "" and not (isinstance(identity, str) and _FINGERPRINT.fullmatch(identity)):
-        raise ConfigError(
-            f"identity must be a cache identity's fingerprint ({FINGERPRINT_HEX} lower-case hex digits: what "
-            "PoolClient.register_identity returns, kvpool.metadata.identities.fingerprint computes) or '' for none, "
-            f"got {identity!r:.40}"
-        )
-    return str(identity)
+#: a cache identity's fingerprint, as puts carry it ("" for none)
+Fingerprint = Annotated[
+    str,
+    Meta(
+        pattern=f"^([0-9a-f]{{{FINGERPRINT_HEX}}})?\\Z",
+        description=f"a cache identity's fingerprint ({FINGERPRINT_HEX} lower-case hex digits: what "
+        "PoolClient.register_identity returns, kvpool.metadata.identities.fingerprint computes) or '' for none",
+    ),
+]
 
 
-@dataclass(frozen=True)
-class Origin:
+class Origin(Config, frozen=True):
     """Whose chunks a put writes, carried with them from the writer to their placements: the tenant charged for them
     (quotas, metrics: pool/tenants.py) and the fingerprint of the cache identity their keys were made under (chunk
-    events report it, so a router keeps to the caches it serves).  "" for either: the writer gave none."""
+    events report it, so a router keeps to the caches it serves).  "" for either: the writer gave none.  Checked
+    wherever it is made, a Ray call's unpickled argument included."""
 
-    tenant: str = ""
-    identity: str = ""
-
-    def __post_init__(self) -> None:
-        check_tenant(self.tenant)
-        check_fingerprint(self.identity)
+    tenant: TenantName = ""
+    identity: Fingerprint = ""
 
 
-def check_origin(origin: object) -> Origin:
-    """``origin`` checked again (a Ray call's argument arrives unpickled, ``__post_init__`` not run), its strings
-    shared by every chunk that names them; ``ConfigError`` if it is not an :class:`Origin`."""
-    if not isinstance(origin, Origin):
-        raise ConfigError(f"origin must be an Origin(tenant, identity), got {type(origin).__name__} {origin!r:.40}")
-    return Origin(sys.intern(check_tenant(origin.tenant)), sys.intern(check_fingerprint(origin.identity)))
+@lru_cache(maxsize=4096)
+def shared_origin(origin: Origin) -> Origin:
+    """One object (and so one pair of strings) for every chunk of an origin: the first equal one seen."""
+    return origin
 
 
 class StoredChunk(msgspec.Struct, frozen=True):
@@ -113,13 +107,6 @@ class Change:
     kind: ChangeKind
     chunk: StoredChunk
     cause: DropCause | None = None  #: why a DROPPED chunk was let go
-
-
-def check_length(length: int, what: str = "length") -> int:
-    """``length`` if it is a byte count > 0; ``ConfigError`` naming ``what`` otherwise."""
-    if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
-        raise ConfigError(f"{what} must be an int > 0 (bytes), got {length!r:.60}")
-    return length
 
 
 def short(key: bytes) -> str:

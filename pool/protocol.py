@@ -20,8 +20,10 @@ touch             :meth:`NodeHandle.touch`: hits a same-node client read without
 and besides them ``remove``, ``move`` (between tiers), ``info``, ``stats``, ``audit``, ``reap``, ``flush``,
 ``report_clients`` and ``shutdown``.
 
-Arguments are checked once, where they arrive: what a writer says it put into a room is decoded into
-:class:`Filled` records by ``msgspec`` (:func:`received`), since Ray unpickles objects without running any check.
+Arguments are checked once, where they arrive, against declared types (``kvpool.core.config.validated``: a room's
+length, an :class:`~kvpool.pool.chunks.Origin`, itself checked again when unpickled), and what a writer says it put
+into a room is decoded into :class:`Filled` records by ``msgspec`` (:meth:`Room.checked`), since Ray unpickles plain
+tuples without any check.  (``@checked`` does not fit an actor's methods: Ray pickles the actor class by value.)
 A node's own refusal (a :class:`~kvpool.errors.KvPoolError` raised inside the actor) comes back as itself; a node
 that is dead, stopped, or does not answer within the timeout is :class:`~kvpool.errors.NodeUnreachable`
 (:func:`call`).  Nothing else in the client catches a Ray exception.
@@ -31,12 +33,13 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from itertools import pairwise
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import msgspec
 import ray
 from ray.actor import ActorHandle
 
+from kvpool.core.config import validated
 from kvpool.core.keys import KEY_BYTES
 from kvpool.core.types import Tier
 from kvpool.errors import ChunkBusy, ConfigError, KvPoolError, NodeUnreachable
@@ -44,7 +47,6 @@ from kvpool.pool.chunks import Origin, StoredChunk, short
 from kvpool.pool.tiers.codecs import TensorFormat
 
 CALL_TIMEOUT_S = 60.0  #: a node call that has not answered by then counts as the node being unreachable
-T = TypeVar("T")
 
 
 def actor_name(node_id: str) -> str:
@@ -74,7 +76,7 @@ class Settled(msgspec.Struct, frozen=True):
 
 class Filled(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """A chunk a writer put into a room: its key, where (an offset in the segment), its length, the checksum of
-    its bytes and its tensor format (None: bytes).  Sent as a plain tuple, decoded by :func:`received`."""
+    its bytes and its tensor format (None: bytes).  Sent as a plain tuple, decoded by :meth:`Room.checked`."""
 
     key: Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
     offset: Annotated[int, msgspec.Meta(ge=0)]
@@ -108,7 +110,7 @@ class Room(msgspec.Struct, frozen=True):
         """``items``, the chunks a writer says it put here, decoded (:class:`Filled`), if each lies inside this room
         on an ``alignment`` boundary, matches its format's size, and none overlaps another; ``ConfigError``
         otherwise."""
-        out = received(items, list[Filled], "the chunks put into a room")
+        out = validated(list[Filled], items, "items")
         for c in out:
             if c.offset % self.alignment or not self.offset <= c.offset <= c.offset + c.length <= self.end:
                 raise ConfigError(
@@ -142,15 +144,6 @@ class Loaded(msgspec.Struct, frozen=True):
 
     chunks: list[StoredChunk | None]
     copies: list[bytes | None]
-
-
-def received(value: object, kind: type[T], what: str) -> T:
-    """``value`` as it arrived over Ray, decoded into ``kind`` (types, bounds, no unknown fields); ``ConfigError``
-    saying what is wrong and where."""
-    try:
-        return msgspec.convert(value, kind, strict=True)
-    except (msgspec.ValidationError, AttributeError) as exc:
-        raise ConfigError(f"{what}: {exc}") from None
 
 
 def call(ref: ray.ObjectRef, timeout_s: float | None = CALL_TIMEOUT_S) -> Any:

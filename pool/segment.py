@@ -21,11 +21,14 @@ import shutil
 import threading
 import uuid
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Annotated, Self
 
 import numpy as np
+from msgspec import Meta
 
+from kvpool.core.config import checked
 from kvpool.errors import ConfigError, PoolFull
+from kvpool.pool.buffers import byte_view
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -37,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 ALIGN = 4096  #: NVMe offsets and O_DIRECT transfers are multiples of this many bytes.
 CHUNK = 8 << 20  #: Largest single O_DIRECT transfer; the bounce buffer's size.
+_Capacity = Annotated[int, Meta(ge=1, description="a segment capacity in bytes > 0")]
 
 
 def _round_up(n: int) -> int:
@@ -48,8 +52,6 @@ def _create_file(directory: str, name: str | None, suffix: str, capacity: int, r
 
     Returns ``(path, fd)`` with ``fd`` open read/write.  On any failure the file is removed again.
     """
-    if capacity <= 0:
-        raise ConfigError(f"segment capacity must be > 0 bytes, got {capacity}")
     path = os.path.join(directory, f"kvpool-{name or uuid.uuid4().hex}.{suffix}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -67,16 +69,6 @@ def _create_file(directory: str, name: str | None, suffix: str, capacity: int, r
     return path, fd
 
 
-def _buffer(data: Buffer, writable: bool = False) -> memoryview:
-    """A flat byte view of any C-contiguous buffer (bytes, bytearray, memoryview, numpy array)."""
-    with memoryview(data) as view:
-        if not view.c_contiguous:
-            raise ConfigError("buffer must be C-contiguous")
-        if writable and view.readonly:
-            raise ConfigError("destination buffer is read-only")
-        return view.cast("B")
-
-
 class _Segment(ABC):
     """What both tiers share: a file of ``capacity`` usable bytes, unlinked on close only by its ``owner``."""
 
@@ -85,7 +77,15 @@ class _Segment(ABC):
         self.capacity = capacity
         self.owner = owner
 
+    @property
+    @abstractmethod
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (then every read and write raises ``ConfigError``)."""
+
     def _check(self, offset: int, length: int) -> None:
+        """``ConfigError`` if the segment is closed or ``[offset, offset + length)`` is not inside it."""
+        if self.closed:
+            raise ConfigError(f"segment {self.path} is closed")
         if offset < 0 or length < 0 or offset + length > self.capacity:
             raise ConfigError(f"range [{offset}, {offset + length}) is outside segment [0, {self.capacity})")
 
@@ -112,7 +112,7 @@ class DramSegment(_Segment):
     def __init__(self, path: str, capacity: int, fd: int, owner: bool) -> None:
         super().__init__(path, capacity, owner)
         try:
-            # MAP_POPULATE faults every page in now, not on each chunk's first touch (a 3x slower first read)
+            # MAP_POPULATE faults every page in now, not on each chunk's first touch (a slower first read)
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self._mm: mmap.mmap | None = mmap.mmap(fd, capacity, flags)
         finally:
@@ -122,7 +122,8 @@ class DramSegment(_Segment):
         del anchor  # drop the export, or mmap.close() would refuse
 
     @classmethod
-    def create(cls, capacity: int, directory: str = "/dev/shm", name: str | None = None) -> Self:
+    @checked
+    def create(cls, capacity: _Capacity, directory: str = "/dev/shm", name: str | None = None) -> Self:
         """Create and map a new segment file of ``capacity`` bytes, all reserved now (``PoolFull`` if not)."""
         path, fd = _create_file(directory, name, "seg", capacity, capacity)
         try:
@@ -141,10 +142,13 @@ class DramSegment(_Segment):
             raise ConfigError(f"cannot attach {capacity} bytes of {path}: the file holds {size} bytes")
         return cls(path, capacity, fd, owner=False)
 
+    @property
+    def closed(self) -> bool:
+        return self._mm is None
+
     def _map(self, offset: int, length: int) -> mmap.mmap:
-        if self._mm is None:
-            raise ConfigError(f"segment {self.path} is closed")
         self._check(offset, length)
+        assert self._mm is not None  # _check: not closed
         return self._mm
 
     def view(self, offset: int, length: int) -> memoryview:
@@ -155,12 +159,12 @@ class DramSegment(_Segment):
 
     def write(self, offset: int, data: Buffer) -> None:
         """Copy ``data`` (any C-contiguous buffer) to ``offset``."""
-        with _buffer(data) as src:
+        with byte_view(data) as src:
             self._map(offset, src.nbytes)[offset : offset + src.nbytes] = src
 
     def read_into(self, offset: int, dest: Buffer) -> int:
         """Fill the writable buffer ``dest`` from ``offset``; returns the number of bytes copied."""
-        with _buffer(dest, writable=True) as dst:
+        with byte_view(dest, writable=True, field="dest") as dst:
             with memoryview(self._map(offset, dst.nbytes)) as whole:
                 dst[:] = whole[offset : offset + dst.nbytes]
             return dst.nbytes
@@ -202,11 +206,11 @@ class NvmeSegment(_Segment):
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`close` has run (then every read and write raises ``ValueError``)."""
         return self._fd is None
 
     @classmethod
-    def create(cls, capacity: int, directory: str, name: str | None = None, direct: bool | None = None) -> Self:
+    @checked
+    def create(cls, capacity: _Capacity, directory: str, name: str | None = None, direct: bool | None = None) -> Self:
         """Create ``kvpool-<name>.nvme`` in ``directory``, reserve its space, and open it.
 
         ``direct=None`` uses ``O_DIRECT`` if the filesystem allows it, else buffered I/O with one warning;
@@ -264,12 +268,13 @@ class NvmeSegment(_Segment):
             fd, direct = os.open(path, os.O_RDONLY), False
         return cls(path, capacity, fd, direct, owner=False)
 
-    def _fd_for(self, offset: int, length: int) -> int:
-        if self._fd is None:
-            raise ConfigError(f"segment {self.path} is closed")
+    def fd_for(self, offset: int, length: int) -> int:
+        """The file to read or write ``[offset, offset + length)`` through; ``ConfigError`` if the segment is closed,
+        ``offset`` is not a multiple of :data:`ALIGN`, or the range is not inside the segment."""
+        self._check(offset, length)
         if offset % ALIGN:
             raise ConfigError(f"offset {offset} is not a multiple of {ALIGN}")
-        self._check(offset, length)
+        assert self._fd is not None  # _check: not closed
         return self._fd
 
     def _bounce(self, buf: memoryview) -> memoryview | None:
@@ -285,8 +290,8 @@ class NvmeSegment(_Segment):
 
     def write(self, offset: int, data: Buffer) -> None:
         """Write ``data`` (any C-contiguous buffer) at ``offset``."""
-        with _buffer(data) as src:
-            fd = self._fd_for(offset, src.nbytes)
+        with byte_view(data) as src:
+            fd = self.fd_for(offset, src.nbytes)
             bounce = self._bounce(src)
             if bounce is None:
                 _transfer(os.pwritev, fd, src, offset)
@@ -301,8 +306,8 @@ class NvmeSegment(_Segment):
 
     def read_into(self, offset: int, dest: Buffer) -> int:
         """Fill the writable buffer ``dest`` from ``offset``; returns the number of bytes read."""
-        with _buffer(dest, writable=True) as dst:
-            fd = self._fd_for(offset, dst.nbytes)
+        with byte_view(dest, writable=True, field="dest") as dst:
+            fd = self.fd_for(offset, dst.nbytes)
             bounce = self._bounce(dst)
             if bounce is None:
                 _transfer(os.preadv, fd, dst, offset)

@@ -70,6 +70,14 @@ class _Tenant(_Shared, frozen=True):
 
 _Tables = Annotated[str, Meta(pattern=_NAME.pattern)]
 _TABLE_RULE = "tables such as [{}.acme]; names are 1-63 letters, digits, '_', '.' or '-'"
+#: a tenant's name, as puts carry it ("" for none)
+TenantName = Annotated[
+    str,
+    Meta(
+        pattern=rf"^({_NAME.pattern[1:-2]})?\Z",
+        description="a tenant's name (1-63 letters, digits, '_', '.', '-') or '' for none",
+    ),
+]
 
 
 class _File(Config, frozen=True):
@@ -85,15 +93,6 @@ class _File(Config, frozen=True):
     def check(self) -> None:
         if not self.tenants:
             raise ConfigError("no [tenants.<name>] table; add at least one tenant")
-
-
-def check_tenant(tenant: object) -> str:
-    """``tenant`` if it is a tenant's name (or "" for none), as puts carry it; ``ConfigError`` otherwise."""
-    if tenant != "" and not (isinstance(tenant, str) and _NAME.match(tenant)):
-        raise ConfigError(
-            f"tenant must be a tenant's name (1-63 letters, digits, '_', '.', '-') or '', got {tenant!r:.40}"
-        )
-    return str(tenant)
 
 
 def new_secret() -> str:

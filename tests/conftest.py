@@ -93,7 +93,7 @@ def s3_bucket(s3_server: "SeaweedServer") -> "Iterator[RemoteConfig]":
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--soak-s", type=float, default=60.0, help="How long tests/faults/test_soak.py runs its traffic (seconds)."
+        "--soak-s", type=float, default=20.0, help="How long tests/faults/test_soak.py runs its traffic (seconds)."
     )
 
 

@@ -28,8 +28,8 @@ from kvpool.transport.base import NixlDescriptor, NixlRegion, Op, Transport, dec
 log = logging.getLogger(__name__)
 
 #: UCX's TCP transport moves data in segments of its TX/RX segment size (8 KiB by default).  A READ over TCP is
-#: served by the target's worker, one segment per step, so 8 KiB segments held a 16 MiB READ to ~1 GB/s on
-#: loopback; 256 KiB segments give 3.7-5.4 GB/s there (WRITE: 2.2-2.7 GB/s either way).  See docs/transport.md.
+#: served by the target's worker, one segment per step, so with 8 KiB segments a READ over TCP ran well below a
+#: WRITE; with 256 KiB segments it runs faster than one.  Figures: docs/figures.md, row ucx-segments.
 TCP_SEGMENT = "256k"
 UCX_DEFAULTS = {
     "UCX_TLS": "posix,cma,tcp",

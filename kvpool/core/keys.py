@@ -21,6 +21,8 @@ from kvpool.errors import ConfigError
 KEY_BYTES = 32  #: chunk keys are SHA-256 digests
 DEFAULT_CHUNK_SIZE = 256
 _MAX_TOKEN_ID = 2**32 - 1  # tokens are hashed as little-endian uint32
+#: one token id in a message (a request's prompt): what :func:`token_array` takes, as a declared type
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=_MAX_TOKEN_ID, description="a token id: an int in [0, 2**32)")]
 _IDENTITY_TAG = "kvpool.cache-identity/1"
 _Text = Annotated[str, msgspec.Meta(min_length=1, description="a non-empty string")]
 #: a chunk key, as :func:`chunk_keys` makes them
@@ -142,18 +144,16 @@ def token_array(tokens: Any, field: str = "tokens") -> np.ndarray:
                     raise ConfigError(f"{field}[{i}] must be an int token id, got {type(t).__name__} {t!r}")
         try:
             arr = np.asarray(items, dtype=np.int64) if items else np.zeros(0, dtype=np.int64)
-        except OverflowError:  # beyond int64 either way; name the first id out of range
-            i, t = next((i, int(t)) for i, t in enumerate(items) if not 0 <= int(t) <= _MAX_TOKEN_ID)
-            where = "below 0" if t < 0 else f"above the largest supported token id {_MAX_TOKEN_ID}"
-            raise ConfigError(f"{field}[{i}] = {t} is {where}") from None
+        except OverflowError:  # beyond int64 either way: kept as Python ints, for the range check to name
+            arr = np.asarray([int(t) for t in items], dtype=object)
     if arr.ndim != 1:
         raise ConfigError(f"{field} must be 1-D, got shape {tuple(arr.shape)}")
-    if arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0:
-            raise ConfigError(f"{field} must be non-negative token ids, found {lo} at index {int(arr.argmin())}")
-        if hi > _MAX_TOKEN_ID:
-            raise ConfigError(f"{field} holds id {hi} above the largest supported token id {_MAX_TOKEN_ID}")
+    lo, hi = (int(arr.min()), int(arr.max())) if arr.size else (0, 0)
+    if not 0 <= lo <= hi <= _MAX_TOKEN_ID:
+        i = int(arr.argmin() if lo < 0 else arr.argmax())
+        raise ConfigError(
+            f"{field}[{i}] is {int(arr[i])}: token ids are non-negative, up to the largest supported {_MAX_TOKEN_ID}"
+        )
     return arr.astype("<u4", copy=False)
 
 

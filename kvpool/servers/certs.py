@@ -89,13 +89,8 @@ def server_files(directory: str | os.PathLike[str], hosts: Iterable[str] = ()) -
                 SERVER_NAME,
             )
         elif current is None or not wanted <= have:
-            if ca_key is None:
-                raise ConfigError(
-                    f"{cert_path} is missing, expiring or does not name {', '.join(sorted(wanted - have))}, and "
-                    f"{d / 'ca-key.pem'} is not here to issue another: run this where the CA key is, or copy a "
-                    "server.pem/server-key.pem that names this host into the directory"
-                )
-            _issue(cert_path, key_path, ca_cert, ca_key, "kvpool etcd", wanted | have, server=True)
+            why = f"is missing, expiring or does not name {', '.join(sorted(wanted - have))}"
+            _issue(cert_path, key_path, ca_cert, ca_key, "kvpool etcd", wanted | have, server=True, why=why)
     return ServerTls(d / "ca.pem", cert_path, key_path)
 
 
@@ -123,12 +118,7 @@ def client_files(directory: str | os.PathLike[str], name: _ClientName = "client"
     with _locked(d):
         ca_cert, ca_key = _authority(d)
         if _valid_leaf(cert_path, key_path, ca_cert) is None:
-            if ca_key is None:
-                raise ConfigError(
-                    f"no valid client certificate {cert_path} and no CA key to issue one: copy {name}.pem and "
-                    f"{name}-key.pem from the directory where the CA was made (kvpool certs --tls-dir DIR)"
-                )
-            _issue(cert_path, key_path, ca_cert, ca_key, name, set(), server=False)
+            _issue(cert_path, key_path, ca_cert, ca_key, name, set(), server=False, why="is missing or not valid")
     return ClientTls(d / "ca.pem", cert_path, key_path)
 
 
@@ -188,14 +178,21 @@ def _issue(
     cert_path: Path,
     key_path: Path,
     ca_cert: x509.Certificate,
-    ca_key: ec.EllipticCurvePrivateKey,
+    ca_key: ec.EllipticCurvePrivateKey | None,
     cn: str,
     hosts: set[str],
     *,
     server: bool,
+    why: str,
 ) -> None:
-    """A leaf certificate signed by the CA.  A server's is for client and server use: etcd's gateway and its peers
-    connect with it as a client."""
+    """A leaf certificate signed by the CA, made because the one at ``cert_path`` ``why``; only where the CA key is.
+    A server's is for client and server use: etcd's gateway and its peers connect with it as a client."""
+    if ca_key is None:
+        raise ConfigError(
+            f"{cert_path} {why}, and there is no CA key to issue one ({cert_path.parent / 'ca-key.pem'}): run this "
+            f"where the CA key is, or copy {cert_path.name} and {key_path.name} from the directory where the CA was "
+            "made (kvpool certs --tls-dir DIR)"
+        )
     key = ec.generate_private_key(ec.SECP256R1())
     now = _now()
     usages = (

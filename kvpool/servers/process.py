@@ -16,14 +16,28 @@ import subprocess
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from kvpool.errors import KvPoolError
+from kvpool.errors import ConfigError, KvPoolError
 
 #: a readiness check: None once the server serves, else what is still missing (it goes into the timeout error)
 Ready = Callable[[], str | None]
+
+
+def server_binary(name: str, env: str, candidates: Iterable[str | Path], install: str) -> str:
+    """A server's binary: ``$env`` when set (it must be executable), else the first executable of ``candidates``;
+    ``ConfigError`` saying how to get one (``install``) otherwise."""
+    explicit = os.environ.get(env)
+    if explicit:
+        if not os.access(explicit, os.X_OK):
+            raise ConfigError(f"{env}={explicit!r} is not an executable file")
+        return explicit
+    for path in candidates:
+        if os.access(path, os.X_OK):
+            return str(path)
+    raise ConfigError(f"no executable {name} binary: {install}, or set {env}")
 
 
 def free_ports(host: str, n: int) -> list[int]:

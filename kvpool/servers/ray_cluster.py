@@ -17,29 +17,34 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Annotated
 
 import ray
+from msgspec import Meta
 
 from kvpool import ray_auth
-from kvpool.errors import ConfigError, KvPoolError
+from kvpool.core.config import Positive, checked
+from kvpool.errors import KvPoolError
 from kvpool.servers.process import ServerProcess, free_port
 
 log = logging.getLogger(__name__)
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
 
 
+_Nodes = Annotated[int, Meta(ge=1, le=32, description="from 1 to 32 nodes")]
+
+
 class LocalRayCluster:
+    @checked
     def __init__(
         self,
-        nodes: int = 1,
+        nodes: _Nodes = 1,
         *,
         first_ip: int = 2,
-        num_cpus: int = 1,
-        object_store_mib: int = 96,
+        num_cpus: Positive = 1,
+        object_store_mib: Positive = 96,
         auth: str | None = None,
     ) -> None:
-        if not 1 <= nodes <= 32:
-            raise ConfigError(f"nodes must be in [1, 32], got {nodes}")
         self.ips = [f"127.0.0.{first_ip + i}" for i in range(nodes)]
         self.num_cpus = num_cpus
         self.object_store_bytes = object_store_mib * 2**20

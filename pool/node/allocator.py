@@ -9,8 +9,15 @@ free extent is large enough.  All offsets and sizes are multiples of ``alignment
 from bisect import bisect_left
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import Annotated
 
+from msgspec import Meta
+
+from kvpool.core.config import checked
 from kvpool.errors import ConfigError, PoolFull
+
+_Capacity = Annotated[int, Meta(ge=1, description="an int > 0 (bytes)")]
+_Alignment = Annotated[int, Meta(ge=1, description="a power of two >= 1 (bytes)")]
 
 
 @dataclass(frozen=True)
@@ -33,11 +40,10 @@ class OffsetAllocator:
     edits a Python list (a memmove, linear but small).
     """
 
-    def __init__(self, capacity: int, alignment: int = 4096) -> None:
-        if not _is_int(alignment) or alignment < 1 or alignment & (alignment - 1):
-            raise ConfigError(f"alignment must be a power of two >= 1, got {alignment!r}")
-        if not _is_int(capacity) or capacity <= 0:
-            raise ConfigError(f"capacity must be an int > 0, got {capacity!r}")
+    @checked
+    def __init__(self, capacity: _Capacity, alignment: _Alignment = 4096) -> None:
+        if alignment & (alignment - 1):
+            raise ConfigError(f"OffsetAllocator: `alignment` must be a power of two >= 1, got {alignment}")
         if capacity < alignment:
             raise ConfigError(f"capacity must be at least one alignment unit ({alignment} B), got {capacity}")
         self._alignment = alignment

@@ -14,9 +14,9 @@ from prometheus_client.registry import Collector
 
 from kvpool import ray_auth
 from kvpool.core.types import Tier
+from kvpool.pool.gds import nvme_io_path
 from kvpool.pool.metrics import ClientStats
 from kvpool.pool.node.store import ChunkStore
-from kvpool.pool.tiers.gds import nvme_io_path
 
 #: store counter → (metric name, help, labels): migrations and promotions are moves between tiers
 _COUNTERS = {

@@ -34,13 +34,14 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from kvpool.core.types import Tier
 from kvpool.errors import ConfigError, KvPoolError
-from kvpool.pool.chunks import Change, ChangeKind, Origin, StoredChunk, check_origin, checksum, short
+from kvpool.pool.chunks import Change, ChangeKind, Origin, StoredChunk, checksum, shared_origin, short
 from kvpool.pool.node.allocator import OffsetAllocator
 from kvpool.pool.node.moves import read_stored
 from kvpool.pool.segment import ALIGN, NvmeSegment
@@ -294,8 +295,14 @@ def _chunk(record: list[Any]) -> StoredChunk:
     if not (isinstance(key, bytes) and all(isinstance(v, int) for v in (offset, stored, size, crc))) or identity[1:]:
         raise TypeError(f"not a put record: {record!r:.80}")
     tensor = None if fmt is None else TensorFormat(fmt[0], tuple(fmt[1]))
-    origin = check_origin(Origin(tenant, *identity))  # its strings shared with the other chunks of its origin
+    origin = _origin(tenant, *identity)
     return StoredChunk(key, Tier.NVME, offset, stored, size, crc, str(codec), tensor, origin=origin)
+
+
+@lru_cache(maxsize=4096)
+def _origin(tenant: str, identity: str = "") -> Origin:
+    """The origin a put record names, made (and checked) once for all its chunks, one object shared by them."""
+    return shared_origin(Origin(tenant, identity))
 
 
 def _frame(record: list[Any]) -> bytes:

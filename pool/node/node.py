@@ -21,14 +21,17 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Annotated, Any
 
 import ray
+from msgspec import Meta
 
+from kvpool.core.config import validated
 from kvpool.core.types import NodeRecord, SegmentInfo, Tier
-from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError, MetadataUnavailable, PoolFull, RemoteUnavailable
-from kvpool.pool.chunks import SEGMENT_NAMES, Origin, StoredChunk, check_length, check_origin
+from kvpool.errors import ChunkBusy, ChunkNotFound, MetadataUnavailable, PoolFull, RemoteUnavailable
+from kvpool.pool.chunks import SEGMENT_NAMES, Origin, StoredChunk, shared_origin
 from kvpool.pool.config import PoolConfig
+from kvpool.pool.gds import nvme_io_path
 from kvpool.pool.metrics import ClientStats
 from kvpool.pool.node.collector import StoreCollector, serve_metrics
 from kvpool.pool.node.flush import FLUSH_BYTES, Flusher
@@ -38,7 +41,6 @@ from kvpool.pool.node.publish import Publisher
 from kvpool.pool.node.store import ChunkStore
 from kvpool.pool.protocol import Loaded, NodeInfo, Room, Settled, Stored
 from kvpool.pool.segment import DramSegment, NvmeSegment, reap_stale_segments
-from kvpool.pool.tiers.gds import nvme_io_path
 from kvpool.pool.tiers.s3 import RemoteStore
 from kvpool.transport.nixl import NixlTransport
 
@@ -46,6 +48,8 @@ log = logging.getLogger(__name__)
 IO_THREADS = 4  #: NVMe reads and writes of a batch (promotions, demotions) in flight at once
 DEMOTE_BYTES = 64 << 20  #: one demotion step moves at most this much from DRAM to NVMe, then publishes
 LATER_S = 0.1  #: what a call leaves to publish later is published within this
+_Length = Annotated[int, Meta(ge=1, description="a room length in bytes > 0")]
+_NextLength = Annotated[int, Meta(ge=0, description="a room length in bytes >= 0 (0: no next room)")]
 
 
 class PoolNode:
@@ -194,7 +198,7 @@ class PoolNode:
         """DRAM room for a writer's next batch (see :class:`~kvpool.pool.protocol.Room`).  When DRAM has no free extent
         that large, LRU chunks move to NVMe first on this call's thread, their disk writes outside the lock (other
         calls go on meanwhile); only what that could not free is evicted under the lock."""
-        check_length(length, "room length")
+        validated(_Length, length, "prepare_store: length")
         try:
             with self._lock:
                 moves = [] if self.nvme is None else self.store.moves.demotions(need=length)
@@ -211,12 +215,12 @@ class PoolNode:
         """Make the chunks written into room ``room_id`` visible as ``origin``'s (see ``ChunkStore.fill_room``) and open
         the writer's next room of ``next_length`` bytes (none if 0, above an eighth of DRAM, or if DRAM has no room for
         it): one call per batch."""
-        if not isinstance(next_length, int) or isinstance(next_length, bool) or next_length < 0:
-            raise ConfigError(f"next_length must be an int >= 0 (bytes; 0: no next room), got {next_length!r:.40}")
+        validated(_NextLength, next_length, "complete_store: next_length")
+        origin = shared_origin(validated(Origin, origin, "complete_store: origin"))
         room = None
         try:
             with self._lock:
-                self.store.fill_room(room_id, items, replicated=bool(replicated), origin=check_origin(origin))
+                self.store.fill_room(room_id, items, replicated=bool(replicated), origin=origin)
                 # a writer's idle room holds an eighth of DRAM at most, and is opened only where there is space
                 # now: making space (disk writes) is left to the writer's next prepare_store, outside the lock
                 if 0 < next_length <= self.dram.capacity // 8 and self.store.allocators[Tier.DRAM].can_allocate(
@@ -364,7 +368,7 @@ class PoolNode:
             "watermarks": {"high": self.config.watermarks.high, "low": self.config.watermarks.low},
             "nvme_direct": bool(self.nvme and self.nvme.direct),
             "registrations": self.transport.registrations,
-            "nvme_io": nvme_io_path().name,  #: NVMe <-> GPU: gds (cuFile), kvikio-compat or posix (see pool/tiers/gds.py)
+            "nvme_io": nvme_io_path().name,  #: NVMe <-> GPU: gds (cuFile), kvikio-compat or posix (see pool/gds.py)
             "nvme_io_reason": nvme_io_path().reason,
             "restart": self.recovery.figures() if self.recovery else {},
             "codecs": {Tier.DRAM.value: "raw", Tier.NVME.value: self.config.nvme_codec}

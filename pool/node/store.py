@@ -28,13 +28,13 @@ from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.core.keys import check_key
 from kvpool.core.types import DropCause, Tier
 from kvpool.errors import ChunkBusy, ChunkNotFound, ConfigError
-from kvpool.pool.chunks import Change, ChangeKind, ChunkState, Origin, StoredChunk, check_length, short
+from kvpool.pool.chunks import Change, ChangeKind, ChunkState, Origin, StoredChunk, short
 from kvpool.pool.config import Watermarks
 from kvpool.pool.node.allocator import OffsetAllocator
 from kvpool.pool.node.eviction import EvictionPolicy
 from kvpool.pool.node.holds import Holds
 from kvpool.pool.node.move_books import MoveBooks
-from kvpool.pool.node.moves import Move, read_stored
+from kvpool.pool.node.moves import read_stored
 from kvpool.pool.protocol import Filled, Room
 from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import TensorFormat, parse_codec
@@ -123,7 +123,7 @@ class ChunkStore:
     def open_room(self, length: int, ttl_s: float) -> Room:
         """DRAM room of ``length`` bytes for a writer's next batch, making room by migration or drops if needed;
         reclaimed by :meth:`reap` ``ttl_s`` after this unless filled."""
-        return self.holds.open_room(self.moves.allocate(Tier.DRAM, check_length(length, "room length")), ttl_s)
+        return self.holds.open_room(self.moves.allocate(Tier.DRAM, length), ttl_s)
 
     def close_room(self, room_id: int) -> None:
         """Give a room's space back; an unknown room is left alone (cleanup goes on past it)."""
@@ -247,18 +247,6 @@ class ChunkStore:
         chunk = self._require(key)
         self.moves.check_tier(tier)
         return chunk if chunk.tier is tier else self.moves.move_now(chunk, tier)
-
-    def begin_move(self, key: bytes, tier: Tier) -> Move:
-        """Start moving a held chunk to ``tier`` (see :meth:`MoveBooks.begin`)."""
-        return self.moves.begin(self._require(key), tier)
-
-    def place(self, move: Move) -> None:
-        """Give a begun move its room in the target tier (see :meth:`MoveBooks.place`)."""
-        self.moves.place(move)
-
-    def finish_move(self, move: Move) -> StoredChunk | None:
-        """End a move (see :meth:`MoveBooks.finish`); what the chunk is now (None: not held)."""
-        return self.moves.finish(move)
 
     def drop_corrupt(self, chunk: StoredChunk) -> None:
         """``chunk``'s bytes failed their checksum where it was read: drop it, unless it has moved since."""

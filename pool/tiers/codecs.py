@@ -65,6 +65,7 @@ import torch
 from msgspec import Meta
 
 from kvpool.core.config import Config, Positive, validated
+from kvpool.core.keys import check_key
 from kvpool.errors import ConfigError, UndecodableChunk, UnencodableTensor
 from kvpool.pool.tiers import crypto
 from kvpool.pool.tiers.lossless import compress, decompress, delta, from_planes, to_planes, undelta
@@ -75,7 +76,6 @@ MAX_NDIM = 16
 DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
 _DTYPE_CODE = {dtype: i + 1 for i, dtype in enumerate(DTYPES)}
 _DTYPE_NAMES = {str(dtype).removeprefix("torch."): dtype for dtype in DTYPES}
-_KEY_BYTES = hashlib.sha256().digest_size  # chunk keys are SHA-256 digests (kvpool/core/keys.py)
 _GRAMMAR = "raw | fp8-e4m3[/channel] | fp8-e5m2[/channel] | int4[:gN], then nothing, +zstd or +delta+zstd"
 _SPEC = re.compile(
     r"(?P<zstd_only>zstd)|(?:raw|fp8-(?P<fp8>e4m3|e5m2)(?:/(?P<scope>tensor|channel))?|(?P<int4>int4)(?::g(?P<group>\d+))?)"
@@ -307,11 +307,7 @@ def codec_key(chunk_key: bytes, codec: Codec | str) -> bytes:
     Apply it last: ``codec_key(layer_key(k, l), codec)``; chunks of different codecs never share a key, and raw
     chunks keep the keys they always had.  A sealed codec name (``...+aes256gcm``) is another codec: its own key.
     """
-    if not isinstance(chunk_key, bytes) or len(chunk_key) != _KEY_BYTES:
-        got = f"{len(chunk_key)} bytes" if isinstance(chunk_key, bytes) else type(chunk_key).__name__
-        raise ConfigError(
-            f"chunk_key: a chunk key is a {_KEY_BYTES}-byte SHA-256 digest (kvpool/core/keys.py), got {got}"
-        )
+    check_key(chunk_key, "chunk_key")
     if isinstance(codec, Codec):
         name = codec.name
     else:

@@ -56,6 +56,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from msgspec import Meta
 
 from kvpool.core.config import Config, checked, validated
+from kvpool.core.keys import check_key
 from kvpool.errors import ConfigError, UndecryptableChunk
 
 log = logging.getLogger(__name__)
@@ -126,12 +127,11 @@ class Keyring:
             "each process loads the keys itself"
         )
 
-    def seal(self, data: Buffer, chunk_key: bytes, codec: str, key_id: str | None = None) -> bytearray:
-        """``data`` (stored bytes under ``codec``) sealed for ``chunk_key`` with key ``key_id`` (default: current)."""
-        key_id = self.current if key_id is None else key_id
-        prk = self._prks.get(key_id)
-        if prk is None:
-            raise ConfigError(f"key id {key_id!r:.80} is not in this keyring (it holds {', '.join(self.ids)})")
+    def seal(self, data: Buffer, chunk_key: bytes, codec: str, tenant: str = "") -> bytearray:
+        """``data`` (stored bytes under ``codec``) sealed for ``chunk_key``: with the key whose id is ``tenant`` (the
+        chunk's tenant: pool/tenants.py) when the keyring has one, else the current key."""
+        key_id = tenant if tenant in self._prks else self.current
+        prk = self._prks[key_id]
         plain = memoryview(data).cast("B")
         if plain.nbytes > MAX_PLAINTEXT:
             raise ConfigError(
@@ -185,8 +185,7 @@ def _head(key_id: str) -> bytes:
 
 
 def _associated(head: bytes, chunk_key: bytes, codec: str) -> bytes:
-    if not isinstance(chunk_key, bytes) or not 0 < len(chunk_key) < 256:
-        raise ConfigError(f"chunk_key must be 1-255 bytes, got {chunk_key!r:.60}")
+    check_key(chunk_key, "chunk_key")
     return head + bytes((len(chunk_key),)) + chunk_key + codec.encode("ascii")
 
 
@@ -196,12 +195,11 @@ def _cipher(prk: bytes, chunk_key: bytes) -> AESGCM:
 
 
 def seal(data: Buffer, chunk_key: bytes, codec: str, keys: "Keyring | None", tenant: str = "") -> tuple[Buffer, str]:
-    """``data`` under ``codec`` sealed, and its stored codec name (``ConfigError`` without keys): with the key whose
-    id is ``tenant`` (the chunk's tenant: pool/tenants.py) when the keyring has one, else the current key."""
+    """``data`` under ``codec`` sealed (see :meth:`Keyring.seal`), and its stored codec name; ``ConfigError``
+    without keys."""
     if keys is None:
         raise ConfigError("sealing needs a keyring: set the tier's encryption (key_file or key_env)")
-    own = tenant if tenant and tenant in keys.ids else None
-    return keys.seal(data, chunk_key, codec, own), sealed_name(codec)
+    return keys.seal(data, chunk_key, codec, tenant), sealed_name(codec)
 
 
 def unseal(data: Buffer, codec: str, chunk_key: bytes, keys: "Keyring | None") -> tuple[Buffer, str]:
@@ -308,10 +306,6 @@ class EncryptionConfig(Config, frozen=True):
             raise ConfigError("encryption: give key_file or key_env, not both")
         if self.key_id and not self.enabled:
             raise ConfigError("encryption.key_id is set but no keys are: set key_file (or key_env) too")
-        if self.key_file and not os.path.isfile(self.key_file):
-            raise ConfigError(
-                f"encryption.key_file {self.key_file!r}: no such file; make one with kvpool keys new {self.key_file}"
-            )
         self.keyring()  # everything about the keys is checked now, in the process that made the config
 
     @property
@@ -329,8 +323,8 @@ class EncryptionConfig(Config, frozen=True):
                 st = os.stat(self.key_file)
             except OSError:
                 raise ConfigError(
-                    f"encryption.key_file {self.key_file!r} is not there in this process (host {os.uname().nodename}):"
-                    " every node and client needs the key file at the same path"
+                    f"encryption.key_file {self.key_file!r}: no such file on host {os.uname().nodename}; make one "
+                    f"with kvpool keys new {self.key_file}, and copy it to the same path on every node and client"
                 ) from None
             stamp = (st.st_mtime_ns, st.st_size)
         env_text = os.environ.get(self.key_env) if self.key_env else None

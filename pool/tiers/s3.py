@@ -97,7 +97,9 @@ class RemoteStore:
     @checked
     def __init__(self, config: RemoteConfig, cluster: Name, *, max_connections: Positive = 32) -> None:
         if not config.enabled:
-            raise ConfigError("bucket is empty, so the remote tier is off: set RemoteConfig.bucket to use it")
+            raise ConfigError(
+                "bucket is empty, so the remote tier is off: set RemoteConfig.bucket (a pool's: remote.bucket) to use it"
+            )
         self.config = config
         self.cluster = cluster
         self.bucket = config.bucket

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvpool.core.config import Fraction, Positive, checked
 from kvpool.errors import ConfigError
 from kvpool.pool.tenants import Scope
 from kvpool.prefill_decode.reference.connector import PoolConnector
@@ -67,19 +68,19 @@ def cache_bytes(cache: DynamicCache) -> int:
 
 
 class DeviceTier:
+    @checked
     def __init__(
         self,
         connector: PoolConnector,
-        budget_bytes: int,
+        budget_bytes: Positive,
         *,
         device: str | torch.device = "cpu",
-        offload_at: float = 0.85,
-        drop_at: float = 0.95,
+        offload_at: Fraction = 0.85,
+        drop_at: Fraction = 0.95,
     ) -> None:
-        if not isinstance(budget_bytes, int) or budget_bytes <= 0:
-            raise ConfigError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
-        if not 0 < offload_at < drop_at <= 1:
-            raise ConfigError(f"need 0 < offload_at < drop_at <= 1, got {offload_at} and {drop_at}")
+        """``offload_at`` and ``drop_at``: the shares of ``budget_bytes`` held at which it offloads, and drops."""
+        if offload_at >= drop_at:
+            raise ConfigError(f"offload_at must be below drop_at ({drop_at}), got {offload_at}")
         self.connector = connector
         self.budget = budget_bytes
         self.device = torch.device(device)

@@ -11,9 +11,9 @@ chunks of a prefix, laid end to end, *are* the cache:
   while the model computes the group before;
 - ``auto`` (the default): ``groups-of-G`` with the most layers per object that keep an object within
   :data:`AUTO_OBJECT_BYTES` and leave at least two groups to pipeline (``per-layer`` when one layer is already that
-  big).  Measured on this project's CPU runs (docs/prefill_decode.md): 512 KiB objects gave the fastest warm
-  request, 79x below cold at 4k tokens where per-layer (128 KiB) gave 58x and all-layers (1 MiB, nothing to
-  pipeline) 45x.  The layout a cache uses is resolved once, so ``auto`` never appears in a cache identity.
+  big).  On this project's CPU runs 512 KiB objects gave the fastest warm request, faster than per-layer
+  (128 KiB) and all-layers (1 MiB, nothing to pipeline): docs/figures.md, row ttft-layouts.  The layout a cache
+  uses is resolved once, so ``auto`` never appears in a cache identity.
 
 A :class:`KVBuffer` is one host tensor for a whole prefix, ``[L/G, N, G, 2, H, D]`` (``G`` layers per object:
 ``[N, L, 2, H, D]`` for all-layers, ``[L, N, 2, H, D]`` for per-layer).
@@ -25,13 +25,15 @@ new token is appended to each layer.
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
+from msgspec import Meta
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvpool.core.config import Positive, checked
 from kvpool.core.keys import DEFAULT_CHUNK_SIZE, CacheIdentity, chunk_keys, layer_key
 from kvpool.errors import ConfigError
 from kvpool.pool.tenants import Scope
@@ -62,26 +64,20 @@ def layers_per_object(layout: str, layers: int) -> int:
     return int(group)
 
 
+@checked
 @dataclass(frozen=True)
 class KVLayout:
-    """The shape of one model's KV cache in the pool."""
+    """The shape of one model's KV cache in the pool; its fields are checked when it is made."""
 
-    layers: int
-    kv_heads: int
-    head_dim: int
+    layers: Positive
+    kv_heads: Positive
+    head_dim: Positive
     dtype: torch.dtype
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    layout: str = "auto"  #: resolved to a concrete layout when made
+    chunk_size: Positive = DEFAULT_CHUNK_SIZE
+    #: resolved to a concrete layout when made
+    layout: Annotated[str, Meta(description=f"one of {', '.join(LAYOUTS)}")] = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("layers", "kv_heads", "head_dim", "chunk_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"KVLayout.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.layout, str):
-            raise ConfigError(f"KVLayout.layout must be a string such as per-layer, got {self.layout!r:.40}")
-        if not isinstance(self.dtype, torch.dtype):
-            raise ConfigError(f"KVLayout.dtype must be a torch.dtype, got {self.dtype!r}")
         if self.layout == "auto":
             per_layer = self.chunk_size * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
             object.__setattr__(self, "layout", auto_layout(self.layers, per_layer))

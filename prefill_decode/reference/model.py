@@ -35,6 +35,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from kvpool.core.keys import token_array
 from kvpool.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -223,19 +224,35 @@ def _quiet_progress() -> Iterator[None]:
 MODELS: dict[str, Callable[..., LoadedModel]] = {"tiny-llama": tiny_llama, "smollm2-135m": smollm2}
 
 
-def load_tokenizer(name: str) -> PreTrainedTokenizerBase | None:
-    """The tokenizer of the model called ``name``, without its weights; None for random-weight models."""
+def _loader(name: str) -> Callable[..., LoadedModel]:
     if name not in MODELS:
         raise ConfigError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
-    if name != "smollm2-135m":
+    return MODELS[name]
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase | None:
+    """The tokenizer of the model called ``name``, without its weights; None for random-weight models."""
+    if _loader(name) is not smollm2:
         return None
     tokenizer = AutoTokenizer.from_pretrained(converted_smollm2(), local_files_only=True)
     _check_tokenizer(tokenizer)
     return tokenizer
 
 
+def tokenize(tokenizer: Any, model: str, prompt: str | list[int], *, chat: bool = False) -> list[int]:
+    """A prompt's token ids: a list of ids as it is (checked), text through ``tokenizer`` (``chat``: as a user's
+    message in the model's chat template); a model without a tokenizer takes token ids only."""
+    if isinstance(prompt, list):
+        return [int(t) for t in token_array(prompt, "prompt")]
+    if tokenizer is None:
+        raise ConfigError(f"model {model} has no tokenizer: give the prompt as token ids")
+    if chat:
+        messages = [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(prompt))
+
+
 def load_model(name: str, **kw: Any) -> LoadedModel:
     """The model called ``name`` (a key of :data:`MODELS`), built with ``kw``."""
-    if name not in MODELS:
-        raise ConfigError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
-    return MODELS[name](**kw)
+    return _loader(name)(**kw)

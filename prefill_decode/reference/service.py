@@ -16,36 +16,23 @@ from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import ray
 from aiohttp import web
+from msgspec import Meta
 
-from kvpool.core.keys import token_array
+from kvpool.core.config import Positive, checked, validated
+from kvpool.core.keys import TokenId
 from kvpool.errors import ConfigError, KvPoolError, TenantRefused, WorkerUnavailable
 from kvpool.pool.tenants import Scope, Tenants
+from kvpool.prefill_decode.reference.model import tokenize
 from kvpool.prefill_decode.reference.workers import DecodeResult, PrefillResult
-from kvpool.prefill_decode.routing.router import LaneRouter, Policy, Quote
+from kvpool.prefill_decode.routing.router import LaneRouter, Policy, Quote, one_identity
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.Response]]
-
-
-def tokenize(tokenizer: Any, model: str, prompt: str | list[int], *, chat: bool = False) -> list[int]:
-    """A prompt's token ids: a list of ids as it is (checked), text through ``tokenizer`` (``chat``: as a user's
-    message in the model's chat template); a model without a tokenizer takes token ids only."""
-    if isinstance(prompt, list):
-        try:
-            return [int(t) for t in token_array(prompt, "prompt")]
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-    if tokenizer is None:
-        raise ConfigError(f"model {model} has no tokenizer: send the prompt as a list of token ids")
-    if chat:
-        messages = [{"role": "user", "content": prompt}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    return list(tokenizer.encode(prompt))
 
 
 @dataclass(frozen=True)
@@ -69,28 +56,34 @@ class Lane:
     decode: Any
 
 
+_LANES = "a Lane(prefill, decode), or a list of at least one"
+
+
+def untenanted(api_key: str | None, namespace: str, hint: str = "") -> None:
+    """A request to a front that serves no tenants must name none (``hint``: where tenants are served)."""
+    if api_key or namespace:
+        raise ConfigError(f"this front serves no tenants: send no API key or cache_namespace{hint}")
+
+
 class Service:
     """One or more lanes; with several, ``router`` (over the same lanes, in the same order) picks each request's."""
 
+    @checked
     def __init__(
         self,
-        lanes: Lane | Sequence[Lane],
+        lanes: Annotated[Lane | Annotated[Sequence[Lane], Meta(min_length=1)], Meta(description=_LANES)],
         *,
         model: str,
         tokenizer: Any = None,
         eos: int | None = None,
         router: LaneRouter | None = None,
-        tenants: Tenants | None = None,
+        tenants: Annotated[Tenants | None, Meta(description="a Tenants (Tenants.load(path)) or None")] = None,
     ) -> None:
         self.lanes = [lanes] if isinstance(lanes, Lane) else list(lanes)
-        if not self.lanes or not all(isinstance(lane, Lane) for lane in self.lanes):
-            raise ConfigError("a Service needs at least one Lane(prefill, decode)")
         if router is None and len(self.lanes) > 1:
             raise ConfigError(f"{len(self.lanes)} lanes need a LaneRouter to choose between them")
-        if router is not None and len(router.nodes) != len(self.lanes):
-            raise ConfigError(f"the router knows {len(router.nodes)} lanes, the service has {len(self.lanes)}")
-        if tenants is not None and not isinstance(tenants, Tenants):
-            raise ConfigError(f"tenants must be a Tenants (Tenants.load(path)), got {type(tenants).__name__}")
+        if router is not None:
+            router.serves(len(self.lanes))
         self.router = router
         self.tenants = tenants  #: when set, every request is a tenant's (its API key), keyed in the tenant's chain
         self.model = model
@@ -111,19 +104,15 @@ class Service:
         """The scope of a request that came with ``api_key`` (None: no tenants here) and asked for the shared
         ``namespace`` (""), or ``TenantRefused``: with tenants, a request without a tenant's key is refused."""
         if self.tenants is None:
-            if api_key or namespace:
-                raise ConfigError(
-                    "this front serves no tenants: send no API key or cache_namespace (or start it with --tenants)"
-                )
+            untenanted(api_key, namespace, " (or start it with --tenants)")
             return None
         return self.tenants.scope(self.tenants.by_api_key(api_key or ""), namespace)
 
     async def complete(self, tokens: list[int], max_tokens: int, scope: Scope | None = None) -> Completion:
-        """``scope``: whose chain the prompt's chunks are keyed in (:meth:`scope`); None: the identity's own."""
-        if not tokens:
-            raise ConfigError("the prompt is empty")
-        if max_tokens < 1:
-            raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
+        """``scope``: whose chain the prompt's chunks are keyed in (:meth:`scope`); None: the identity's own.  The
+        prefill worker checks the prompt (:meth:`~kvpool.prefill_decode.reference.runner.ModelRunner.prompt`): not
+        @checked here, which would convert every token id once more on the front's event loop."""
+        validated(Positive, max_tokens, "max_tokens")
         t0 = time.perf_counter()
         quote = self.router.pick(tokens, scope) if self.router is not None else None
         lane = self.lanes[quote.lane if quote is not None else 0]
@@ -157,10 +146,8 @@ def lane_router(lanes: Sequence[Lane], replicas: Any, policy: "Policy | str" = P
     with ``replicas`` (a :class:`~kvpool.metadata.cache.MetadataCache`'s ``replicas``).  Every lane must name
     chunks alike (one cache identity and layout), or the router could not predict their hits."""
     infos = ray.get([lane.prefill.routing.remote() for lane in lanes])
+    one_identity([(layout, identity) for _, layout, identity, _ in infos])
     _, layout, identity, _ = infos[0]
-    for i, (_, other_layout, other, _) in enumerate(infos):
-        if (other_layout, other) != (layout, identity):
-            raise ConfigError(f"lane {i} caches under another identity or layout than lane 0: start every lane alike")
     return LaneRouter(
         [node for node, *_ in infos],
         [cost for *_, cost in infos],
@@ -208,43 +195,47 @@ def _completion(service: Service, tokens: list[int], done: Completion) -> dict[s
     }
 
 
-async def completion_request(request: web.Request) -> tuple[str | list[int], int, str, bool]:
-    """A ``/v1/completions`` body's ``prompt``, ``max_tokens``, ``cache_namespace`` and ``chat``, or a
-    ``ConfigError`` saying what is wrong (the front answers it with a 400)."""
+class CompletionRequest(msgspec.Struct, frozen=True):
+    """What kvpool reads of a ``/v1/completions`` body; the other fields an OpenAI client sends (``model``,
+    ``temperature``...) are not refused, and not used."""
+
+    prompt: Annotated[
+        Annotated[str, Meta(min_length=1)] | Annotated[list[TokenId], Meta(min_length=1)],
+        Meta(description="a string or a list of token ids, not empty"),
+    ]
+    max_tokens: Annotated[int, Meta(ge=1, le=4096, description="an int in [1, 4096]")] = 16
+    #: a shared namespace of the tenants file; "": the tenant's own
+    cache_namespace: Annotated[str, Meta(description="a shared namespace of the tenants file")] = ""
+    chat: bool = False  #: the prompt is a user's message, put in the model's chat template
+
+
+async def completion_request(request: web.Request) -> CompletionRequest:
+    """A ``/v1/completions`` body, or a ``ConfigError`` naming the field that is wrong (the front answers it with
+    a 400)."""
     try:
         body = await request.json()
     except ValueError:
         raise ConfigError("the body must be JSON") from None
-    if not isinstance(body, dict):
-        raise ConfigError("the body must be a JSON object")
-    prompt, max_tokens = body.get("prompt"), body.get("max_tokens", 16)
-    if not isinstance(prompt, (str, list)):
-        raise ConfigError("prompt must be a string or a list of token ids")
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= 4096:
-        raise ConfigError("max_tokens must be an int in [1, 4096]")
-    namespace = body.get("cache_namespace", "")
-    if not isinstance(namespace, str):
-        raise ConfigError("cache_namespace must be a string (a shared namespace of the tenants file)")
-    return prompt, max_tokens, namespace, bool(body.get("chat", False))
+    return validated(CompletionRequest, body, "the /v1/completions body")
 
 
 def make_app(service: Service) -> web.Application:
     async def completions(request: web.Request) -> web.Response:
         try:
-            prompt, max_tokens, namespace, chat = await completion_request(request)
+            body = await completion_request(request)
         except ConfigError as exc:
             return error_response(400, str(exc), "invalid_request_error")
         key = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         try:
-            scope = service.scope(key or None, namespace)
+            scope = service.scope(key or None, body.cache_namespace)
         except TenantRefused as exc:  # 401: no tenant's key; 403: a tenant's, asking for what it may not use
             known = service.tenants is not None and service.tenants.knows(key)
             return error_response(403 if known else 401, str(exc), "authentication_error")
         except ConfigError as exc:
             return error_response(400, str(exc), "invalid_request_error")
         try:
-            tokens = service.tokenize(prompt, chat=chat)
-            done = await service.complete(tokens, max_tokens, scope)
+            tokens = service.tokenize(body.prompt, chat=body.chat)
+            done = await service.complete(tokens, body.max_tokens, scope)
         except ConfigError as exc:
             return error_response(400, str(exc), "invalid_request_error")
         except KvPoolError as exc:

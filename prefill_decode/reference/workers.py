@@ -20,8 +20,8 @@ from msgspec import Meta
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvpool.core.config import Config, NonNegative, Positive
-from kvpool.core.keys import DEFAULT_CHUNK_SIZE, CacheIdentity, token_array
-from kvpool.errors import ConfigError, PoolFull
+from kvpool.core.keys import DEFAULT_CHUNK_SIZE, CacheIdentity
+from kvpool.errors import PoolFull
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.tenants import Scope
 from kvpool.prefill_decode.reference.calibrate import measure_hardware, spec_of
@@ -125,22 +125,6 @@ class Worker:
         self.router = Router(self.connector, CostModel(spec_of(self.loaded), hardware, attention=True))
         self.runner = ModelRunner(self.loaded, self.connector)
 
-    def _check(self, tokens: Sequence[int], more: int = 0) -> None:
-        """A prompt this model can take: ids in its vocabulary, and room for ``more`` tokens after it."""
-        cfg = self.loaded.model.config
-        arr = token_array(tokens)
-        if not arr.size:
-            raise ConfigError("the prompt is empty: give at least one token")
-        if int(arr.max()) >= cfg.vocab_size:
-            raise ConfigError(
-                f"token id {int(arr.max())} is outside {self.loaded.name}'s vocabulary of {cfg.vocab_size}"
-            )
-        limit = getattr(cfg, "max_position_embeddings", None)
-        if limit is not None and arr.size + more > limit:
-            raise ConfigError(
-                f"{arr.size} prompt tokens + {more} new ones exceed {self.loaded.name}'s {limit} positions: shorten the prompt"
-            )
-
     def _prefill(self, tokens: Sequence[int], scope: Scope | None) -> tuple[Route, Prefilled]:
         route = self.router.route(tokens, scope)
         return route, self.runner.prefill(tokens, route.keys, route.reuse_chunks)
@@ -167,7 +151,7 @@ class PrefillWorker(Worker):
     def prefill(self, tokens: Sequence[int], scope: Scope | None = None) -> PrefillResult:
         """``scope``: whose chain the prompt's chunks are keyed in (a tenant's: :mod:`kvpool.pool.tenants`)."""
         t0 = time.perf_counter()
-        self._check(tokens, 1)
+        self.runner.prompt(tokens, 1)
         route, pre = self._prefill(tokens, scope)
         first = pre.first_token
         ttft = time.perf_counter() - t0
@@ -205,7 +189,7 @@ class DecodeWorker(Worker):
     ) -> DecodeResult:
         """Continue ``tokens`` from ``first_token``: reload the prompt's KV (once this worker's placement
         cache has reached ``revision``, where the prefill worker's chunks are visible), then decode."""
-        self._check(tokens, max_new_tokens)
+        self.runner.prompt(tokens, max_new_tokens)
         self.client.cache.wait_until(lambda c: c.revision >= revision, timeout_s=10)
         route, pre = self._prefill(tokens, scope)
         t0 = time.perf_counter()

@@ -14,12 +14,12 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
-from kvpool.core.config import Config, Positive
+from kvpool.core.config import Config, Positive, validated
 from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
 
@@ -30,6 +30,7 @@ PATHS: tuple[str, ...] = (*TIERS, "peer")
 _Path = Annotated[str, Meta(pattern=rf"^({'|'.join(PATHS)})\Z")]
 _BANDWIDTH = f"a map of tier names ({', '.join(PATHS)}) to bytes/s, finite numbers > 0"
 _PositiveFinite = Annotated[float, Meta(gt=0, le=sys.float_info.max, description="a finite number > 0")]
+KvDtypeBytes = Annotated[Literal[1, 2, 4], Meta(description="1, 2 or 4 (bytes per KV element)")]
 _NonNegativeFinite = Annotated[float, Meta(ge=0, le=sys.float_info.max, description="a finite number >= 0")]
 
 
@@ -56,11 +57,9 @@ class ModelSpec(Config, frozen=True):
     kv_heads: Positive  #: key/value heads (the KV size scales with these; fewer than ``heads`` under GQA)
     head_dim: Positive
     #: bytes per KV element: 2 for bf16/fp16, 4 for fp32, 1 for fp8
-    kv_dtype_bytes: int
+    kv_dtype_bytes: KvDtypeBytes
 
     def check(self) -> None:
-        if self.kv_dtype_bytes not in (1, 2, 4):
-            raise ConfigError(f"ModelSpec.kv_dtype_bytes must be 1, 2 or 4, got {self.kv_dtype_bytes!r}")
         if self.heads % self.kv_heads:
             raise ConfigError(
                 f"ModelSpec.kv_heads must divide heads ({self.heads}), got {self.kv_heads} for {self.name!r}"
@@ -76,7 +75,7 @@ class ModelSpec(Config, frozen=True):
         """The shape from a transformers config (read by attribute; transformers is not imported here).
 
         ``num_key_value_heads`` missing or None means no GQA; ``head_dim`` missing or None means
-        ``hidden_size // num_attention_heads``.
+        ``hidden_size // num_attention_heads``.  The values read are checked as any ``ModelSpec``'s.
         """
 
         def read(attr: str) -> Any:
@@ -96,15 +95,9 @@ class ModelSpec(Config, frozen=True):
                     f"num_attention_heads {heads!r}, and there is no head_dim"
                 )
             head_dim = hidden // heads
-        return cls(
-            name=name,
-            params=params,
-            layers=read("num_hidden_layers"),
-            heads=heads,
-            kv_heads=kv_heads,
-            head_dim=head_dim,
-            kv_dtype_bytes=kv_dtype_bytes,
-        )
+        shape = {"layers": read("num_hidden_layers"), "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+        spec = {"name": name, "params": params, **shape, "kv_dtype_bytes": kv_dtype_bytes}
+        return validated(cls, spec, f"model config of {name!r}")
 
 
 KNOWN_MODELS: dict[str, ModelSpec] = {
@@ -163,7 +156,8 @@ class Hardware(Config, frozen=True):
         )  # every other measured figure (latency, forward step) kept
 
 
-#: The figures of the design's reference analysis: 400 TFLOPS, DRAM 64 GB/s, NVMe 14 GB/s, S3 2 GB/s.
+#: The design's reference analysis: stated inputs (400 TFLOPS, DRAM 64 GB/s, NVMe 14 GB/s, S3 2 GB/s), not
+#: measured here; ``kvpool plan --measure`` and the workers measure this cluster's own.
 REFERENCE_HARDWARE = Hardware(400e12, {"dram": 64e9, "nvme": 14e9, "remote": 2e9}, "reference analysis")
 
 

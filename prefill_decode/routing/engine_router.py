@@ -16,11 +16,12 @@ that index, ``block_size`` tokens at a time.
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import zmq
 
+from kvpool.core.config import checked
 from kvpool.core.types import Placement
 from kvpool.errors import ConfigError
 from kvpool.metadata.zmq_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -99,15 +100,22 @@ class BlockIndex:
         return held
 
 
+_Topics = Annotated[
+    Sequence[Annotated[str, msgspec.Meta(min_length=1, description="a topic: a non-empty string")]],
+    msgspec.Meta(min_length=1, description="a list of topics, one per engine"),
+]
+
+
 class EngineEvents:
     """A SUB socket bound at ``endpoint`` (``tcp://HOST:*``: a free port, then :attr:`endpoint` says which) that vLLM
     engines publish their KV events to, one :class:`BlockIndex` per engine, told apart by topic.  A gap in an engine's sequence numbers (events dropped at a high-water mark)
     clears its index: the router then under-predicts that engine's hits until the engine stores again, rather
     than sending requests to blocks it may have freed."""
 
-    def __init__(self, endpoint: str, topics: Sequence[str]) -> None:
-        if not topics or len(set(topics)) != len(topics) or not all(isinstance(t, str) and t for t in topics):
-            raise ConfigError(f"engine topics must be distinct non-empty strings, got {list(topics)!r:.120}")
+    @checked
+    def __init__(self, endpoint: str, topics: _Topics) -> None:
+        if len(set(topics)) != len(topics):
+            raise ConfigError(f"engine topics must be distinct, got {list(topics)!r:.120}")
         self.indexes = {t: BlockIndex() for t in topics}
         self.events = 0  #: applied, in all
         self.gaps = 0  #: sequence gaps seen (each cleared an index)

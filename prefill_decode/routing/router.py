@@ -15,8 +15,11 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
+from msgspec import Meta
+
+from kvpool.core.config import validated
 from kvpool.core.keys import token_array
 from kvpool.core.types import Placement, Tier, nearest
 from kvpool.errors import ConfigError
@@ -111,15 +114,12 @@ class Policy(enum.Enum):
     ROUND_ROBIN = "round-robin"  #: each lane in turn
 
     @classmethod
-    def of(cls, name: "str | Policy") -> "Policy":
-        if isinstance(name, Policy):
-            return name
-        try:
-            return cls(name)
-        except ValueError:
-            raise ConfigError(
-                f"routing policy must be one of {', '.join(p.value for p in cls)}, got {name!r:.40}"
-            ) from None
+    def of(cls, name: "str | Policy", where: str = "routing policy") -> "Policy":
+        """The policy called ``name``; ``ConfigError`` naming ``where`` (an option: ``--route``) otherwise."""
+        return validated(_Policy, name, where)
+
+
+_Policy = Annotated[Policy, Meta(description=f"one of {', '.join(p.value for p in Policy)}")]
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,15 @@ def choose(policy: Policy, quotes: Sequence[Quote], turn: int) -> Quote:
     return min(quotes, key=lambda q: (q.ttft_s, q.queued, after[q.lane]))
 
 
+def one_identity(identities: Sequence[Any], lane: str = "lane") -> None:
+    """Every lane names chunks alike (one cache identity and layout), or a router could not predict their hits."""
+    for i, other in enumerate(identities):
+        if other != identities[0]:
+            raise ConfigError(
+                f"{lane} {i} caches under another identity or layout than {lane} 0: start every {lane} alike"
+            )
+
+
 class LaneRouter:
     """Sends each request to a lane by ``policy`` and keeps every lane's queue.
 
@@ -186,6 +195,11 @@ class LaneRouter:
         self._turn = 0
         self._lock = threading.Lock()
         self.counts: Counter[str] = Counter()
+
+    def serves(self, lanes: int, front: str = "the service", lane: str = "lanes") -> None:
+        """That this router routes over ``front``'s ``lanes`` lanes (the same ones, in the same order)."""
+        if len(self.nodes) != lanes:
+            raise ConfigError(f"the router knows {len(self.nodes)} {lane}, {front} has {lanes}: build it over the same")
 
     def quotes(self, tokens: Sequence[int], scope: Scope | None = None) -> list[Quote]:
         """Every lane's prediction for ``tokens`` (keyed in ``scope``: a tenant's chain), as things stand."""

@@ -2,17 +2,20 @@
 the whole ``--kv-transfer-config`` (:func:`kv_transfer_config`).  No vLLM import here: ``kvpool vllm-config`` runs
 where vLLM is not installed, e.g. on the pool's head node."""
 
+import typing
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
-from kvpool.core.config import Positive
+from kvpool.core.config import Positive, validated
 from kvpool.core.keys import DEFAULT_CHUNK_SIZE
-from kvpool.errors import ConfigError
 from kvpool.prefill_decode.connector_core.settings import PoolSettings
 
-ROLES = ("kv_both", "kv_producer", "kv_consumer")
+#: vLLM's kv_role: an engine that saves and loads, one that saves (prefill) or one that loads (decode)
+Role = Literal["kv_both", "kv_producer", "kv_consumer"]
+ROLES: tuple[str, ...] = typing.get_args(Role)
+_Role = Annotated[Role, Meta(description=f"one of {', '.join(ROLES)}")]
 CONNECTOR = "KvPoolConnector"
 MODULE = "kvpool.prefill_decode.vllm_connector"
 _WHERE = "kv_connector_extra_config"
@@ -36,11 +39,15 @@ class ConnectorConfig(PoolSettings, frozen=True):
         return config
 
 
+def kv_role(role: Any, where: str = "kv_role") -> Role:
+    """``role`` if it is one of :data:`ROLES`; ``ConfigError`` naming ``where`` otherwise."""
+    return validated(_Role, role, where)
+
+
 def kv_transfer_config(config: ConnectorConfig, role: str = "kv_both") -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for an engine using the pool of ``config`` in ``role``; only the settings
     that differ from the defaults are written out."""
-    if role not in ROLES:
-        raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    kv_role(role, "role")
     defaults = ConnectorConfig()
     extra = {
         k: list(v) if isinstance(v, tuple) else v

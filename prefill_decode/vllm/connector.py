@@ -36,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvpool.core.keys import CacheIdentity
 from kvpool.errors import ConfigError
-from kvpool.prefill_decode.vllm.config import ROLES, ConnectorConfig
+from kvpool.prefill_decode.vllm.config import ConnectorConfig, kv_role
 from kvpool.prefill_decode.vllm.scheduler import KvPoolMetadata, SchedulerSide, Transfer
 from kvpool.prefill_decode.vllm.worker import WorkerSide
 
@@ -86,12 +86,9 @@ class KvPoolConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config or {})
-        if transfer.kv_role not in ROLES:
-            raise ConfigError(
-                f"kv_role must be one of {', '.join(ROLES)} for KvPoolConnector, got {transfer.kv_role!r}"
-            )
-        self.loads_kv = transfer.kv_role in ("kv_both", "kv_consumer")
-        self.saves_kv = transfer.kv_role in ("kv_both", "kv_producer")
+        role = kv_role(transfer.kv_role)
+        self.loads_kv = role in ("kv_both", "kv_consumer")
+        self.saves_kv = role in ("kv_both", "kv_producer")
         if self.config.load_failure == "recompute":
             transfer.kv_load_failure_policy = "recompute"  # a chunk the pool cannot deliver is a miss, not an error
         block_size = vllm_config.cache_config.block_size

@@ -28,7 +28,7 @@ from kvpool.errors import ConfigError, KvPoolError, WorkerUnavailable
 from kvpool.pool.tenants import Scope
 from kvpool.prefill_decode.routing.cost import CostModel, Hardware, ModelSpec
 from kvpool.prefill_decode.routing.engine_router import EngineEvents, EngineRouter
-from kvpool.prefill_decode.routing.router import Policy, Quote
+from kvpool.prefill_decode.routing.router import Policy, Quote, one_identity
 from kvpool.prefill_decode.vllm.engine import EngineProcess
 
 if TYPE_CHECKING:
@@ -143,8 +143,7 @@ class EngineFront:
     batching is not used, so the router's queue is the engine's), any number of callers at once."""
 
     def __init__(self, lanes: Sequence[EngineLane], events: EngineEvents, router: EngineRouter) -> None:
-        if len(router.nodes) != len(lanes):
-            raise ConfigError(f"the router knows {len(router.nodes)} engines, the front has {len(lanes)}")
+        router.serves(len(lanes), "the front", "engines")
         self.lanes, self.events, self.router = list(lanes), events, router
         self._locks = [threading.Lock() for _ in lanes]
 
@@ -161,10 +160,8 @@ class EngineFront:
         """A front over ``lanes`` whose router reads placements with ``replicas`` (a watch cache's); every engine
         must cache under one identity, or the router could not predict their hits."""
         states = [lane.engine.ask(connector=True) for lane in lanes]
+        one_identity([(state["identity"], state["layers"]) for state in states], "engine")
         identity, layers = states[0]["identity"], states[0]["layers"]
-        for i, state in enumerate(states):
-            if (state["identity"], state["layers"]) != (identity, layers):
-                raise ConfigError(f"engine {i} caches under another identity than engine 0: start every engine alike")
         topics = [lane.topic for lane in lanes]
 
         def local(lane: int, tokens: Sequence[int], scope: Scope | None) -> int:
@@ -231,19 +228,17 @@ def make_engine_app(front: EngineFront, model: str, tokenizer: Any = None, vocab
     above it are refused before they reach an engine.  Tenants are not served here (see docs/routing.md)."""
     from aiohttp import web
 
-    from kvpool.prefill_decode.reference.service import completion_request, error_response, front_app, tokenize
+    from kvpool.prefill_decode.reference.model import tokenize
+    from kvpool.prefill_decode.reference.runner import prompt_array
+    from kvpool.prefill_decode.reference.service import completion_request, error_response, front_app, untenanted
 
     async def completions(request: web.Request) -> web.Response:
         try:
-            prompt, max_tokens, namespace, chat = await completion_request(request)
-            if namespace or request.headers.get("Authorization"):
-                raise ConfigError("this front over vLLM engines serves no tenants: send no API key or cache_namespace")
-            tokens = tokenize(tokenizer, model, prompt, chat=chat)
-            if not tokens:
-                raise ConfigError("the prompt is empty")
-            if vocab and max(tokens) >= vocab:
-                raise ConfigError(f"token ids must be below the model's vocabulary size {vocab}, got {max(tokens)}")
-            done = await asyncio.to_thread(front.complete, tokens, max_tokens)
+            body = await completion_request(request)
+            untenanted(request.headers.get("Authorization"), body.cache_namespace, " (the workers' front serves them)")
+            tokens = tokenize(tokenizer, model, body.prompt, chat=body.chat)
+            prompt_array(tokens, vocab=vocab, model=model)
+            done = await asyncio.to_thread(front.complete, tokens, body.max_tokens)
         except ConfigError as exc:
             return error_response(400, str(exc), "invalid_request_error")
         except KvPoolError as exc:

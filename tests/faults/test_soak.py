@@ -2,7 +2,10 @@
 to NVMe and back), with bytes flipped in DRAM now and then.  Every get returns the bytes put or a miss; each
 process's memory, open files and transport registrations stay flat after warm-up.
 
-``pytest tests/faults/test_soak.py --soak-s 600 -s`` runs it longer (default 60 s of traffic).
+The suite's run is 20 s of traffic (``--soak-s``): long enough for every tier to fill and chunks to be evicted and
+moved many times over, for flipped bytes to be read, and for a leak per operation (of a chunk's buffer, an open file,
+a transport registration) to show against the slack below; a slow leak needs a longer run:
+``pytest tests/faults/test_soak.py --soak-s 600 -s``.
 """
 
 import os

@@ -82,7 +82,8 @@ def test_field_default_refuses_what_is_not_there() -> None:
         (["up", "--tenants", "/nonexistent/tenants.toml"], "tenants file '/nonexistent/tenants.toml' cannot be read"),
         (["up", "--engine", "sglang", "--serve", "0"], "--engine must be workers or vllm, got 'sglang'"),
         (["up", "--engine", "vllm"], "--engine vllm serves over vLLM engines: give --serve PORT"),
-        (["up", "--ray-auth", "off"], "--ray-auth must be token or disabled, got 'off'"),
+        (["up", "--ray-auth", "off"], "--ray-auth must be token or disabled, got str 'off'"),
+        (["up", "--route", "fastest"], "--route must be one of cache-aware, least-loaded, round-robin"),
         (["tenants", "check", "/nonexistent/t.toml"], "cannot be read"),
         (
             ["join", "--ray-address", "127.0.0.2:6379", "--etcd", "127.0.0.1:2379", "--nvme-dir", "/proc/kvpool"],

@@ -78,8 +78,10 @@ def test_a_gap_in_an_engines_sequence_clears_its_index_and_only_its() -> None:
 
 
 def test_bad_engine_event_endpoints_and_topics_are_config_errors() -> None:
-    with pytest.raises(ConfigError, match="distinct non-empty"):
+    with pytest.raises(ConfigError, match="distinct"):
         EngineEvents("tcp://127.0.0.2:*", ["e0", "e0"])
+    with pytest.raises(ConfigError, match=r"`topics\[1\]` must be a topic: a non-empty string, got str ''"):
+        EngineEvents("tcp://127.0.0.2:*", ["e0", ""])
     with pytest.raises(ConfigError, match="cannot bind"):
         EngineEvents("nonsense://x", ["e0"])
     ctx = zmq.Context()

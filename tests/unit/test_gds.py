@@ -1,4 +1,4 @@
-"""The NVMe<->GPU path (pool/tiers/gds.py): its automatic choice and override, and DeviceIO on every path this host has.
+"""The NVMe<->GPU path (pool/gds.py): its automatic choice and override, and DeviceIO on every path this host has.
 
 Without a GPU the choice logic runs against fake kvikio modules of each API generation, and the posix path's
 pinned-bounce loop runs with CPU tensors routed through it; the CUDA tests run only where a GPU exists.
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from kvpool.errors import ConfigError
+from kvpool.pool import gds
+from kvpool.pool.gds import ENV, DeviceIO, IoPath, nvme_io_path
 from kvpool.pool.segment import ALIGN, NvmeSegment
-from kvpool.pool.tiers import gds
-from kvpool.pool.tiers.gds import ENV, DeviceIO, IoPath, nvme_io_path
 
 CAPACITY = 64 * ALIGN + 5  # the last block is partial, as in the pool
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -393,9 +393,9 @@ def test_bad_input_is_a_config_error_and_moves_nothing(nvme: NvmeSegment) -> Non
     cases: list[tuple[int, Any, str]] = [
         (1, torch.zeros(4), "not a multiple of 4096"),
         (ALIGN + 512, torch.zeros(4), "not a multiple of 4096"),
-        (-ALIGN, torch.zeros(4), "do not fit"),
-        (0, torch.zeros(nvme.capacity + 1, dtype=torch.uint8), "do not fit"),
-        (nvme.capacity // ALIGN * ALIGN, torch.zeros(6, dtype=torch.uint8), "do not fit"),
+        (-ALIGN, torch.zeros(4), "outside segment"),
+        (0, torch.zeros(nvme.capacity + 1, dtype=torch.uint8), "outside segment"),
+        (nvme.capacity // ALIGN * ALIGN, torch.zeros(6, dtype=torch.uint8), "outside segment"),
         (0, torch.zeros(4, 4).t(), "contiguous"),
         (0, torch.zeros(8)[::2], "contiguous"),
         (0, torch.zeros(4).to_sparse(), "contiguous"),

@@ -46,17 +46,17 @@ def put(store: ChunkStore, i: int) -> None:
 
 def test_a_move_in_steps_keeps_the_chunk_readable_and_the_books_whole(store: ChunkStore) -> None:
     put(store, 1)
-    move = store.begin_move(key(1), Tier.NVME)
+    move = store.moves.begin(store.held(key(1)), Tier.NVME)
     assert store.audit() == []  # the room it moves to belongs to the move
     with pytest.raises(ChunkBusy):
         store.remove(key(1))
     with pytest.raises(ChunkBusy):
-        store.begin_move(key(1), Tier.NVME)
+        store.moves.begin(store.held(key(1)), Tier.NVME)
     load(move, store.segments)
-    store.place(move)
+    store.moves.place(move)
     write(move, store.segments)
     assert store.read(key(1)) == data(1).tobytes()  # still served from DRAM until the move finishes
-    moved = store.finish_move(move)
+    moved = store.moves.finish(move)
     assert moved is not None and moved.tier is Tier.NVME
     assert store.read(key(1)) == data(1).tobytes() and store.audit() == []
     assert [c.kind for c in store.take_changes()] == [ChangeKind.ADDED, ChangeKind.MOVED]
@@ -64,12 +64,12 @@ def test_a_move_in_steps_keeps_the_chunk_readable_and_the_books_whole(store: Chu
 
 def test_a_reader_that_pins_the_chunk_meanwhile_calls_the_move_off(store: ChunkStore) -> None:
     put(store, 1)
-    move = store.begin_move(key(1), Tier.NVME)
+    move = store.moves.begin(store.held(key(1)), Tier.NVME)
     load(move, store.segments)
-    store.place(move)
+    store.moves.place(move)
     write(move, store.segments)
     reading = store.locate(key(1))  # a reader arrives before the finish
-    assert store.finish_move(move) == reading and reading.tier is Tier.DRAM
+    assert store.moves.finish(move) == reading and reading.tier is Tier.DRAM
     store.release(key(1))
     assert store.usage()[Tier.NVME][0] == 0 and store.audit() == []
     assert store.counters["migrations"] == 0
@@ -80,9 +80,9 @@ def test_a_chunk_dropped_as_corrupt_meanwhile_is_gone_and_its_new_room_given_bac
     [move] = store.moves.moves_to([key(1)], Tier.NVME)[0]
     store.remove(key(1), corrupt=True)
     load(move, store.segments)
-    store.place(move)
+    store.moves.place(move)
     write(move, store.segments)
-    assert store.finish_move(move) is None
+    assert store.moves.finish(move) is None
     assert key(1) not in store and store.usage() == {Tier.DRAM: (0, 16 * BLOCK), Tier.NVME: (0, 32 * BLOCK)}
     assert store.audit() == []
 
@@ -94,7 +94,7 @@ def test_corrupt_bytes_found_while_re_encoding_drop_the_chunk(tmp_path: Path) ->
         raw = memoryview(t.view(torch.uint8).numpy()).cast("B")
         chunk = store.put(key(1), raw, checksum(raw), fmt=TensorFormat.of(t))
         dram.write(chunk.offset + 10, b"\xff\xff")  # a flipped word in DRAM
-        [moved] = store.moves.run([store.begin_move(key(1), Tier.NVME)])
+        [moved] = store.moves.run([store.moves.begin(store.held(key(1)), Tier.NVME)])
         assert moved is None and key(1) not in store
         assert store.counters["corrupt"] == 1 and store.audit() == []
 
@@ -118,14 +118,14 @@ def test_demotions_run_in_threads_reach_the_low_watermark_with_every_byte_intact
 
 def test_a_chunk_dropped_and_put_again_at_the_same_offset_meanwhile_is_left_alone(store: ChunkStore) -> None:
     put(store, 1)
-    move = store.begin_move(key(1), Tier.NVME)
+    move = store.moves.begin(store.held(key(1)), Tier.NVME)
     store.remove(key(1), corrupt=True)
     again = store.put(key(1), data(1), checksum(data(1)))  # the freed room is the first fit: the same offset
     assert again.offset == move.chunk.offset
     load(move, store.segments)
-    store.place(move)
+    store.moves.place(move)
     write(move, store.segments)
-    assert store.finish_move(move) == again and again.tier is Tier.DRAM
+    assert store.moves.finish(move) == again and again.tier is Tier.DRAM
     assert store.read(key(1)) == data(1).tobytes() and store.audit() == []
     store.remove(key(1))  # not pinned by the called-off move
 

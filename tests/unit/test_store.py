@@ -231,8 +231,8 @@ def test_a_chunk_state_is_what_the_audit_says(segments: tuple[DramSegment, NvmeS
     store.locate(key(1))
     assert store.state(key(1)) is ChunkState.PINNED
     store.release(key(1))
-    move = store.begin_move(key(1), Tier.NVME)
-    store.place(move)
+    move = store.moves.begin(store.held(key(1)), Tier.NVME)
+    store.moves.place(move)
     assert store.state(key(1)) is ChunkState.MOVING and store.audit() == []
     room = store.open_room(BLOCK, ttl_s=30.0)
     at = store.chunks()[0].offset

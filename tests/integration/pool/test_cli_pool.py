@@ -132,7 +132,10 @@ def test_vllm_config_prints_the_kv_transfer_config_of_a_running_pool(pool: PoolC
     assert extra.namespace == pool.namespace and extra.chunk_size == 512
     token = os.environ["RAY_AUTH_TOKEN_PATH"]  # the session cluster's: its path goes to the engine, never the token
     assert extra.ray_token_path == token and Path(token).read_text().strip() not in out.stdout + out.stderr
-    assert "3 live nodes" in out.stderr and "vllm serve MODEL --kv-transfer-config" in out.stderr
+    assert (
+        "3 live nodes" in out.stderr
+        and "-m vllm.entrypoints.openai.api_server --model MODEL --kv-transfer-config" in out.stderr
+    )
 
     bad = kvpool("vllm-config", *where, "--role", "decoder")
     assert bad.returncode == 1 and "role must be one of kv_both, kv_producer, kv_consumer" in bad.stderr

@@ -9,8 +9,8 @@ from kvpool.core.keys import CacheIdentity, chunk_keys
 from kvpool.core.types import Tier
 from kvpool.errors import ConfigError, CorruptChunk
 from kvpool.pool.client import PoolClient
+from kvpool.pool.gds import nvme_io_path
 from kvpool.pool.protocol import NodeInfo, actor_name
-from kvpool.pool.tiers.gds import nvme_io_path
 
 SHAPE = (64, 2, 4, 64)  # 128 KiB of float32
 

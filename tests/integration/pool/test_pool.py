@@ -175,7 +175,7 @@ def test_bad_input(client: PoolClient) -> None:
     key = chunk_keys(IDENT, range(4))[0]
     with pytest.raises(ChunkNotFound):
         client.get(key)
-    with pytest.raises(ConfigError, match="32 bytes"):
+    with pytest.raises(ConfigError, match="`key` must be a 32-byte chunk key"):
         client.put(b"short", b"x")
     with pytest.raises(PoolFull, match="larger than"):
         client.put(key, bytes(5 * MiB))

@@ -50,7 +50,7 @@ from msgspec import Meta
 
 from kvpool.core.config import checked, validated
 from kvpool.errors import ConfigError
-from kvpool.pool.buffers import byte_view
+from kvpool.pool.buffers import byte_view, tensor_bytes
 from kvpool.pool.segment import ALIGN, CHUNK
 
 if TYPE_CHECKING:
@@ -281,29 +281,17 @@ class DeviceIO:
         self.close()
 
     def _bytes_of(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        """``t``'s memory as a flat uint8 tensor (a view, never a copy), or a ConfigError saying what is wrong."""
-        if not isinstance(t, torch.Tensor):
-            raise ConfigError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+        """:func:`tensor_bytes` of a tensor on the CPU or a CUDA device."""
+        view = tensor_bytes(t, what)
         if t.device.type not in ("cpu", "cuda"):
             raise ConfigError(f"{what} is on device {t.device}; DeviceIO moves bytes to CPU or CUDA tensors only")
-        if t.layout is not torch.strided or not t.is_contiguous():
-            raise ConfigError(f"{what} must be a dense, contiguous tensor (call .contiguous() first)")
-        if t.is_conj() or t.is_neg():
-            raise ConfigError(f"{what} is a lazy conjugate/negative view; call .resolve_conj()/.resolve_neg() first")
-        return t.detach().reshape(-1).view(torch.uint8)
+        return view
 
     def _check_range(self, offset: int, length: int) -> None:
+        """The segment's own checks of an I/O range (open, aligned, inside), and this object's: open."""
         if self._closed:
             raise ConfigError(f"DeviceIO of segment {self.segment.path} is closed")
-        if self.segment.closed:
-            raise ConfigError(f"segment {self.segment.path} is closed")
-        if offset % ALIGN:
-            raise ConfigError(f"offset {offset} is not a multiple of {ALIGN}")
-        if offset < 0 or offset + length > self.segment.capacity:
-            raise ConfigError(
-                f"{length} bytes at offset {offset} do not fit in segment {self.segment.path} of "
-                f"{self.segment.capacity} bytes"
-            )
+        self.segment.fd_for(offset, length)
 
     def _kvikio(self, op: Literal["read", "write"], offset: int, buf: torch.Tensor) -> None:
         """One kvikio ``pread``/``pwrite`` of all of ``buf`` (a CUDA uint8 tensor), waited on."""
