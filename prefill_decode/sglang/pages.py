@@ -1,0 +1,116 @@
+"""SGLang's host KV pages as kvpool objects: one pool object per page, its bytes in one order whatever the host
+pool's layout, keyed in kvpool's identity-rooted key space.
+
+A page of an MHA host pool (``MHATokenToKVPoolHost``) holds ``page_size`` tokens of every layer the pool covers, K
+and V.  The host pool lays it out in one of four ways (``--hicache-mem-layout``); the pool object is the page as
+``[2, layers, page_size, kv_heads, head_dim]`` (K then V, layer-major: the order ``layer_first`` and
+``page_first_direct`` already keep each half in), so that servers with different host layouts share pages.  Each
+layout's page is a strided view of the host buffer (:meth:`PageLayout.view`), checked once against the pointers
+SGLang's own zero-copy backends use (``get_page_buffer_meta``): a page moves with one copy each way between the host
+pool and a staging buffer, never through a flat page tensor.
+
+Keys: SGLang names a page by a SHA-256 chain value over its tokens (:func:`sglang.srt.mem_cache.utils.get_hash_str`,
+64 hex digits; no model, rank or tenant in it).  Its pool key is ``SHA-256(root || "sglang-page" || that value)``,
+``root`` being the cache identity's chain root (model, dtype, page size, layers, KV heads and head size, TP rank and
+size), or a tenant's scope of it: two servers of one model and shard share pages, and nothing else does."""
+
+import hashlib
+from typing import Any
+
+import torch
+
+from kvpool.core.keys import CacheIdentity
+from kvpool.errors import ConfigError
+
+#: the host layouts a page view is known for, and how each lays out one page: the page's shape in the host buffer
+#: (its flat data page's order too) and the permutation of that shape into the pool object's
+#: ``[2, layers, page, heads, dim]``
+LAYOUTS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "layer_first": ("2,L,P,H,D", (0, 1, 2, 3, 4)),
+    "page_first": ("2,P,L,H,D", (0, 2, 1, 3, 4)),
+    "page_first_direct": ("2,L,P,H,D", (0, 1, 2, 3, 4)),
+    "page_head": ("2,H,P,L,D", (0, 3, 2, 1, 4)),
+}
+_PAGE_TAG = b"sglang-page"
+
+
+class PageLayout:
+    """One MHA host pool's pages: their views in the host buffer, their bytes, their pool keys."""
+
+    def __init__(self, host: Any) -> None:
+        layout = getattr(host, "layout", None)
+        if layout not in LAYOUTS or not hasattr(host, "kv_buffer"):
+            raise ConfigError(
+                f"KvPoolStorage supports MHA host pools in the layouts {', '.join(LAYOUTS)}; this server's is "
+                f"{type(host).__name__} in {layout!r}: start it with --hicache-mem-layout page_first (or another of those)"
+            )
+        self.host, self.layout = host, layout
+        self.page = int(host.page_size)
+        self.layers, self.heads, self.dim = int(host.layer_num), int(host.head_num), int(host.head_dim)
+        self.dtype: torch.dtype = host.dtype
+        self.kv: torch.Tensor = host.kv_buffer
+        order, self.perm = LAYOUTS[layout]
+        sizes = {"2": 2, "L": self.layers, "P": self.page, "H": self.heads, "D": self.dim}
+        self.host_shape = tuple(sizes[d] for d in order.split(","))
+        self.shape = (2, self.layers, self.page, self.heads, self.dim)  #: a pool object, as a tensor
+        self.nbytes = 2 * self.layers * self.page * self.heads * self.dim * self.dtype.itemsize  #: a pool object's
+
+    def view(self, start: int) -> torch.Tensor:
+        """The page whose first token is host slot ``start``, as a strided view of the host buffer in the pool
+        object's order (``[2, layers, page, heads, dim]``); no copy."""
+        if self.layout in ("layer_first", "page_first"):
+            tokens = slice(start, start + self.page)
+            page = self.kv[:, :, tokens] if self.layout == "layer_first" else self.kv[:, tokens]
+        else:
+            page = self.kv[:, start // self.page]
+        return page.permute(self.perm)
+
+    def canonical(self, flat: torch.Tensor) -> torch.Tensor:
+        """A flat data page in the host's order (``get_data_page(i, flat=True)``, the generic path's pages) as a
+        view in the pool object's order."""
+        return flat.reshape(self.host_shape).permute(self.perm)
+
+    def starts(self, host_indices: torch.Tensor, pages: int) -> list[int]:
+        """The first host slot of each of ``pages`` pages of ``host_indices`` (``pages * page_size`` token slots,
+        page-aligned, as SGLang's controller passes them)."""
+        if host_indices.numel() != pages * self.page:
+            raise ConfigError(
+                f"{pages} page keys but {host_indices.numel()} host slots: SGLang passes page_size={self.page} slots "
+                "a page"
+            )
+        return [int(i) for i in host_indices[:: self.page].tolist()]
+
+    def check_pointers(self, meta: Any) -> None:
+        """Check :meth:`view` against SGLang's ``get_page_buffer_meta`` (what zero-copy backends read): the K and V
+        of the first and the last page start where SGLang says.  ``ConfigError`` if not: this SGLang lays pages out
+        otherwise than this backend reads them."""
+        pages = int(self.host.size) // self.page
+        for page in {0, pages - 1}:
+            start = page * self.page
+            ptrs, _ = meta(torch.arange(start, start + self.page))
+            view = self.view(start)  # K and V of layer 0, token 0, head 0: where each half of a page begins
+            ours, theirs = [view[0, 0, 0].data_ptr(), view[1, 0, 0].data_ptr()], [int(ptrs[0]), int(ptrs[1])]
+            if ours != theirs:
+                raise ConfigError(
+                    f"KvPoolStorage: SGLang's {self.layout} host pool puts page {page} at {theirs}, not where this "
+                    f"backend reads it ({ours}): this SGLang version is not supported (pin sglang==0.5.23)"
+                )
+
+    def identity(self, model: str, tp_rank: int, tp_size: int, first_layer: int) -> CacheIdentity:
+        """What two servers must agree on to share pages (the host layout is not part of it)."""
+        layout = (
+            f"sglang-mha:[2,L,P,H,D] L={self.layers} from layer {first_layer} kv_heads={self.heads} head_dim={self.dim}"
+        )
+        return CacheIdentity(
+            model=model,
+            kv_dtype=str(self.dtype).removeprefix("torch."),
+            layout=layout,
+            chunk_size=self.page,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+        )
+
+
+def page_key(root: bytes, page_hash: str) -> bytes:
+    """The pool key of the page SGLang names ``page_hash``, in the chain rooted at ``root``."""
+    return hashlib.sha256(root + _PAGE_TAG + page_hash.encode()).digest()
