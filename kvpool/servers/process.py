@@ -116,7 +116,8 @@ class ServerProcess:
 
     def _fail(self, error: type[KvPoolError], what: str) -> NoReturn:
         """Stop, keeping a copy of the log (``cleanup`` may remove the original), and raise ``error``."""
-        kept = Path(tempfile.mkstemp(prefix=f"kvpool-{self.name.split()[0].lower()}-", suffix=".log")[1])
+        word = self.name.split()[0].strip("'").lower()  # "'ray start' on ..." -> ray
+        kept = Path(tempfile.mkstemp(prefix=f"kvpool-{word}-", suffix=".log")[1])
         with contextlib.suppress(OSError):
             shutil.copyfile(self.log_path, kept)
         self.stop()
