@@ -73,5 +73,5 @@ def test_device_reads_need_contiguous_tensors(client: PoolClient) -> None:
     client.put(keys[0], kv(0))
     with pytest.raises(ConfigError, match="must be a dense, contiguous tensor"):
         client.get_into_device(keys, [torch.empty(SHAPE[::-1]).permute(3, 2, 1, 0)])
-    with pytest.raises(ConfigError, match="must be a torch.Tensor"):
+    with pytest.raises(ConfigError, match=r"must be a torch\.Tensor"):
         client.get_into_device(keys, [bytearray(kv(0).nbytes)])  # type: ignore[list-item]
