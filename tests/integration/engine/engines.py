@@ -1,6 +1,5 @@
 """Helpers of the engine tests: engines in processes of their own, the prompts, a connector config for a pool."""
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,20 +28,6 @@ def extra_config(pool: PoolConfig, node_ip: str = "127.0.0.2", **overrides: Any)
 def engine(settings: dict[str, Any], log: Path, hash_seed: int = 0) -> EngineProcess:
     """An engine in a process of its own, with its own ``PYTHONHASHSEED``."""
     return EngineProcess(settings, log, env={"PYTHONHASHSEED": str(hash_seed), "VLLM_CPU_KVCACHE_SPACE": "1"})
-
-
-def engines(*specs: tuple[dict[str, Any], Path, int]) -> list[EngineProcess]:
-    """Engines started at once, one per ``(settings, log, hash_seed)`` (a start is mostly one core's work: imports,
-    the model's load); if one fails to start, the others are closed."""
-    with ThreadPoolExecutor(len(specs)) as pool:
-        futures = [pool.submit(engine, *spec) for spec in specs]
-    failed = [exc for f in futures if (exc := f.exception()) is not None]
-    started = [f.result() for f in futures if f.exception() is None]
-    if failed:
-        for e in started:
-            e.close()
-        raise failed[0]
-    return started
 
 
 def prompt(seed: int, n: int = 600) -> list[int]:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import ray
 import torch
-from engines import CHUNK, P, Q, R, S, engine, engines, extra_config
+from engines import CHUNK, P, Q, R, S, engine, extra_config
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvpool.cli import scrape
@@ -124,21 +124,22 @@ def test_malformed_extra_config_is_a_config_error(extra: Any, match: str) -> Non
 def test_a_fresh_engine_answers_from_the_pool_as_if_it_had_computed(
     engine_pool: PoolConfig, model_dir: str, baseline: dict[str, dict[str, Any]], tmp_path: Path
 ) -> None:
-    """Engine A computes and saves; a fresh engine B (another process, started beside A, another PYTHONHASHSEED,
-    which never computed these prompts) is given the full chunks by the pool and answers exactly as without the
+    """Engine A computes and saves; a fresh engine B (another process, started once A's saves are in, another
+    PYTHONHASHSEED, which never computed these prompts) is given the full chunks by the pool and answers exactly as without the
     connector (also for a prompt that ends on a chunk).  KV altered in the pool changes B's answer (so the check can
     fail); a corrupt chunk is a miss that B recomputes, right answer."""
     settings = {"model": model_dir, "connector": extra_config(engine_pool)}
-    a, b = engines((settings, tmp_path / "a.log", 1), (settings, tmp_path / "b.log", 2))
-    with b:
-        with a:
-            got = a.generate([P, R])
-            assert [g["cached"] for g in got] == [0, 0]
-            assert same_answer(got[0], baseline["P"]) and same_answer(got[1], baseline["R"])
-            identity = a.ask(connector=True)["identity"]
-        with PoolClient(engine_pool) as client:
-            p_keys, r_keys = pool_keys(identity, P), pool_keys(identity, R)
-            wait_for(client, [k for chunk in p_keys + r_keys for k in chunk])
+    with engine(settings, tmp_path / "a.log", hash_seed=1) as a:
+        got = a.generate([P, R])
+        assert [g["cached"] for g in got] == [0, 0]
+        assert same_answer(got[0], baseline["P"]) and same_answer(got[1], baseline["R"])
+        identity = a.ask(connector=True)["identity"]
+    with PoolClient(engine_pool) as client:
+        p_keys, r_keys = pool_keys(identity, P), pool_keys(identity, R)
+        wait_for(client, [k for chunk in p_keys + r_keys for k in chunk])
+        # B starts once A's saves are in etcd, so its first read of the pool's chunks holds them: started beside A
+        # it would learn of them only through its watch, which a loaded machine may deliver after B's first lookup
+        with engine(settings, tmp_path / "b.log", hash_seed=2) as b:
             got = b.generate([P, Q])
             assert [g["cached"] for g in got] == [2 * CHUNK, 2 * CHUNK]
             assert same_answer(got[0], baseline["P"]) and same_answer(got[1], baseline["Q"])
@@ -201,14 +202,13 @@ def test_tenants_by_cache_salt_never_hit_each_others_chunks(
     )
     settings = {"model": model_dir, "connector": extra_config(engine_pool, tenants=str(tenants))}
     with PoolClient(engine_pool) as client:
-        # B is started beside A but asked only once A's saves are in: what it gets, it gets from the pool
-        a, b = engines((settings, tmp_path / "a.log", 0), (settings, tmp_path / "b.log", 0))
-        with b:
-            with a:
-                [first] = a.generate([P], salts=["sk-acme"])
-                identity = CacheIdentity(**a.ask(connector=True)["identity"])
-            acme = chunk_keys(identity, P[: 2 * CHUNK], Tenants.load(str(tenants)).scope("acme"))
-            wait_for(client, [layer_key(k, layer) for k in acme for layer in range(4)])
+        with engine(settings, tmp_path / "a.log") as a:
+            [first] = a.generate([P], salts=["sk-acme"])
+            identity = CacheIdentity(**a.ask(connector=True)["identity"])
+        acme = chunk_keys(identity, P[: 2 * CHUNK], Tenants.load(str(tenants)).scope("acme"))
+        wait_for(client, [layer_key(k, layer) for k in acme for layer in range(4)])
+        # a fresh engine, started once A's saves are in etcd (as in the test above): what it gets, it gets from the pool
+        with engine(settings, tmp_path / "b.log") as b:
             [other] = b.generate([P], salts=["sk-globex"])
             [again] = b.generate([P], salts=["sk-acme"])
             [nobody] = b.generate([P], salts=["sk-unknown"])
