@@ -50,7 +50,7 @@ from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.advisor import AccessLog
 from kvpool.pool.buffers import byte_view, tensor_bytes
-from kvpool.pool.chunks import Origin, checksum, short
+from kvpool.pool.chunks import Fingerprint, Origin, checksum, short
 from kvpool.pool.client.device_reads import DeviceReads
 from kvpool.pool.client.peers import Peers, node_record
 from kvpool.pool.client.reads import NodeReads, Outcome
@@ -61,6 +61,7 @@ from kvpool.pool.config import PoolConfig
 from kvpool.pool.metrics import SOURCES, StatsReporter
 from kvpool.pool.protocol import NodeHandle, NodeHandles, NodeInfo, Settled
 from kvpool.pool.segment import DramSegment
+from kvpool.pool.tenants import TenantName
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.s3_config import GC_GRACE_S
 
@@ -164,8 +165,8 @@ class PoolClient:
         items: Sequence[tuple[ChunkKey, Any]],
         replicas: _Replicas = 1,
         nodes: _Nodes = (),
-        tenant: str = "",
-        identity: str = "",
+        tenant: TenantName = "",
+        identity: Fingerprint = "",
     ) -> None:
         """Store each ``(key, data)`` on ``replicas`` distinct nodes: this node first when it has a pool
         node, then those with the most free space; or exactly on ``nodes`` when given.  Keys name
