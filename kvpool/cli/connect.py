@@ -6,6 +6,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from kvpool.cli import options
+from kvpool.errors import ConfigError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import Namespace
@@ -24,6 +25,17 @@ def running_cache(etcd: str | None, cluster: str, command: str) -> Iterator[Meta
             yield cache
     finally:
         client.close()
+
+
+def live_pool(etcd: str | None, cluster: str, command: str) -> tuple[int, tuple[str, ...]]:
+    """How many live nodes the running pool has, and its etcd endpoints; ``ConfigError`` when it has none (what an
+    engine's config command checks before printing a config that points at the pool)."""
+    with running_cache(etcd, cluster, command) as cache:
+        nodes = cache.nodes()
+        endpoints = tuple(cache.etcd.config.endpoints)
+    if not nodes:
+        raise ConfigError(f"no live pool nodes in cluster '{cluster}': start the pool first (kvpool up / kvpool join)")
+    return len(nodes), endpoints
 
 
 @contextmanager

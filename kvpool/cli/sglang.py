@@ -7,7 +7,6 @@ import typer
 
 from kvpool.cli import connect, options, root
 from kvpool.cli.vllm import NODE_IP, RAY_ADDRESS, RAY_TOKEN, token_file
-from kvpool.errors import ConfigError
 from kvpool.prefill_decode.sglang.config import StorageConfig, extra_config, server_flags
 
 MODEL_ID = typer.Option(
@@ -38,15 +37,9 @@ def sglang_config(
 ) -> None:
     """Print SGLang's HiCache flags for this pool: python -m sglang.launch_server --model-path M <these flags>."""
     with root.errors():
-        with connect.running_cache(etcd, cluster, "sglang-config") as cache:
-            nodes = cache.nodes()
-            endpoints = cache.etcd.config.endpoints
-        if not nodes:
-            raise ConfigError(
-                f"no live pool nodes in cluster '{cluster}': start the pool first (kvpool up / kvpool join)"
-            )
+        nodes, endpoints = connect.live_pool(etcd, cluster, "sglang-config")
         config = StorageConfig(
-            etcd=tuple(endpoints),
+            etcd=endpoints,
             cluster=cluster,
             namespace=namespace,
             ray_address=ray_address,
@@ -57,7 +50,7 @@ def sglang_config(
         )
         typer.echo(json.dumps(extra_config(config)) if as_json else shlex.join(server_flags(config)))
         root.err_console.print(
-            f"[dim]pool '{cluster}': {len(nodes)} live nodes; SGLang's host pool must be an MHA one (not MLA yet), "
+            f"[dim]pool '{cluster}': {nodes} live nodes; SGLang's host pool must be an MHA one (not MLA yet), "
             "in any --hicache-mem-layout but page_first_kv_split[/dim]",
             soft_wrap=True,
         )

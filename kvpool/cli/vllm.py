@@ -11,7 +11,7 @@ from rich.markup import escape
 
 from kvpool import ray_auth
 from kvpool.cli import connect, options, root
-from kvpool.errors import ConfigError, RayAuthError
+from kvpool.errors import RayAuthError
 from kvpool.prefill_decode.vllm.config import ROLES, ConnectorConfig, kv_transfer_config
 
 
@@ -107,15 +107,9 @@ def vllm_config(
     """Print vLLM's --kv-transfer-config for this pool, for python -m vllm.entrypoints.openai.api_server --model MODEL
     --kv-transfer-config "$(kvpool vllm-config ...)"."""
     with root.errors():
-        with connect.running_cache(etcd, cluster, "vllm-config") as cache:
-            nodes = cache.nodes()
-            endpoints = cache.etcd.config.endpoints
-        if not nodes:
-            raise ConfigError(
-                f"no live pool nodes in cluster '{cluster}': start the pool first (kvpool up / kvpool join)"
-            )
+        nodes, endpoints = connect.live_pool(etcd, cluster, "vllm-config")
         config = ConnectorConfig(
-            etcd=tuple(endpoints),
+            etcd=endpoints,
             cluster=cluster,
             namespace=namespace,
             ray_address=ray_address,
@@ -127,7 +121,7 @@ def vllm_config(
         )
         typer.echo(json.dumps(kv_transfer_config(config, role)))
         root.err_console.print(
-            f"[dim]pool '{cluster}': {len(nodes)} live nodes; use it with: "
+            f"[dim]pool '{cluster}': {nodes} live nodes; use it with: "
             f"{escape(serve_line('--etcd ' + ','.join(endpoints) + ' ...'))}[/dim]",
             soft_wrap=True,
         )
