@@ -1,0 +1,135 @@
+"""vLLM's OpenAI server with the connector, started exactly as ``kvpool up --hold`` prints it: a user's path end to
+end.  ``kvpool up --hold`` brings a pool up (its own etcd and Ray cluster) and prints the server line; the line runs
+in a shell with the model put in for ``MODEL`` (and a port), once per server.  The server runs vLLM's engine core in
+a process of its own (not the in-process engine the other engine tests use).  A fresh server answers the demo's
+question about SmolLM2's document from the chunks the first server saved (``cached_tokens``), with the same text."""
+
+import json
+import os
+import re
+import shlex
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool.errors import KvPoolError, WorkerUnavailable
+from kvpool.metadata.cache import MetadataCache
+from kvpool.metadata.client import EtcdClient
+from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig
+from kvpool.metadata.namespace import Namespace
+from kvpool.prefill_decode.reference.demo import demo_prompt
+from kvpool.prefill_decode.reference.model import converted_smollm2
+from kvpool.servers.process import ServerProcess, free_port
+
+HOST = "127.0.0.2"  #: the first node of ``kvpool up``'s local cluster, where the servers run
+CHUNK = 256  #: the connector's default chunk size
+#: what a CPU machine's user sets for vLLM (not the connector's business): a small KV space, no core binding, offline
+VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
+
+
+class Held:
+    """What ``kvpool up --hold`` printed: the token export, the vLLM server line, the pool's etcd and cluster."""
+
+    def __init__(self, log: str) -> None:
+        self.token_export = _line(log, "Ray asks for its token: ").removesuffix(" in that shell")
+        self.server_line = _line(log, "vLLM on it: ")
+        where = _line(log, "In another shell: kvpool status ")
+        found = re.fullmatch(r"--etcd (\S+) --cluster (\S+)", where)
+        assert found is not None, where
+        self.etcd, self.cluster = found[1], found[2]
+
+
+def _line(log: str, marker: str) -> str:
+    (found,) = [line.split(marker, 1)[1].strip() for line in log.splitlines() if marker in line]
+    return found
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Held]:
+    """``kvpool up --hold`` on one node with no demo, until the module's tests are done."""
+    log = tmp_path_factory.mktemp("up") / "up.log"
+    kvpool = str(Path(sys.executable).with_name("kvpool"))
+    args = [kvpool, "up", "--hold", "--nodes", "1", "--dram-mib", "256", "--nvme-mib", "256", "--demo", "none"]
+    env = {k: v for k, v in os.environ.items() if k not in (ENDPOINTS_ENV, "RAY_ADDRESS")} | {"COLUMNS": "400"}
+    up = ServerProcess("kvpool up --hold", args, log, env=env, grace_s=30)
+    up.start(lambda: None if "Ctrl-C" in log.read_text() else "not held yet", 300, KvPoolError, poll_s=0.5)
+    try:
+        yield Held(log.read_text())
+    finally:
+        up.stop()
+
+
+def serve(held: Held, model: Path, log: Path) -> tuple[ServerProcess, str]:
+    """The printed line run in a shell after the printed export, ``MODEL`` replaced and a port added; its URL."""
+    port = free_port(HOST)
+    line = held.server_line.replace(" --model MODEL ", f" --model {shlex.quote(str(model))} ", 1)
+    #: the user's own flags: where to listen, the usage details the test reads, no torch.compile (minutes on 2 cores)
+    extra = f"--host {HOST} --port {port} --enable-prompt-tokens-details --max-model-len 2048 --seed 0 --enforce-eager"
+    env = {k: v for k, v in os.environ.items() if k not in (ENDPOINTS_ENV, "RAY_ADDRESS")} | VLLM_CPU_ENV
+    server = ServerProcess("vLLM's OpenAI server", ["bash", "-c", f"{held.token_export}; {line} {extra}"], log, env=env)
+    url = f"http://{HOST}:{port}"
+    server.start(lambda: _health(url), 600, WorkerUnavailable, poll_s=1.0)
+    return server, url
+
+
+def _health(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+            return None if r.status == 200 else f"/health answered {r.status}"
+    except (OSError, urllib.error.URLError) as exc:
+        return f"/health: {exc}"
+
+
+def complete(url: str, model: Path, prompt: str) -> dict[str, Any]:
+    body = {"model": str(model), "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    ask = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(ask, timeout=300) as r:
+        answer: dict[str, Any] = json.loads(r.read())
+    return answer
+
+
+def saved_chunks(held: Held) -> int:
+    """The chunk objects the pool holds now (each layer of each chunk is one)."""
+    etcd = EtcdClient(MetadataConfig(endpoints=(held.etcd,), cluster=held.cluster))
+    try:
+        with MetadataCache(etcd, Namespace(held.cluster)) as cache:
+            cache.sync()
+            return cache.chunk_count()
+    finally:
+        etcd.close()
+
+
+@pytest.mark.timeout(1200)
+def test_a_fresh_openai_server_answers_from_the_chunks_another_saved(held: Held, tmp_path: Path) -> None:
+    model = converted_smollm2()
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    prompt = demo_prompt()
+    before = saved_chunks(held)  # kvpool up's own check
+    first, url = serve(held, model, tmp_path / "first.log")
+    try:
+        cold = complete(url, model, prompt)
+        tokens = cold["usage"]["prompt_tokens"]
+        assert tokens > CHUNK and not (cold["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+        full = (tokens - 1) // CHUNK * CHUNK  # vLLM computes the prompt's last token itself
+        deadline = time.monotonic() + 120  # the saves finish after the answer: wait before stopping the server
+        while saved_chunks(held) - before < full // CHUNK * layers and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert saved_chunks(held) - before == full // CHUNK * layers, "the first server's chunks never reached the pool"
+    finally:
+        first.stop()
+
+    fresh, url = serve(held, model, tmp_path / "fresh.log")
+    try:
+        warm = complete(url, model, prompt)
+    finally:
+        fresh.stop()
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == full
+    assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
