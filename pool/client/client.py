@@ -30,18 +30,14 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Annotated, Any, Protocol, runtime_checkable
+from typing import Any
 
 import ray
-from msgspec import Meta
 
-from kvpool.core.config import Finite, NonNegative, checked
+from kvpool.core.config import NonNegative, checked
 from kvpool.core.keys import CacheIdentity, ChunkKey, check_key, check_keys
 from kvpool.core.types import Tier
-from kvpool.errors import (
-    ConfigError,
-    NodeUnreachable,
-)
+from kvpool.errors import ConfigError, NodeUnreachable
 from kvpool.metadata import identities
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
@@ -51,8 +47,10 @@ from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.advisor import AccessLog
 from kvpool.pool.buffers import byte_view, tensor_bytes
 from kvpool.pool.chunks import Fingerprint, Origin, checksum, short
+from kvpool.pool.client.args import Counts, GraceS, MaybeOnDone, NodeId, NodeIds, NodeTier, ReplicaCount, Tensors
 from kvpool.pool.client.device_reads import DeviceReads
 from kvpool.pool.client.peers import Peers, node_record
+from kvpool.pool.client.prefetch import Prefetched, plan
 from kvpool.pool.client.reads import NodeReads, Outcome
 from kvpool.pool.client.replicas import Replicas
 from kvpool.pool.client.s3_reads import S3Reads
@@ -66,23 +64,6 @@ from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.s3_config import GC_GRACE_S
 
 log = logging.getLogger(__name__)
-
-
-@runtime_checkable
-class OnDone(Protocol):
-    """What :meth:`PoolClient.get_into_batch` calls with a key's index as soon as its chunk is in its buffer."""
-
-    def __call__(self, index: int, /) -> None: ...
-
-
-_Replicas = Annotated[int, Meta(ge=1, description="an int >= 1: on how many nodes to store each chunk")]
-_Nodes = Annotated[Sequence[str], Meta(description="a list of node ids (kvpool status lists them)")]
-_OnDone = Annotated[OnDone | None, Meta(description="a function of the key's index, or None")]
-_GraceS = Annotated[float, Meta(ge=0, description="a number of seconds >= 0")]
-_Counts = Annotated[dict[str, Finite], Meta(description="a dict of count names to numbers")]
-#: each item is checked by ``tensor_bytes`` (not here: naming torch.Tensor would import torch with the client)
-_Tensors = Annotated[Sequence[Any], Meta(description="a list of torch tensors, one per key")]
-_Tier = Annotated[Tier, Meta(description="Tier.DRAM or Tier.NVME")]
 
 
 def _at(fn: Callable[[int], None], index: list[int], j: int) -> None:
@@ -156,15 +137,15 @@ class PoolClient:
     # -- put -------------------------------------------------------------------------------------------
 
     @checked
-    def put(self, key: ChunkKey, data: Any, replicas: _Replicas = 1) -> None:
+    def put(self, key: ChunkKey, data: Any, replicas: ReplicaCount = 1) -> None:
         self.put_batch([(key, data)], replicas=replicas)
 
     @checked
     def put_batch(
         self,
         items: Sequence[tuple[ChunkKey, Any]],
-        replicas: _Replicas = 1,
-        nodes: _Nodes = (),
+        replicas: ReplicaCount = 1,
+        nodes: NodeIds = (),
         tenant: TenantName = "",
         identity: Fingerprint = "",
     ) -> None:
@@ -232,7 +213,9 @@ class PoolClient:
         return self.get_into_batch([key], [buffer])[0]
 
     @checked
-    def get_into_batch(self, keys: Sequence[ChunkKey], buffers: Sequence[Any], on_done: _OnDone = None) -> list[int]:
+    def get_into_batch(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[Any], on_done: MaybeOnDone = None
+    ) -> list[int]:
         """``get_into`` for many chunks, grouped by the node of their nearest replica: per node one
         actor call pins them all, one copy (same node) or one batched READ (a peer) moves them,
         one call releases them.  Anything that does not come back intact goes through :meth:`get_into`
@@ -279,7 +262,7 @@ class PoolClient:
                 on_done(i)
 
     @checked
-    def get_into_device(self, keys: Sequence[ChunkKey], tensors: _Tensors) -> list[int]:
+    def get_into_device(self, keys: Sequence[ChunkKey], tensors: Tensors) -> list[int]:
         """``get_into_batch`` for tensors in device (GPU) memory, each exactly its chunk's size.
 
         Chunks this node holds raw on NVMe go straight from the segment file into the tensor (see
@@ -297,7 +280,7 @@ class PoolClient:
         return self.device.counts
 
     @checked
-    def remote_gc(self, grace_s: _GraceS = GC_GRACE_S) -> tuple[int, int]:
+    def remote_gc(self, grace_s: GraceS = GC_GRACE_S) -> tuple[int, int]:
         """Reconcile the remote tier with etcd (see :func:`~kvpool.pool.tiers.s3.collect_garbage`)."""
         return self.s3.gc(grace_s)
 
@@ -329,7 +312,7 @@ class PoolClient:
         self._stats.report()
 
     @checked
-    def record_engine(self, counts: _Counts) -> None:
+    def record_engine(self, counts: Counts) -> None:
         """Add an inference engine connector's counts (see ``ClientStats.engine``) to what this client reports."""
         self._stats.seen.add_engine(counts)
         self._stats.report()
@@ -356,7 +339,7 @@ class PoolClient:
                 self.s3.drop(in_s3)
 
     @checked
-    def move(self, keys: Sequence[ChunkKey], tier: _Tier) -> None:
+    def move(self, keys: Sequence[ChunkKey], tier: NodeTier) -> None:
         """Move every replica of ``keys`` to ``tier`` on its node (e.g. demote to NVMe); returns once the
         local placement cache shows it.  Copies in the remote tier stay where they are."""
         if tier not in (Tier.DRAM, Tier.NVME):
@@ -381,6 +364,25 @@ class PoolClient:
         revision = self.nodes.settle(by_node, change, self.config.busy_wait_s)
         self._caught_up(revision)
         return held
+
+    @checked
+    def prefetch(self, keys: Sequence[ChunkKey], node: NodeId = "", tenant: TenantName = "") -> Prefetched:
+        """Bring the leading run of ``keys`` the pool holds into ``node``'s DRAM (default: this client's node) before a
+        reader there asks (:mod:`~kvpool.pool.client.prefetch`): its NVMe copies promoted there, the rest read here
+        and put there, charged to ``tenant``.  ``NodeUnreachable`` for a node not in the pool, ``PoolFull`` when its
+        DRAM has no room."""
+        node = node or self.node_id
+        todo = plan(keys, [self.cache.replicas(k) for k in keys], node, {n.node_id for n in self.cache.nodes()})
+        if todo.promote:
+            self._caught_up(
+                self.nodes.settle({node: todo.promote}, lambda n, ks: n.move(ks, Tier.DRAM), self.config.busy_wait_s)
+            )
+        for identity, group in todo.copy.items():
+            self.put_batch(
+                list(zip(group, self.get_batch(group), strict=True)), nodes=[node], tenant=tenant, identity=identity
+            )
+        copied = sum(map(len, todo.copy.values()))
+        return Prefetched(todo.already, len(todo.promote), copied, todo.not_held, todo.nbytes)
 
     @property
     def registrations(self) -> int:

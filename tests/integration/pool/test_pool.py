@@ -269,3 +269,26 @@ def test_a_chunk_pinned_past_busy_wait_is_chunk_busy_and_the_rest_is_done(
         assert ray.get(node.audit.remote()) == []
         ray.get(node.complete_load.remote(keys[:1]))
         assert client.remove_batch(keys[:4]) == 4 and ray.get(node.audit.remote()) == []
+
+
+def test_prefetch_brings_the_held_prefix_into_one_nodes_dram(
+    pool: PoolConfig, client: PoolClient, ray_cluster: list[str]
+) -> None:
+    """Into another node: its own NVMe copies promoted there, this node's copied over, the rest left alone."""
+    keys = chunk_keys(IDENT, range(4 * 40))[:7]
+    other = ray_cluster[1]
+    client.put_batch([(k, blob(i)) for i, k in enumerate(keys[:2])], nodes=[other])
+    client.move(keys[:2], Tier.NVME)
+    client.put_batch([(k, blob(i + 2)) for i, k in enumerate(keys[2:4])], nodes=[client.node_id])
+    client.put_batch([(keys[4], blob(4))], nodes=[other])
+    client.put_batch([(keys[6], blob(6))])  # after the gap at keys[5]: a reader never gets there
+    done = client.prefetch(keys, other)
+    assert (done.already, done.promoted, done.copied, done.not_held) == (1, 2, 2, 2)
+    assert done.nbytes == 4 * len(blob(0))
+    assert all(Tier.DRAM in {p.tier for p in client.cache.replicas(k) if p.node == other} for k in keys[:5])
+    assert not [p for p in client.cache.replicas(keys[6]) if p.node == other]
+    assert ray.get(remote_client(pool, other).call.remote("get_batch", keys[:5])) == [blob(i) for i in range(5)]
+    again = client.prefetch(keys[:5], other)
+    assert (again.already, again.promoted, again.copied, again.nbytes) == (5, 0, 0, 0)
+    with pytest.raises(ConfigError, match="keys"):
+        client.prefetch([b"short"], other)
