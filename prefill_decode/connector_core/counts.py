@@ -18,20 +18,22 @@ class EngineCounts:
     """Counts by name (thread-safe): ``{lookup,hit,loaded,saved}_tokens``, ``{loaded,saved}_bytes``,
     ``{load,save}_seconds``, ``{load,save}_errors`` and ``miss_<cause>`` (a short lookup or a failed load).
 
-    ``totals`` keeps every count since the start; what was not yet reported waits for :meth:`report` (a pool client
-    is used by one thread: the engine reports from the thread that owns it) or is handed on with :meth:`take` (vLLM's
-    scheduler has no client: its counts travel to the workers with each step's plan)."""
+    ``totals`` keeps every count since the start.  Each of ``readers`` takes what it has not yet taken: ``"pool"``,
+    what waits for :meth:`report` (a pool client is used by one thread: the engine reports from the thread that owns
+    it) or is handed on with :meth:`take` (vLLM's scheduler has no client: its counts travel to the workers with each
+    step's plan); ``"engine"``, the engine's own stats (vLLM's ``get_kv_connector_stats``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, readers: tuple[str, ...] = ("pool",)) -> None:
         self.totals: dict[str, float] = {}
-        self._pending: dict[str, float] = {}
+        self._pending: dict[str, dict[str, float]] = {reader: {} for reader in readers}
         self._lock = threading.Lock()
 
     def add(self, **counts: float) -> None:
         with self._lock:
             for name, n in counts.items():
-                self._pending[name] = self._pending.get(name, 0) + n
                 self.totals[name] = self.totals.get(name, 0) + n
+                for pending in self._pending.values():
+                    pending[name] = pending.get(name, 0) + n
 
     def lookup(self, hit: Hit, prompt_tokens: int, chunk_size: int) -> None:
         """A prefix lookup for a prompt of ``prompt_tokens``: those are looked up, and those of the chunks held are
@@ -43,10 +45,10 @@ class EngineCounts:
     def miss(self, cause: MissCause, n: int = 1) -> None:
         self.add(**{f"{MISS_PREFIX}{cause.value}": n})
 
-    def take(self) -> dict[str, float]:
-        """What was not yet reported, now counted as reported."""
+    def take(self, reader: str = "pool") -> dict[str, float]:
+        """What ``reader`` has not taken yet, now counted as taken."""
         with self._lock:
-            pending, self._pending = self._pending, {}
+            pending, self._pending[reader] = self._pending[reader], {}
         return pending
 
     def report(self, sink: EngineSink) -> None:

@@ -38,6 +38,7 @@ from kvpool.core.keys import CacheIdentity
 from kvpool.errors import ConfigError
 from kvpool.prefill_decode.vllm.config import ConnectorConfig, kv_role
 from kvpool.prefill_decode.vllm.scheduler import KvPoolMetadata, SchedulerSide, Transfer
+from kvpool.prefill_decode.vllm.stats import KvPoolPromMetrics, KvPoolStats
 from kvpool.prefill_decode.vllm.worker import WorkerSide
 
 
@@ -142,6 +143,24 @@ class KvPoolConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()
+
+    def get_kv_connector_stats(self) -> KvPoolStats | None:
+        """The worker's counts since the last step (the scheduler's travel to the workers with each step's plan)."""
+        return self.side.take_stats() if isinstance(self.side, WorkerSide) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvPoolStats:
+        return KvPoolStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvPoolPromMetrics:
+        return KvPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         self.side.close()

@@ -21,6 +21,7 @@ from kvpool.prefill_decode.connector_core.staging import HostStaging
 from kvpool.prefill_decode.connector_core.tenancy import TenantScope
 from kvpool.prefill_decode.vllm.config import ConnectorConfig
 from kvpool.prefill_decode.vllm.scheduler import KvPoolMetadata, Transfer
+from kvpool.prefill_decode.vllm.stats import KvPoolStats
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class WorkerSide:
         self._finished: set[str] = set()  #: requests vLLM finished, whose saves may still run
         #: what this worker did, and the scheduler's lookups it hands on: reported to its pool node (kvpool_engine_*)
         #: from the I/O thread, the one that uses the client
-        self.counts = EngineCounts()
+        self.counts = EngineCounts(readers=("pool", "engine"))  #: the pool node's metrics and vLLM's own stats
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         for index, (name, kv) in enumerate(kv_caches.items()):
@@ -273,6 +274,11 @@ class WorkerSide:
                 self._finished.discard(r)
                 del self._unsaved[r]
         return done or None
+
+    def take_stats(self) -> KvPoolStats | None:
+        """What this worker counted since vLLM last asked (None: nothing), for vLLM's ``/metrics`` and log line."""
+        counts = self.counts.take("engine")
+        return KvPoolStats(data=counts) if counts else None
 
     def take_load_errors(self) -> set[int]:
         with self._errors_lock:

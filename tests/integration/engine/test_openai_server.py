@@ -129,7 +129,20 @@ def test_a_fresh_openai_server_answers_from_the_chunks_another_saved(held: Held,
     fresh, url = serve(held, model, tmp_path / "fresh.log")
     try:
         warm = complete(url, model, prompt)
+        metrics = kvpool_metrics(url)
     finally:
         fresh.stop()
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == full
     assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+    # the connector's counts in the engine's own /metrics (vLLM's KVConnectorStats), beside its cached tokens
+    assert metrics[("tokens", "loaded")] == full and metrics[("bytes", "load")] > 0
+    assert metrics[("tokens", "hit")] >= full and metrics[("tokens", "lookup")] >= tokens  # vLLM may ask again
+    assert ("errors", "load") not in metrics and not [k for k in metrics if k[0] == "misses"]
+
+
+def kvpool_metrics(url: str) -> dict[tuple[str, str], float]:
+    """``vllm:kvpool_<name>_total{..., <label>="<value>"} n`` of the server's /metrics as ``{(name, value): n}``."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    found = re.findall(r"^vllm:kvpool_(\w+)_total\{(.*)\} (\S+)$", text, re.M)
+    return {(name, re.findall(r'(?:kind|direction|cause)="(\w+)"', labels)[0]): float(n) for name, labels, n in found}
