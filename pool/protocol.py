@@ -233,6 +233,16 @@ class NodeHandles:
             self._handles[node_id] = NodeHandle(node_id, actor)
         return self._handles[node_id]
 
+    def stats(self, node_ids: Sequence[str], timeout_s: float) -> dict[str, dict[str, Any]]:
+        """Each node's :meth:`NodeHandle.stats`, or ``{"error": ...}`` for one dying right now (the view goes on)."""
+        out: dict[str, dict[str, Any]] = {}
+        for node_id in node_ids:
+            try:
+                out[node_id] = self[node_id].stats(timeout_s=timeout_s)
+            except Exception as exc:  # a node dying right now: report, don't fail the whole view
+                out[node_id] = {"error": f"{type(exc).__name__}: {exc}"}
+        return out
+
     def settle(
         self, by_node: dict[str, list[bytes]], change: Callable[[NodeHandle, list[bytes]], Settled], wait_s: float
     ) -> int:

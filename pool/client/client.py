@@ -385,15 +385,17 @@ class PoolClient:
         return Prefetched(todo.already, len(todo.promote), copied, todo.not_held, todo.nbytes)
 
     @property
-    def registrations(self) -> int:
-        """Memory regions this client has registered with the transport (staging, caller buffers)."""
+    def registrations(self) -> int:  # memory regions registered with the transport (staging, caller buffers)
         return self.peers.registrations
 
+    def connect_peers(self) -> int:
+        """Reach every live pool node now (actor handle and first call, transport, staging buffer), not on the first
+        transfer there; the peers connected.  Engines call it at start, so a first request pays for none of it."""
+        for record in self.cache.nodes():
+            with contextlib.suppress(NodeUnreachable):
+                self.nodes[record.node_id].info()
+        return self.peers.connect_all(self.node_id)
+
     def stats(self) -> dict[str, Any]:
-        nodes = {}
-        for n in self.cache.nodes():
-            try:
-                nodes[n.node_id] = self.nodes[n.node_id].stats(timeout_s=10)
-            except Exception as exc:  # a node dying right now: report, don't fail the whole view
-                nodes[n.node_id] = {"error": f"{type(exc).__name__}: {exc}"}
+        nodes = self.nodes.stats([n.node_id for n in self.cache.nodes()], timeout_s=10)
         return {"nodes": nodes, "chunks": self.cache.chunk_count(), "replicas": self.cache.replica_count()}

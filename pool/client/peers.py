@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.core.types import NodeRecord
+from kvpool.core.types import NodeRecord, Tier
 from kvpool.errors import NodeUnreachable, TransferError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.pool.buffers import byte_view
+from kvpool.pool.chunks import SEGMENT_NAMES
 from kvpool.transport.base import Op
 from kvpool.transport.nixl import NixlTransport
 
@@ -103,6 +104,15 @@ class Peers:
             self._stage = np.empty(max(nbytes, 16 << 20), dtype=np.uint8)
             self.transport.register("staging", self._stage.ctypes.data, self._stage.nbytes)
         return self._stage
+
+    def connect_all(self, here: str) -> int:
+        """Start the transport, register a staging buffer, connect to every live pool node but ``here`` and READ a
+        few bytes of its DRAM segment (the transport wires a connection up on its first transfer) now, so that a
+        first transfer does not pay for them (an engine does this at start); the peers connected.  A node that
+        cannot be reached is left for a later transfer to try again."""
+        stage = self.staging(0)
+        wire_up = [Op(SEGMENT_NAMES[Tier.DRAM], 0, stage.ctypes.data, 64)]  #: the bytes read are not used
+        return sum(self.read(n.node_id, wire_up) for n in self.cache.nodes() if n.node_id != here)
 
     # -- transfers -------------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """An engine process's one pool client: made when first needed, on the thread that will use it, and tried again
-later while the pool cannot be reached (an engine keeps serving without it)."""
+later while the pool cannot be reached (an engine keeps serving without it).  Made, it reaches every pool node at
+once (:meth:`PoolClient.connect_peers`): engines make it at start, so their first request pays for no connection."""
 
 import logging
 import time
@@ -42,6 +43,8 @@ class PoolConnection:
                 attach(s.ray_address, s.ray_token_path or None, namespace=s.namespace, log_to_driver=False, **kw)
             self._client = PoolClient(s.pool())
             self.error = ""
+            peers = self._client.connect_peers()  # now, not in the first request that reads from another node
+            log.info("kvpool: connected to the pool, %d peer node(s) ready for one-sided reads", peers)
         except (KvPoolError, ConnectionError, RuntimeError) as exc:
             self.error = str(exc)
             log.warning("kvpool: pool not reachable (%s); loads miss and saves are skipped until it is", exc)

@@ -292,3 +292,10 @@ def test_prefetch_brings_the_held_prefix_into_one_nodes_dram(
     assert (again.already, again.promoted, again.copied, again.nbytes) == (5, 0, 0, 0)
     with pytest.raises(ConfigError, match="keys"):
         client.prefetch([b"short"], other)
+
+
+def test_connect_peers_reaches_every_other_node_before_any_transfer(client: PoolClient, ray_cluster: list[str]) -> None:
+    """What an engine does at start: every peer connected and wired up (a READ each), the staging buffer registered."""
+    assert client.registrations == 0
+    assert client.connect_peers() == len(ray_cluster) - 1
+    assert client.registrations == 1
