@@ -242,7 +242,7 @@ def engine_service(
     from kvpool.prefill_decode.reference.model import converted_smollm2, load_tokenizer
     from kvpool.prefill_decode.routing.engine_router import EngineEvents
     from kvpool.prefill_decode.routing.router import Policy
-    from kvpool.prefill_decode.vllm.front import EngineFront, calibrate, model_spec, start_engine_lanes
+    from kvpool.prefill_decode.vllm.front import EngineFront, Prefetcher, calibrate, model_spec, start_engine_lanes
 
     report = report or LogReport()
     policy = Policy.of(policy).value
@@ -280,7 +280,9 @@ def engine_service(
         etcd = EtcdClient(pool.metadata)
         stack.callback(etcd.close)
         cache = stack.enter_context(MetadataCache(etcd, Namespace(pool.metadata.cluster)))
-        front = EngineFront.over(lanes, events, costs, cache.replicas, chunk_size, policy)
+        prefetcher = Prefetcher(pool)
+        stack.callback(prefetcher.close)
+        front = EngineFront.over(lanes, events, costs, cache.replicas, chunk_size, policy, prefetcher)
         report.done(f"routing   {policy} over {engines} engine(s)")
         yield EngineService(front, model, load_tokenizer(model), vocab)
 

@@ -34,6 +34,8 @@ from kvpool.prefill_decode.vllm.engine import EngineProcess
 if TYPE_CHECKING:
     from aiohttp import web
 
+    from kvpool.pool.config import PoolConfig
+
 log = logging.getLogger(__name__)
 
 SAVE_WAIT_S = 120.0  #: how long calibration waits for an engine's saves to reach the pool
@@ -138,13 +140,56 @@ def engine_keys(identity: CacheIdentity, layers: int, tokens: Sequence[int], sco
     return [[layer_key(k, layer) for layer in range(layers)] for k in chunk_keys(identity, tokens, scope)]
 
 
+class Prefetcher:
+    """Brings a routed prompt's pool chunks into its engine's node's DRAM while the request waits for the engine
+    (:meth:`PoolClient.prefetch`), on a thread of its own with a pool client of its own (a client is used by one
+    thread).  A prefetch that fails is logged and counted: the engine then reads the chunks where they are."""
+
+    def __init__(self, pool: "PoolConfig") -> None:
+        self.pool = pool
+        self.counts = {"asked": 0, "promoted": 0, "copied": 0, "failed": 0}
+        self._client: Any = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvpool-prefetch")
+
+    def submit(self, keys: Sequence[bytes], node: str) -> Any:
+        """The prefetch of ``keys`` into ``node``, queued (a future of its :class:`Prefetched`, None if it failed)."""
+        return self._thread.submit(self._run, list(keys), node)
+
+    def _run(self, keys: list[bytes], node: str) -> Any:
+        from kvpool.pool.client import PoolClient
+
+        self.counts["asked"] += 1
+        try:
+            self._client = self._client or PoolClient(self.pool)
+            done = self._client.prefetch(keys, node)
+        except KvPoolError as exc:
+            self.counts["failed"] += 1
+            log.warning("prefetch into %s failed (the engine reads the chunks where they are): %s", node[:12], exc)
+            return None
+        self.counts["promoted"] += done.promoted
+        self.counts["copied"] += done.copied
+        return done
+
+    def close(self) -> None:
+        self._thread.submit(lambda: self._client and self._client.close()).result()
+        self._thread.shutdown()
+
+
 class EngineFront:
     """Sends each request to an engine by the router's policy; one request at a time per engine (the engine's own
-    batching is not used, so the router's queue is the engine's), any number of callers at once."""
+    batching is not used, so the router's queue is the engine's), any number of callers at once.  With a
+    ``prefetcher``, a request that has to wait for its engine first has the pool's chunks of its prompt brought to
+    that engine's node (NVMe, S3 or another node → its DRAM), so the wait pays for the move."""
 
-    def __init__(self, lanes: Sequence[EngineLane], events: EngineEvents, router: EngineRouter) -> None:
+    def __init__(
+        self,
+        lanes: Sequence[EngineLane],
+        events: EngineEvents,
+        router: EngineRouter,
+        prefetcher: Prefetcher | None = None,
+    ) -> None:
         router.serves(len(lanes), "the front", "engines")
-        self.lanes, self.events, self.router = list(lanes), events, router
+        self.lanes, self.events, self.router, self.prefetcher = list(lanes), events, router, prefetcher
         self._locks = [threading.Lock() for _ in lanes]
 
     @classmethod
@@ -156,6 +201,7 @@ class EngineFront:
         replicas: Any,
         chunk_size: int,
         policy: "Policy | str" = Policy.CACHE_AWARE,
+        prefetcher: Prefetcher | None = None,
     ) -> "EngineFront":
         """A front over ``lanes`` whose router reads placements with ``replicas`` (a watch cache's); every engine
         must cache under one identity, or the router could not predict their hits."""
@@ -169,12 +215,14 @@ class EngineFront:
 
         keys = partial(engine_keys, CacheIdentity(**identity), layers)
         router = EngineRouter([lane.node for lane in lanes], costs, keys, chunk_size, replicas, local, policy)
-        return cls(lanes, events, router)
+        return cls(lanes, events, router, prefetcher)
 
     def complete(self, tokens: list[int], max_tokens: int = 1) -> EngineCompletion:
         started = time.perf_counter()
         quote = self.router.pick(tokens)
         try:
+            if self.prefetcher is not None and self._locks[quote.lane].locked():  # it waits: the move uses the wait
+                self.prefetcher.submit(quote.keys, self.lanes[quote.lane].node)
             with self._locks[quote.lane]:
                 [out] = self.lanes[quote.lane].engine.generate([tokens], max_tokens=max_tokens)
         finally:
@@ -275,6 +323,9 @@ def make_engine_app(front: EngineFront, model: str, tokenizer: Any = None, vocab
             for lane in front.lanes
         ]
         events = {"applied": front.events.events, "gaps": front.events.gaps}
-        return web.json_response({"engines": engines, "router": front.router.stats(), "events": events})
+        prefetch = front.prefetcher.counts if front.prefetcher is not None else None
+        return web.json_response(
+            {"engines": engines, "router": front.router.stats(), "events": events, "prefetch": prefetch}
+        )
 
     return front_app(model, completions, stats)

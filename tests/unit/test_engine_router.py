@@ -2,6 +2,8 @@
 the router's quote from it, the pool's placements and the queue.  The real engines' events and the route they
 produce are tested in tests/integration/engine/test_engine_routing.py."""
 
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -153,3 +155,53 @@ def test_a_directory_without_a_model_config_is_a_config_error(tmp_path: Path) ->
     (tmp_path / "config.json").write_text('{"hidden_size": 64}')
     with pytest.raises(ConfigError, match="not a Llama-style model config"):
         model_spec_of(tmp_path)
+
+
+class _BlockedEngine:
+    """An engine whose answers wait for ``gate``: the first request holds it while a second one queues."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[dict[str, object]]:
+        assert self.gate.wait(30)
+        return [{"tokens": [1], "cached": 0}]
+
+
+class _Prefetches:
+    def __init__(self) -> None:
+        self.asked: list[tuple[list[bytes], str]] = []
+
+    def submit(self, keys: Sequence[bytes], node: str) -> None:
+        self.asked.append((list(keys), node))
+
+
+def test_a_request_that_waits_for_its_engine_has_its_chunks_prefetched_to_that_node() -> None:
+    from kvpool.prefill_decode.vllm.front import EngineFront, EngineLane
+
+    engine, prefetches = _BlockedEngine(), _Prefetches()
+    tokens = [7] * 32  # 4 chunks, each of 2 layer objects, on another node's NVMe
+
+    def keys(tokens: Sequence[int], scope: Scope | None) -> list[list[bytes]]:
+        return [[b"%d-L%d" % (c, layer) for layer in range(2)] for c in range(len(tokens) // CHUNK)]
+
+    flat = [k for chunk in keys(tokens, None) for k in chunk]
+    table = {k: [Placement(k, "node-b", Tier.NVME, 0, 1 << 20, 1 << 20, 0)] for k in flat}
+    router = EngineRouter(["node-a"], [_cost()], keys, CHUNK, lambda k: table[k], lambda *_: 0)
+    lanes = [EngineLane(engine, "node-a", "engine0")]  # type: ignore[arg-type]
+    front = EngineFront(lanes, None, router, prefetches)  # type: ignore[arg-type]
+    first = threading.Thread(target=front.complete, args=(tokens,))
+    first.start()
+    while not front._locks[0].locked():
+        time.sleep(0.01)
+    second = threading.Thread(target=front.complete, args=(tokens,))
+    second.start()
+    deadline = time.monotonic() + 30
+    while not prefetches.asked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.gate.set()
+    first.join()
+    second.join()
+    assert prefetches.asked == [(flat, "node-a")]  # only the request that waited, into its engine's node
+    front.complete(tokens)  # alone: nothing to wait for, nothing prefetched
+    assert len(prefetches.asked) == 1

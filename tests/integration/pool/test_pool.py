@@ -294,6 +294,24 @@ def test_prefetch_brings_the_held_prefix_into_one_nodes_dram(
         client.prefetch([b"short"], other)
 
 
+def test_the_engine_fronts_prefetcher_runs_on_its_own_thread_and_never_raises(
+    pool: PoolConfig, client: PoolClient, ray_cluster: list[str]
+) -> None:
+    from kvpool.prefill_decode.vllm.front import Prefetcher
+
+    keys = chunk_keys(IDENT, range(4 * 50))[:3]
+    client.put_batch([(k, blob(i)) for i, k in enumerate(keys)], nodes=[client.node_id])
+    prefetcher = Prefetcher(pool)
+    try:
+        assert prefetcher.submit(keys, ray_cluster[1]).result(60).copied == 3
+        assert prefetcher.submit(keys, "no-such-node").result(60) is None  # logged and counted, not raised
+        assert prefetcher.counts == {"asked": 2, "promoted": 0, "copied": 3, "failed": 1}
+    finally:
+        prefetcher.close()
+    client.cache.sync()  # another client's puts: seen once this watch caught up with etcd
+    assert all(ray_cluster[1] in {p.node for p in client.cache.replicas(k)} for k in keys)
+
+
 def test_connect_peers_reaches_every_other_node_before_any_transfer(client: PoolClient, ray_cluster: list[str]) -> None:
     """What an engine does at start: every peer connected and wired up (a READ each), the staging buffer registered."""
     assert client.registrations == 0
