@@ -143,16 +143,18 @@ def tp_group() -> Any:
 
 
 @contextlib.contextmanager
-def attached(group: Any, extra: dict[str, Any], layout: str = "page_first") -> Iterator[HiCacheController]:
-    """A controller over its own MHA host pool in ``layout`` with the pool as its L3 (``interface_v1``: the zero-copy
-    calls), detached and its backend closed on leaving."""
+def attached(
+    group: Any, extra: dict[str, Any], layout: str = "page_first", *, mla: bool = False
+) -> Iterator[HiCacheController]:
+    """A controller over its own MHA (``mla``: MLA) host pool in ``layout`` with the pool as its L3 (``interface_v1``:
+    the zero-copy calls), detached and its backend closed on leaving."""
     import threading
 
     import torch
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
-    dev, host = pools(layout)
+    dev, host = mla_pools(layout) if mla else pools(layout)
     allocator = PagedTokenToKVPoolAllocator(dev.size, PAGE, torch.bfloat16, "cpu", dev, need_sort=False)
     ctrl = HiCacheController(
         allocator,

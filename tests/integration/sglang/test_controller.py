@@ -21,10 +21,12 @@ def group() -> Any:
     return tp_group()
 
 
-@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
-def test_backup_then_prefetch_through_the_controller(group: Any, extra: dict[str, Any], layout: str) -> None:
-    with attached(group, extra, layout) as ctrl:
+@pytest.mark.parametrize(("layout", "mla"), [("page_first", False), ("layer_first", False), ("page_first", True)])
+def test_backup_then_prefetch_through_the_controller(group: Any, extra: dict[str, Any], layout: str, mla: bool) -> None:
+    """MHA and MLA host pools (with MLA the controller tells the backend so: is_mla_model, one writer rank)."""
+    with attached(group, extra, layout, mla=mla) as ctrl:
         assert isinstance(ctrl.storage_backend, KvPoolStorage)
+        assert ctrl.storage_config.is_mla_model is mla and ctrl.storage_backend.pages.mla is mla
         assert ctrl.page_set_func.__name__ == "_page_set_zero_copy"
         tokens = list(range(1000, 1000 + 6 * PAGE))
         saved, done = back_up(ctrl, tokens)
