@@ -2,6 +2,7 @@
 
 import json
 import shlex
+import sys
 
 import typer
 
@@ -21,6 +22,13 @@ JSON = typer.Option(
     "--json",
     help='Print only the extra config (JSON), for --hicache-storage-backend-extra-config "$(kvpool sglang-config --json)".',
 )
+
+
+def launch_line(config: StorageConfig) -> str:
+    """The command that starts SGLang's server on the pool ``config`` names, with this environment's interpreter (where
+    ``kvpool`` is installed, as the ``dynamic`` backend loader needs); ``MODEL`` is the user's to fill in."""
+    python = shlex.quote(sys.executable)
+    return f"{python} -m sglang.launch_server --model-path MODEL {shlex.join(server_flags(config))}"
 
 
 @root.app.command("sglang-config")
@@ -50,7 +58,7 @@ def sglang_config(
         )
         typer.echo(json.dumps(extra_config(config)) if as_json else shlex.join(server_flags(config)))
         root.err_console.print(
-            f"[dim]pool '{cluster}': {nodes} live nodes; SGLang's host pool must be an MHA one (not MLA yet), "
-            "in any --hicache-mem-layout but page_first_kv_split[/dim]",
+            f"[dim]pool '{cluster}': {nodes} live nodes; SGLang's --hicache-mem-layout must be layer_first, "
+            "page_first, page_first_direct or (MHA models only) page_head[/dim]",
             soft_wrap=True,
         )

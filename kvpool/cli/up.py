@@ -9,6 +9,7 @@ from rich.table import Table
 
 from kvpool import ray_auth
 from kvpool.cli import options, root
+from kvpool.cli.sglang import launch_line
 from kvpool.cli.vllm import serve_line
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.metadata.cache import MetadataCache
@@ -17,6 +18,7 @@ from kvpool.metadata.namespace import Namespace
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.tenants import Tenants
 from kvpool.prefill_decode.reference.demo import MODELS, QUESTION
+from kvpool.prefill_decode.sglang.config import StorageConfig
 
 if TYPE_CHECKING:
     from kvpool.metadata.config import MetadataConfig
@@ -67,21 +69,32 @@ def demo_lines(run: "DemoRun") -> list[str]:
 
 
 def _hold(pool: PoolConfig) -> None:
-    """Say how to reach the pool (kvpool status, vLLM), then wait for Ctrl-C."""
+    """Say how to reach the pool (kvpool status, vLLM, SGLang), then wait for Ctrl-C."""
     import ray
 
     where = f"--etcd {pool.metadata.endpoints[0]} --cluster {pool.metadata.cluster}"
     if pool.metadata.tls:
         root.console.print(f"etcd is TLS only: export {options.TLS_DIR_ENV}=<the --etcd-tls directory> in that shell")
     node_ip = min(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
+    ray_address = ray.get_runtime_context().gcs_address
     token = ray_auth.find_token() if ray_auth.current_mode() == "token" else None
-    if token is not None and token.path is not None:  # what kvpool put/get/down and engines attach with
+    token_path = str(token.path) if token is not None and token.path is not None else ""
+    if token_path:  # what kvpool put/get/down and engines attach with
         root.console.print(
-            f"Ray asks for its token: export {ray_auth.TOKEN_PATH_ENV}={token.path} in that shell", soft_wrap=True
+            f"Ray asks for its token: export {ray_auth.TOKEN_PATH_ENV}={token_path} in that shell", soft_wrap=True
         )
     root.console.print(f"pool up. In another shell: kvpool status {where}")
-    args = f"{where} --namespace {pool.namespace} --ray-address {ray.get_runtime_context().gcs_address} --node-ip {node_ip}"
+    args = f"{where} --namespace {pool.namespace} --ray-address {ray_address} --node-ip {node_ip}"
     root.console.print(f"vLLM on it: {serve_line(args)}", soft_wrap=True, markup=False)
+    sglang = StorageConfig(
+        etcd=pool.metadata.endpoints,
+        cluster=pool.metadata.cluster,
+        namespace=pool.namespace,
+        ray_address=ray_address,
+        ray_token_path=token_path,
+        node_ip=node_ip,
+    )
+    root.console.print(f"SGLang on it: {launch_line(sglang)}", soft_wrap=True, markup=False)
     root.console.print("Ctrl-C (or kill) stops it.")
     root.wait_for_interrupt("the pool")
 

@@ -19,7 +19,7 @@ by one I/O thread of the backend's own (a client is used by one thread); every c
 Nothing here breaks SGLang's threads: a pool that is down, a node that died, a page that is gone or corrupt is a miss
 (``False`` for that page, 0 held) or a failed save, counted with its cause (``kvpool_engine_*``, ``kvpool_misses_total``
 on the pool node of this host); no batch call returns ``None`` or raises.  A configuration this backend cannot serve
-(an MLA model, a host layout it does not know) raises :class:`~kvpool.errors.ConfigError` when SGLang attaches it.
+(a host layout it does not know, context parallelism) raises :class:`~kvpool.errors.ConfigError` when SGLang attaches it.
 """
 
 import contextlib
@@ -77,13 +77,19 @@ class KvPoolStorage(HiCacheStorage):
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvpool-hicache-io")
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """The host pool pages move between: its layout checked, the cache identity and key root derived, and the
-        pool connected (on the I/O thread, waited for up to ``CONNECT_S``; while it is not, every lookup is 0 pages
-        held and it is tried again every ``RETRY_S``)."""
+        """The host pool pages move between (MHA or MLA): its layout checked, the cache identity and key root derived
+        (with MLA the same on every TP rank, and only the storage-writer rank saves), and the pool connected (on the
+        I/O thread, waited for up to ``CONNECT_S``; while it is not, every lookup is 0 pages held and it is tried
+        again every ``RETRY_S``)."""
         super().register_mem_pool_host(mem_pool_host)
         pages = PageLayout(mem_pool_host)
         pages.check_pointers(mem_pool_host.get_page_buffer_meta)
         cfg = self.storage_config
+        if pages.mla != cfg.is_mla_model:  # the writer rank and the identity's TP both follow from it
+            raise ConfigError(
+                f"KvPoolStorage: the storage config says is_mla_model={cfg.is_mla_model} but the host pool is "
+                f"{type(mem_pool_host).__name__}: attach the backend through SGLang's HiCacheController"
+            )
         identity = pages.identity(self.model, cfg.tp_rank, cfg.tp_size, int(getattr(mem_pool_host, "start_layer", 0)))
         self.pages, self.identity, self.fingerprint = pages, identity, fingerprint(identity)
         self.root = identity.root() if self.scope is None else self.scope.root(identity.root())
@@ -213,13 +219,13 @@ class KvPoolStorage(HiCacheStorage):
     def _save(self, keys: list[str], host_indices: torch.Tensor | None, flats: list[Any] | None) -> list[bool]:
         """Pages from the host slots (``host_indices``) or flat pages (``flats``) into the pool as ``keys``; a page
         the pool holds already is not written again."""
+        if not self.storage_config.is_storage_writer:  # MLA: one rank writes what every rank reads
+            return [True] * len(keys)
         started = time.perf_counter()
         pages, client = self.pages, self._client()
         if client is None or pages is None:
             self.counts.add(save_errors=len(keys))
             return [False] * len(keys)
-        if not self.storage_config.is_storage_writer:  # MLA: one rank writes what every rank reads
-            return [True] * len(keys)
         pool_keys = self.keys(keys)
         new = [i for i, k in enumerate(pool_keys) if not client.cache.replicas(k)]
         sources = self._dests(pages, keys, host_indices, flats)
@@ -324,11 +330,6 @@ def _read(client: Any, keys: list[bytes], buffers: list[torch.Tensor]) -> list[b
 
 def _check_parallelism(cfg: HiCacheStorageConfig) -> None:
     """Refuse what this backend does not key or lay out yet, saying how to serve without it."""
-    if cfg.is_mla_model:
-        raise ConfigError(
-            "KvPoolStorage does not store MLA pages yet (only MHA host pools): serve this model with another "
-            "--hicache-storage-backend, or without one"
-        )
     if cfg.attn_cp_size > 1 or cfg.dcp_size > 1 or cfg.should_split_heads:
         raise ConfigError(
             "KvPoolStorage does not support context parallelism or heterogeneous TP (split heads) yet: serve with "

@@ -2,12 +2,14 @@
 end.  ``kvpool up --hold`` brings a pool up (its own etcd and Ray cluster) and prints the server line; the line runs
 in a shell with the model put in for ``MODEL`` (and a port), once per server.  The server runs vLLM's engine core in
 a process of its own (not the in-process engine the other engine tests use).  A fresh server answers the demo's
-question about SmolLM2's document from the chunks the first server saved (``cached_tokens``), with the same text."""
+question about SmolLM2's document from the chunks the first server saved (``cached_tokens``), with the same text.  The
+SGLang server line printed beside it carries the flags ``kvpool sglang-config`` prints for that pool."""
 
 import json
 import os
 import re
 import shlex
+import subprocess
 import sys
 import time
 import urllib.error
@@ -25,6 +27,7 @@ from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig
 from kvpool.metadata.namespace import Namespace
 from kvpool.prefill_decode.reference.demo import demo_prompt
 from kvpool.prefill_decode.reference.model import converted_smollm2
+from kvpool.prefill_decode.sglang.config import StorageConfig
 from kvpool.servers.process import ServerProcess, free_port
 
 HOST = "127.0.0.2"  #: the first node of ``kvpool up``'s local cluster, where the servers run
@@ -34,11 +37,13 @@ VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nob
 
 
 class Held:
-    """What ``kvpool up --hold`` printed: the token export, the vLLM server line, the pool's etcd and cluster."""
+    """What ``kvpool up --hold`` printed: the token export, the vLLM and SGLang server lines, the pool's etcd and
+    cluster."""
 
     def __init__(self, log: str) -> None:
         self.token_export = _line(log, "Ray asks for its token: ").removesuffix(" in that shell")
         self.server_line = _line(log, "vLLM on it: ")
+        self.sglang_line = _line(log, "SGLang on it: ")
         where = _line(log, "In another shell: kvpool status ")
         found = re.fullmatch(r"--etcd (\S+) --cluster (\S+)", where)
         assert found is not None, where
@@ -146,3 +151,26 @@ def kvpool_metrics(url: str) -> dict[tuple[str, str], float]:
         text = r.read().decode()
     found = re.findall(r"^vllm:kvpool_(\w+)_total\{(.*)\} (\S+)$", text, re.M)
     return {(name, re.findall(r'(?:kind|direction|cause)="(\w+)"', labels)[0]): float(n) for name, labels, n in found}
+
+
+def test_the_sglang_line_carries_the_flags_sglang_config_prints(held: Held) -> None:
+    """The SGLang server line beside vLLM's: SGLang's HiCache flags for the same pool, as ``kvpool sglang-config``
+    prints them there (tests/integration/sglang/test_sglang_config_cli.py loads a working backend from such flags;
+    tests/integration/sglang/test_launch_server.py runs the server on a GPU host)."""
+    words = shlex.split(held.sglang_line)
+    assert words[1:5] == ["-m", "sglang.launch_server", "--model-path", "MODEL"], held.sglang_line
+    vllm_args = shlex.split(held.server_line.split("vllm-config ", 1)[1].removesuffix(')"'))
+    kvpool = str(Path(sys.executable).with_name("kvpool"))
+    env = {k: v for k, v in os.environ.items() if k not in (ENDPOINTS_ENV, "RAY_ADDRESS")} | {"COLUMNS": "400"}
+    printed = subprocess.run(
+        ["bash", "-c", f"{held.token_export}; {shlex.join([kvpool, 'sglang-config', *vllm_args])}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert printed.returncode == 0, printed.stderr
+    assert words[5:] == shlex.split(printed.stdout)
+    extra = StorageConfig.from_extra(json.loads(words[9]))
+    assert (extra.etcd, extra.cluster) == ((held.etcd,), held.cluster)
+    assert extra.ray_token_path == held.token_export.split("=", 1)[1] and extra.node_ip == HOST

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from hicache import LAYOUTS, PAGE, host_pool, storage_config
+from hicache import LAYOUTS, PAGE, host_pool, mla_host_pool, storage_config
 from sglang_needed import sglang_module
 
 from kvpool.errors import ConfigError
@@ -182,7 +182,30 @@ def test_no_pool_at_all_gives_misses_at_once(extra: dict[str, Any]) -> None:
 
 
 def test_what_it_cannot_serve_is_refused_when_attached(extra: dict[str, Any]) -> None:
-    with pytest.raises(ConfigError, match="MLA"):
-        KvPoolStorage(storage_config(extra, mla=True), {})
     with pytest.raises(ConfigError, match="chunk_siz"):
         KvPoolStorage(storage_config({**extra, "chunk_siz": 64}), {})
+    refused = [
+        (False, host_pool("page_unified"), "MHA host pools .* 'page_unified' .*get_page_buffer_meta"),
+        (
+            True,
+            mla_host_pool("page_unified"),
+            "MLA host pools in the layouts layer_first, page_first, page_first_direct",
+        ),
+        (False, mla_host_pool("page_first"), "is_mla_model=False but the host pool is MLATokenToKVPoolHost"),
+    ]
+    for mla, host, why in refused:
+        store = KvPoolStorage(storage_config(extra, mla=mla), {})
+        try:
+            with pytest.raises(ConfigError, match=why):
+                store.register_mem_pool_host(host)
+        finally:
+            store.close()
+
+
+def test_sglang_makes_no_page_first_kv_split_host_pool_on_cpu() -> None:
+    """Why KvPoolStorage refuses page_first_kv_split (pages.REFUSED): SGLang builds it only from an Ascend NPU's
+    split MLA buffers; its CPU MLA host pool fails to make one, and its MHA host pool has no such layout."""
+    with pytest.raises(AttributeError, match="index_layer_indices"):
+        mla_host_pool("page_first_kv_split")
+    with pytest.raises(ValueError, match="Unsupported layout: page_first_kv_split"):
+        host_pool("page_first_kv_split")

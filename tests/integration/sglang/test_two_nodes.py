@@ -1,7 +1,9 @@
-"""Two SGLang servers' storage sides on two Ray nodes, each with its own host pool and ``KvPoolStorage``: the pages
-one backs up, the other finds and loads from the pool over the transfer engine (one-sided reads from the first
-node's pool node; no KV byte through Ray), bytes equal."""
+"""Two SGLang instances on two Ray nodes, each a real ``HiCacheController`` with its own host pool and
+``KvPoolStorage`` in its own process: the pages one instance's backup thread saves, the other's prefetch threads find
+and load from the pool over the transfer engine (one-sided reads from the first node's pool node; no KV byte through
+Ray), bytes equal."""
 
+import contextlib
 import hashlib
 import os
 from pathlib import Path
@@ -10,73 +12,69 @@ from typing import Any
 import ray
 import sglang_needed
 import torch
-from hicache import PAGE, host_pool, storage_config
+from hicache import PAGE, attached, back_up, prefetch, tp_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from sglang_needed import sglang_module
 
 sglang_module("sglang.srt.mem_cache.hicache_storage")  # a skip where SGLang is not installed (see sglang_needed)
 
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
-from kvpool.prefill_decode.sglang.pages import PageLayout  # noqa: E402
-from kvpool.prefill_decode.sglang.storage import KvPoolStorage  # noqa: E402
+TOKENS = list(range(300, 300 + 8 * PAGE))
 
 
-def digests(host: MHATokenToKVPoolHost, slots: torch.Tensor) -> list[str]:
-    """The SHA-256 of each page at host ``slots``, in the pool object's order (what is compared across nodes)."""
-    layout = PageLayout(host)
-    return [
-        hashlib.sha256(layout.view(int(s)).contiguous().view(torch.uint8).numpy()).hexdigest() for s in slots[::PAGE]
-    ]
+def digests(pages: list[torch.Tensor]) -> list[str]:
+    """The SHA-256 of each page (in the pool object's order): what is compared across nodes."""
+    return [hashlib.sha256(p.contiguous().view(torch.uint8).numpy()).hexdigest() for p in pages]
 
 
 @ray.remote(num_cpus=0)
-class Server:
-    """The storage side of an SGLang server on another Ray node: its own host pool (``layout``) and backend."""
+class Instance:
+    """An SGLang instance's cache side on a Ray node: its TP group, its host pool (``layout``) and its controller with
+    the pool as L3."""
 
     def __init__(self, extra: dict[str, Any], layout: str) -> None:
         sglang_module("sglang.srt.mem_cache.hicache_storage")  # this worker's torchvision, as the driver's
-        self.host = host_pool(layout)
-        self.store = KvPoolStorage(storage_config(extra), {})
-        self.store.register_mem_pool_host(self.host)
+        self.node = ray.get_runtime_context().get_node_id()
+        self.stack = contextlib.ExitStack()
+        self.ctrl = self.stack.enter_context(attached(tp_group(), extra, layout))
 
-    def load(self, hashes: list[str]) -> tuple[int, list[bool], list[str], str]:
-        """How many leading pages the pool holds, which loaded, their digests, and this node's id."""
-        held = self.store.batch_exists(hashes)
-        slots = self.host.alloc(len(hashes) * PAGE)
-        ok = self.store.batch_get_v1(hashes, slots)
-        return held, ok, digests(self.host, slots), ray.get_runtime_context().get_node_id()
+    def back_up(self, tokens: list[int]) -> tuple[int, list[str], set[str], str]:
+        """Back ``tokens`` up through the backup thread: the tokens it saved, the pages' digests, the nodes that hold
+        them, and this node's id."""
+        saved, done = back_up(self.ctrl, tokens)
+        store = self.ctrl.storage_backend
+        keys = store.keys(get_storage_hash_str(tokens, None, page_size=PAGE))
+        held = {p.node for k in keys for p in store.connection.connected.cache.replicas(k)}
+        return done, digests(saved), held, self.node
+
+    def prefetch(self, tokens: list[int]) -> tuple[list[str], str]:
+        """Prefetch ``tokens`` through the prefetch threads: the digests of the pages that came, and this node's id."""
+        return digests(prefetch(self.ctrl, tokens, "req-1")), self.node
 
     def close(self) -> None:
-        self.store.close()
+        self.stack.close()
 
 
-def test_pages_one_server_backs_up_another_loads_on_another_node(extra: dict[str, Any], ray_cluster: list[str]) -> None:
-    host = host_pool("page_first")
-    writer = KvPoolStorage(storage_config(extra), {})
-    writer.register_mem_pool_host(host)
+def test_one_instance_backs_up_another_prefetches_on_another_node(
+    extra: dict[str, Any], ray_cluster: list[str]
+) -> None:
+    # the workers import this module, and with it hicache and sglang_needed: their folders on their path
+    paths = (str(Path(__file__).parent), str(Path(sglang_needed.__file__).parent), os.environ.get("PYTHONPATH", ""))
+    env = {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    a, b = ray_cluster[1], ray_cluster[2]  # two nodes, neither the driver's
+    writer, reader = (
+        Instance.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False), runtime_env={"env_vars": env}
+        ).remote(extra, layout)
+        for node, layout in ((a, "page_first"), (b, "page_head"))
+    )
     try:
-        tokens = list(range(300, 300 + 8 * PAGE))
-        hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
-        slots = host.alloc(len(tokens))
-        assert writer.batch_set_v1(hashes, slots) == [True] * 8
-        here = ray.get_runtime_context().get_node_id()
-        cache = writer.connection.connected.cache
-        assert {p.node for k in writer.keys(hashes) for p in cache.replicas(k)} == {here}
-        other = next(n for n in ray_cluster if n != here)
-        # the worker imports this module, and with it hicache and sglang_needed: their folders on its path
-        paths = (str(Path(__file__).parent), str(Path(sglang_needed.__file__).parent), os.environ.get("PYTHONPATH", ""))
-        env = {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-        server = Server.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(other, soft=False), runtime_env={"env_vars": env}
-        ).remote(extra, "page_head")
-        try:
-            held, ok, got, node = ray.get(server.load.remote(hashes), timeout=180)
-            assert node == other and held == 8 and ok == [True] * 8
-            assert got == digests(host, slots)
-        finally:
-            ray.get(server.close.remote(), timeout=60)
-            ray.kill(server)
+        done, saved, held, node = ray.get(writer.back_up.remote(TOKENS), timeout=180)
+        assert node == a and done == len(TOKENS) and held == {a}  # saved on the writer's node only
+        got, node = ray.get(reader.prefetch.remote(TOKENS), timeout=180)
+        assert node == b and got == saved
     finally:
-        writer.close()
+        ray.get([writer.close.remote(), reader.close.remote()], timeout=60)
+        ray.kill(writer)
+        ray.kill(reader)
