@@ -1,7 +1,19 @@
-"""An HTTP front asked in a test: an aiohttp app on a free loopback port, a list of requests, every answer."""
+"""An HTTP front asked in a test: an aiohttp app on a free loopback port, a list of requests, every answer; and
+whether a server started as a user starts it answers ``/health`` yet."""
 
 import asyncio
+import urllib.error
+import urllib.request
 from typing import Any
+
+
+def health(url: str) -> str | None:
+    """None once ``url``'s ``/health`` answers 200, else what it said (a ``ServerProcess`` readiness check)."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+            return None if r.status == 200 else f"/health answered {r.status}"
+    except (OSError, urllib.error.URLError) as exc:
+        return f"/health: {exc}"
 
 
 def ask_app(app: Any, asks: list[tuple[str, dict[str, Any]]]) -> list[tuple[int, dict[str, Any]]]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from http_asks import health
 
 from kvpool.errors import KvPoolError, WorkerUnavailable
 from kvpool.metadata.cache import MetadataCache
@@ -79,16 +80,8 @@ def serve(held: Held, model: Path, log: Path) -> tuple[ServerProcess, str]:
     env = {k: v for k, v in os.environ.items() if k not in (ENDPOINTS_ENV, "RAY_ADDRESS")} | VLLM_CPU_ENV
     server = ServerProcess("vLLM's OpenAI server", ["bash", "-c", f"{held.token_export}; {line} {extra}"], log, env=env)
     url = f"http://{HOST}:{port}"
-    server.start(lambda: _health(url), 600, WorkerUnavailable, poll_s=1.0)
+    server.start(lambda: health(url), 600, WorkerUnavailable, poll_s=1.0)
     return server, url
-
-
-def _health(url: str) -> str | None:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-            return None if r.status == 200 else f"/health answered {r.status}"
-    except (OSError, urllib.error.URLError) as exc:
-        return f"/health: {exc}"
 
 
 def complete(url: str, model: Path, prompt: str) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import ray
 import torch
+from http_asks import health
 from sglang_needed import sglang_module
 
 from kvpool.errors import WorkerUnavailable
@@ -96,16 +97,8 @@ def serve(model: Path, flags: list[str], log: Path) -> tuple[ServerProcess, str]
     env = {k: v for k, v in os.environ.items() if k not in (ENDPOINTS_ENV, "RAY_ADDRESS")}
     server = ServerProcess("SGLang's server", args, log, env=env, grace_s=30)
     url = f"http://127.0.0.1:{port}"
-    server.start(lambda: _health(url), 900, WorkerUnavailable, poll_s=1.0)
+    server.start(lambda: health(url), 900, WorkerUnavailable, poll_s=1.0)
     return server, url
-
-
-def _health(url: str) -> str | None:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-            return None if r.status == 200 else f"/health answered {r.status}"
-    except (OSError, urllib.error.URLError) as exc:
-        return f"/health: {exc}"
 
 
 def generate(url: str, tokens: list[int]) -> dict[str, Any]:
