@@ -8,6 +8,8 @@ wall time of a 1-token generation (= TTFT):
 - vLLM prefix-cache hit: the same prompt again in the same engine (the upper bound: nothing to move);
 - kvpool, cold + save: engine A with the connector (kv_both) computing and saving the prompt;
 - kvpool, restart: a fresh engine B on the same node answers the prompt from the pool (same-node DRAM);
+- kvpool, NVMe-resident prefix: engine B's prompt moved to its node's NVMe, then asked again, as it is and after
+  ``PoolClient.prefetch`` promoted it to DRAM (what the engine front does while a request waits for its engine);
 - kvpool, P/D: a producer engine on the other node prefills, engine B answers from that node's DRAM (one-sided);
 - vLLM OffloadingConnector (CPU) and SimpleCPUOffloadConnector: the prompt again after ``reset_prefix_cache``,
   served from their CPU store; ExampleConnector: the same from its disk files — each where it runs on this
@@ -23,6 +25,7 @@ import json
 import re
 import statistics
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,10 +36,13 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpool.bench.limits import memcpy_gbps
+from kvpool.core.keys import CacheIdentity
+from kvpool.core.types import Tier
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
 from kvpool.prefill_decode.vllm.engine import EngineProcess
+from kvpool.prefill_decode.vllm.front import engine_keys, wait_saved
 from kvpool.servers.etcd import EmbeddedEtcd
 from kvpool.servers.ray_cluster import LocalRayCluster
 
@@ -123,7 +129,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         }
         try:
             plain_cases(settings, work, cases)
-            kvpool_cases(settings, extra, cluster.node_ids(), work, cases)
+            kvpool_cases(settings, extra, cluster.node_ids(), work, cases, pool)
             vllm_cases(settings, vllm_connectors(work, kv_bytes, args.repeat), work, cases)
         finally:
             stop_pool(pool)
@@ -148,16 +154,20 @@ def plain_cases(settings: dict[str, Any], work: Path, cases: Cases) -> None:
         cases.add("vLLM prefix-cache hit", *ttft(plain, cold))
 
 
-def kvpool_cases(settings: dict[str, Any], extra: dict[str, Any], ids: list[str], work: Path, cases: Cases) -> None:
-    """With kvpool's connector: engine A saves, a fresh engine B on the same node reloads, and B answers what a
-    producer on the other node prefilled."""
+def kvpool_cases(
+    settings: dict[str, Any], extra: dict[str, Any], ids: list[str], work: Path, cases: Cases, pool: PoolConfig
+) -> None:
+    """With kvpool's connector: engine A saves, a fresh engine B on the same node reloads, B answers a prefix left on
+    its node's NVMe with and without a prefetch, and B answers what a producer on the other node prefilled."""
     warm = cases.fresh()
     with EngineProcess({**settings, "connector": {**extra, "node_ip": "127.0.0.2"}}, work / "a.log") as a:
         ttft(a, [prompt(998, 64)])
         cases.add("kvpool: cold + save (kv_both)", *ttft(a, warm))
+        wait_saved(a, len(warm) * (cases.tokens // extra["chunk_size"]) * extra["chunk_size"])  # then B is fresh
     with EngineProcess({**settings, "connector": {**extra, "node_ip": "127.0.0.2"}}, work / "b.log") as b:
         ttft(b, [prompt(997, 64)])
         cases.add("kvpool: restart, same node", *ttft(b, warm, reset=True))
+        nvme_cases(b, pool, ids[0], cases)
         pd = cases.fresh()
         producer = {**settings, "role": "kv_producer", "connector": {**extra, "node_ip": "127.0.0.3"}}
         with EngineProcess(producer, work / "producer.log") as p:
@@ -166,6 +176,32 @@ def kvpool_cases(settings: dict[str, Any], extra: dict[str, Any], ids: list[str]
         totals = b.ask(connector=True)["totals"]
         if totals.get("load_errors"):
             console.print(f"[yellow]  {int(totals['load_errors'])} blocks failed to load and were recomputed[/]")
+
+
+def nvme_cases(engine: EngineProcess, pool: PoolConfig, node: str, cases: Cases) -> None:
+    """A prefix the pool holds on the NVMe of the engine's node: loaded as it is (the engine's read promotes it), or
+    promoted to DRAM by ``PoolClient.prefetch`` before the request (what a router does while the request waits)."""
+    from kvpool.pool.client import PoolClient
+
+    state = engine.ask(connector=True)
+    identity, layers = CacheIdentity(**state["identity"]), state["layers"]
+    with PoolClient(pool) as client:
+        for ahead in (False, True):
+            prompts = cases.fresh()
+            saved = engine.ask(connector=True)["totals"].get("saved_tokens", 0)
+            ttft(engine, prompts)  # computed and saved
+            per_prompt = [[k for chunk in engine_keys(identity, layers, p, None) for k in chunk] for p in prompts]
+            keys = [k for ks in per_prompt for k in ks]
+            wait_saved(engine, saved + len(keys) // layers * identity.chunk_size)
+            client.cache.sync()
+            client.move(keys, Tier.NVME)
+            note = "the engine's load promotes it"
+            if ahead:
+                started = time.perf_counter()
+                promoted = sum(client.prefetch(ks, node).promoted for ks in per_prompt)  # each prompt's own chain
+                note = f"prefetch promoted {promoted} objects in {time.perf_counter() - started:.2f} s before"
+            name = "kvpool: NVMe-resident prefix" + (", prefetched to DRAM" if ahead else "")
+            cases.add(name, *ttft(engine, prompts, reset=True), note=note)
 
 
 def vllm_cases(settings: dict[str, Any], connectors: dict[str, dict[str, Any]], work: Path, cases: Cases) -> None:

@@ -87,7 +87,9 @@ def _ttft(engine: EngineProcess, prompt: list[int], reset: bool = False) -> floa
     return float(out["seconds"])
 
 
-def _wait_saved(engine: EngineProcess, tokens: int) -> None:
+def wait_saved(engine: EngineProcess, tokens: int) -> None:
+    """Until ``engine``'s connector has saved ``tokens`` prompt tokens since it started (its saves run after the
+    answer); ``WorkerUnavailable`` after :data:`SAVE_WAIT_S`."""
     deadline = time.monotonic() + SAVE_WAIT_S
     while engine.ask(connector=True)["totals"].get("saved_tokens", 0) < tokens:
         if time.monotonic() > deadline:
@@ -114,7 +116,7 @@ def calibrate(
         _ttft(lane.engine, prompts[0])  # warm-up: the first forward passes of an engine are slow
         saved = lane.engine.ask(connector=True)["totals"].get("saved_tokens", 0)
         cold = statistics.median(_ttft(lane.engine, p) for p in prompts[1:])
-        _wait_saved(lane.engine, saved + 2 * loaded)
+        wait_saved(lane.engine, saved + 2 * loaded)
         step = statistics.median(_ttft(lane.engine, prompts[1]) for _ in range(3))
         own = _ttft(lane.engine, prompts[1], reset=True) - step
         bandwidth = {"dram": kv / max(own, MIN_READ_S)}

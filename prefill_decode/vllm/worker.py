@@ -233,7 +233,10 @@ class WorkerSide:
                 self.counts.add(save_errors=len(batch))
                 return
             self.counts.add(
-                saved_tokens=sum((t.end - t.first) * self.config.chunk_size for _, t in batch),
+                # a transfer's tokens once, not once per layer of it
+                saved_tokens=sum(
+                    (t.end - t.first) * self.config.chunk_size for t in {id(t): t for _, t in batch}.values()
+                ),
                 saved_bytes=at,
                 save_seconds=time.perf_counter() - started,
             )
