@@ -2,16 +2,22 @@
 and a Mamba-2 hybrid (Falcon-H1), each a tiny random-weight model built here, on real vLLM CPU engines."""
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 import torch
 from engines import CHUNK, P, engine, extra_config
 
-from kvpool.core.keys import CacheIdentity
+from kvpool.core.keys import CacheIdentity, chunk_keys, layer_key
+from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
+from kvpool.pool.protocol import actor_name
+from kvpool.pool.segment import DramSegment
 from kvpool.prefill_decode.vllm.config import ConnectorConfig
+from kvpool.prefill_decode.vllm.engine import EngineProcess
 from kvpool.prefill_decode.vllm.groups import KvGroups, PoolLayer
 from kvpool.prefill_decode.vllm.scheduler import KvPoolMetadata, Transfer
 from kvpool.prefill_decode.vllm.worker import WorkerSide
@@ -138,14 +144,22 @@ def test_worker_side_moves_each_group_s_blocks_and_one_rank_writes_replicated_kv
     assert ended == ({"r2"}, set())
     assert torch.equal(dst[[17, 18, 19, 20, 21, 22, 23, 1]], buffer[full])
     assert torch.equal(dst[[2, 3]], buffer[[15, 16]]) and not dst[0].any()
+    never = Transfer("r3", list(range(1000, 1256)), 0, 2, load.block_ids, whole_request=True)  # nothing saved
+    loader.start_step(KvPoolMetadata(loads=[never]))
+    while not (ended := loader.loaded())[0]:
+        assert time.monotonic() < deadline, "the load of r3 never ended"
+        time.sleep(0.05)
+    assert ended == ({"r3"}, {"r3"})  # vLLM computes r3 from its start
     for side in (saver, other_rank, loader):
         side.close()
 
 
-def from_the_pool(pool: PoolConfig, model: str, name: str, logs: Path) -> tuple[dict[str, Any], ...]:
+def from_the_pool(
+    pool: PoolConfig, model: str, name: str, logs: Path, then: Callable[[EngineProcess], None] | None = None
+) -> tuple[dict[str, Any], ...]:
     """The answer to P of an engine without the connector, of one with it that computes and saves P, and of a
     fresh engine with it started once the first one's saves are in (it has never computed P); that engine's
-    connector state."""
+    connector state (before ``then(engine)``, if given, runs)."""
     with engine({"model": model}, logs / f"{name}-plain.log") as plain:
         [want] = plain.generate([P])
     settings = {"model": model, "connector": extra_config(pool, model_id=name)}
@@ -155,6 +169,8 @@ def from_the_pool(pool: PoolConfig, model: str, name: str, logs: Path) -> tuple[
     with engine(settings, logs / f"{name}-b.log", hash_seed=2) as b:
         [loaded] = b.generate([P])
         state = b.ask(connector=True)
+        if then is not None:
+            then(b)
     return want, computed, loaded, state
 
 
@@ -178,8 +194,22 @@ def test_a_sliding_window_hybrid_takes_its_prompt_from_the_pool(
     engine_pool: PoolConfig, models: dict[str, str], tmp_path: Path
 ) -> None:
     """Gemma3 with vLLM's hybrid KV manager on (the connector supports it): 4 groups sharing one buffer; the
-    sliding-window layers store and load only the blocks inside the window of each chunk's end."""
-    want, computed, loaded, state = from_the_pool(engine_pool, models["gemma3-sliding"], "gemma3", tmp_path)
+    sliding-window layers store and load only the blocks inside the window of each chunk's end.  A chunk whose
+    bytes fail their checksum fails the whole-request load: vLLM computes the request from its start, same answer."""
+    recomputed: list[dict[str, Any]] = []
+
+    def corrupt_then_ask(b: EngineProcess) -> None:
+        identity = CacheIdentity(**b.ask(connector=True)["identity"])
+        with PoolClient(engine_pool) as client:
+            [p] = client.cache.replicas(layer_key(chunk_keys(identity, P)[1], 0))
+            info = ray.get(ray.get_actor(actor_name(p.node), namespace=engine_pool.namespace).info.remote())
+            with DramSegment.attach(info.dram_path, info.dram_capacity) as seg:
+                seg.write(p.offset + 100, bytes([seg.view(p.offset + 100, 1)[0] ^ 0xFF]))
+        recomputed.extend(b.generate([P], reset=True))
+        recomputed.append(b.ask(connector=True)["totals"])
+
+    model = models["gemma3-sliding"]
+    want, computed, loaded, state = from_the_pool(engine_pool, model, "gemma3", tmp_path, corrupt_then_ask)
     assert computed["tokens"] == want["tokens"] and computed["cached"] == 0
     assert loaded["cached"] == 2 * CHUNK and loaded["tokens"] == want["tokens"]
     totals = state["totals"]
@@ -187,6 +217,8 @@ def test_a_sliding_window_hybrid_takes_its_prompt_from_the_pool(
     # the full layer's 2 chunks of 8 blocks, each windowed layer's last chunk's last 4 blocks ([2, 32, 128] fp32)
     assert totals["loaded_bytes"] == (2 * 8 + 3 * 4) * 2 * 32 * 128 * 4
     assert "SlidingWindowSpec" in state["identity"]["layout"] and "window=128" in state["identity"]["layout"]
+    again, totals = recomputed
+    assert again["tokens"] == want["tokens"] and again["cached"] == 0 and totals["load_errors"] > 0
 
 
 def test_a_mamba_hybrid_starts_and_answers_with_the_connector_on(
