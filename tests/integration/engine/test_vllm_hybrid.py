@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import ray
 import torch
-from engines import CHUNK, P, engine, extra_config
+from engines import CHUNK, P, engine, extra_config, prompt
 
 from kvpool.core.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.pool.client import PoolClient
@@ -21,6 +21,8 @@ from kvpool.prefill_decode.vllm.engine import EngineProcess
 from kvpool.prefill_decode.vllm.groups import KvGroups, PoolLayer
 from kvpool.prefill_decode.vllm.scheduler import KvPoolMetadata, Transfer
 from kvpool.prefill_decode.vllm.worker import WorkerSide
+
+ONE = P[:CHUNK] + prompt(4, 200)  #: shares P's first chunk only
 
 #: each test starts three vLLM engines (20-60 s each on 2 busy cores)
 pytestmark = pytest.mark.timeout(900)
@@ -157,11 +159,11 @@ def test_worker_side_moves_each_group_s_blocks_and_one_rank_writes_replicated_kv
 def from_the_pool(
     pool: PoolConfig, model: str, name: str, logs: Path, then: Callable[[EngineProcess], None] | None = None
 ) -> tuple[dict[str, Any], ...]:
-    """The answer to P of an engine without the connector, of one with it that computes and saves P, and of a
-    fresh engine with it started once the first one's saves are in (it has never computed P); that engine's
-    connector state (before ``then(engine)``, if given, runs)."""
+    """The answers to P (and ONE, which shares P's first chunk only) of an engine without the connector, to P of
+    one with it that computes and saves P, and of a fresh engine with it started once the first one's saves are in
+    (it has never computed P); that engine's connector state (before ``then(engine)``, if given, runs)."""
     with engine({"model": model}, logs / f"{name}-plain.log") as plain:
-        [want] = plain.generate([P])
+        want = plain.generate([P]) + plain.generate([ONE])  # one at a time, as the others are asked
     settings = {"model": model, "connector": extra_config(pool, model_id=name)}
     with engine(settings, logs / f"{name}-a.log", hash_seed=1) as a:
         [computed] = a.generate([P])
@@ -179,15 +181,13 @@ def test_mla_stores_one_copy_for_every_rank_and_a_fresh_engine_takes_its_prompt_
 ) -> None:
     """DeepSeek-V2's latent KV (CPU_MLA: ``[blocks, 16, 576]``; vLLM turns its own prefix cache and chunked prefill
     off for MLA on CPU, and still loads the connector's tokens) is keyed with no TP rank: one copy for all."""
-    want, computed, loaded, state = from_the_pool(engine_pool, models["deepseek-v2-mla"], "dsv2", tmp_path)
+    (want, _), computed, loaded, state = from_the_pool(engine_pool, models["deepseek-v2-mla"], "dsv2", tmp_path)
     assert computed["tokens"] == want["tokens"] and computed["cached"] == 0
     assert loaded["cached"] == 2 * CHUNK and loaded["tokens"] == want["tokens"]
     assert state["totals"]["loaded_tokens"] == 2 * CHUNK and state["totals"]["load_errors"] == 0
     identity = state["identity"]
-    assert (identity["tp_size"], identity["tp_rank"]) == (
-        1,
-        0,
-    ) and "MLAAttentionSpec:kv_heads=1:head_size=576:block=16" in identity["layout"]
+    assert (identity["tp_size"], identity["tp_rank"]) == (1, 0)
+    assert "MLAAttentionSpec:kv_heads=1:head_size=576:block=16" in identity["layout"]
 
 
 def test_a_sliding_window_hybrid_takes_its_prompt_from_the_pool(
@@ -199,9 +199,14 @@ def test_a_sliding_window_hybrid_takes_its_prompt_from_the_pool(
     recomputed: list[dict[str, Any]] = []
 
     def corrupt_then_ask(b: EngineProcess) -> None:
+        # a hit ending at P's first chunk needs that chunk's windowed blocks, saved although the window of P's end
+        # had left them
+        recomputed.extend(b.generate([ONE], reset=True))
         identity = CacheIdentity(**b.ask(connector=True)["identity"])
         with PoolClient(engine_pool) as client:
-            [p] = client.cache.replicas(layer_key(chunk_keys(identity, P)[1], 0))
+            victim = layer_key(chunk_keys(identity, P)[1], 0)
+            assert client.cache.wait_until(lambda c: bool(c.replicas(victim)), 30)  # the test's watch is in
+            [p] = client.cache.replicas(victim)
             info = ray.get(ray.get_actor(actor_name(p.node), namespace=engine_pool.namespace).info.remote())
             with DramSegment.attach(info.dram_path, info.dram_capacity) as seg:
                 seg.write(p.offset + 100, bytes([seg.view(p.offset + 100, 1)[0] ^ 0xFF]))
@@ -209,7 +214,7 @@ def test_a_sliding_window_hybrid_takes_its_prompt_from_the_pool(
         recomputed.append(b.ask(connector=True)["totals"])
 
     model = models["gemma3-sliding"]
-    want, computed, loaded, state = from_the_pool(engine_pool, model, "gemma3", tmp_path, corrupt_then_ask)
+    (want, want_o), computed, loaded, state = from_the_pool(engine_pool, model, "gemma3", tmp_path, corrupt_then_ask)
     assert computed["tokens"] == want["tokens"] and computed["cached"] == 0
     assert loaded["cached"] == 2 * CHUNK and loaded["tokens"] == want["tokens"]
     totals = state["totals"]
@@ -217,7 +222,8 @@ def test_a_sliding_window_hybrid_takes_its_prompt_from_the_pool(
     # the full layer's 2 chunks of 8 blocks, each windowed layer's last chunk's last 4 blocks ([2, 32, 128] fp32)
     assert totals["loaded_bytes"] == (2 * 8 + 3 * 4) * 2 * 32 * 128 * 4
     assert "SlidingWindowSpec" in state["identity"]["layout"] and "window=128" in state["identity"]["layout"]
-    again, totals = recomputed
+    partial, again, totals = recomputed
+    assert partial["cached"] == CHUNK and partial["tokens"] == want_o["tokens"]
     assert again["tokens"] == want["tokens"] and again["cached"] == 0 and totals["load_errors"] > 0
 
 
