@@ -24,7 +24,7 @@ from kvpool.prefill_decode.vllm.worker import WorkerSide
 
 ONE = P[:CHUNK] + prompt(4, 200)  #: shares P's first chunk only
 
-#: each test starts three vLLM engines (20-60 s each on 2 busy cores)
+#: the engine tests start two or three vLLM engines each (20-60 s each on 2 busy cores)
 pytestmark = pytest.mark.timeout(900)
 
 #: the tiny configs (transformers 5.19 kwargs; hidden 256, vocab 4096, float32) vLLM's CPU backends run
