@@ -12,18 +12,23 @@ vLLM loads it by module path (``--kv-transfer-config '{"kv_connector": "KvPoolCo
   vLLM's paged KV tensors and the pool on one I/O thread.  Loads run layer by layer (``wait_for_layer_load`` waits
   for its own layer only); saves are queued by ``save_kv_layer`` as each layer finishes and never block the
   forward pass.  A chunk that cannot be loaded (gone, corrupt, its node died) is reported by
-  ``get_block_ids_with_load_errors`` and vLLM recomputes from there: never wrong KV, never a hung request.
+  ``get_block_ids_with_load_errors`` and vLLM recomputes from there: never wrong KV, never a hung request.  A model
+  of several KV-cache groups (vLLM's hybrid manager: the connector is ``SupportsHMA``) loads a request whole before
+  vLLM schedules it, and a failed load has vLLM compute the request from its start (``get_transfer_results``).
 
 The pool object of a chunk is one layer of it: the chunk's ``chunk_size / block_size`` blocks laid end to end,
 each a block of vLLM's KV tensor for that layer exactly as the attention backend lays it out (on CPU
 ``[kv_heads, block_size, 2 * head_size]``), keyed by :func:`~kvpool.core.keys.layer_key` of the chunk's
-chain key.  The cache identity names the vLLM version, device, attention backend, KV spec, block size,
-tensor-parallel rank and the model, so engines whose KV cannot be exchanged never meet.
+chain key; a sliding-window layer's object holds only the chunk's last blocks its window needs
+(:class:`~kvpool.prefill_decode.vllm.groups.KvGroups`).  The cache identity names the vLLM version, device,
+attention backend, KV specs, block size, tensor-parallel rank (none for MLA: the same latent KV on every rank, one
+copy written by rank 0) and the model, so engines whose KV cannot be exchanged never meet.
 
 Roles: ``kv_both`` loads and saves (reuse across requests and restarts); ``kv_producer`` only saves, and its step
 returns once its chunks are in the pool, so a decode engine asked next finds them; ``kv_consumer`` only loads.
 """
 
+import logging
 from typing import Any
 
 import torch
@@ -32,33 +37,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvpool.core.keys import CacheIdentity
 from kvpool.errors import ConfigError
 from kvpool.prefill_decode.vllm.config import ConnectorConfig, kv_role
+from kvpool.prefill_decode.vllm.groups import KvGroups
 from kvpool.prefill_decode.vllm.scheduler import KvPoolMetadata, SchedulerSide, Transfer
 from kvpool.prefill_decode.vllm.stats import KvPoolPromMetrics, KvPoolStats
 from kvpool.prefill_decode.vllm.worker import WorkerSide
 
+log = logging.getLogger(__name__)
 
-def cache_identity(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig, tp_rank: int) -> CacheIdentity:
-    """What two engines must agree on to exchange KV chunks; computed alike by the scheduler and the workers."""
+
+def cache_identity(vllm_config: Any, groups: KvGroups, config: ConnectorConfig, tp_rank: int) -> CacheIdentity:
+    """What two engines must agree on to exchange KV chunks; computed alike by the scheduler and the workers.  MLA's
+    latent KV is the same on every TP rank: its identity names no rank, and engines of any TP size share it."""
     from vllm.platforms import current_platform
-    from vllm.v1.kv_cache_interface import AttentionSpec
 
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
-        raise ConfigError(
-            f"KvPoolConnector supports models with one attention KV cache group; this model has {len(groups)} "
-            f"({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}): serve it without the connector"
-        )
-    spec = groups[0].kv_cache_spec
-    if config.chunk_size % spec.block_size:
-        raise ConfigError(
-            f"kv_connector_extra_config.chunk_size ({config.chunk_size}) must be a multiple of vLLM's block size "
-            f"({spec.block_size}): e.g. {spec.block_size * max(1, round(config.chunk_size / spec.block_size))}"
-        )
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         raise ConfigError(
@@ -66,23 +64,22 @@ def cache_identity(vllm_config: Any, kv_cache_config: Any, config: ConnectorConf
         )
     backend = getattr(vllm_config.attention_config, "backend", None)
     layout = (
-        f"vllm-{vllm.__version__}:{current_platform.device_type}:{backend.name if backend else 'auto'}:"
-        f"{type(spec).__name__}:kv_heads={spec.num_kv_heads}:head_size={spec.head_size}:block={spec.block_size}"
+        f"vllm-{vllm.__version__}:{current_platform.device_type}:{backend.name if backend else 'auto'}:{groups.layout}"
     )
     model = config.model_id or vllm_config.model_config.served_model_name
     if isinstance(model, list):
         model = model[0]
     return CacheIdentity(
         model=str(model),
-        kv_dtype=str(spec.dtype).removeprefix("torch."),
+        kv_dtype=groups.kv_dtype,
         layout=layout,
         chunk_size=config.chunk_size,
-        tp_size=parallel.tensor_parallel_size,
-        tp_rank=tp_rank,
+        tp_size=1 if groups.replicated else parallel.tensor_parallel_size,
+        tp_rank=0 if groups.replicated else tp_rank,
     )
 
 
-class KvPoolConnector(KVConnectorBase_V1):
+class KvPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
@@ -92,29 +89,39 @@ class KvPoolConnector(KVConnectorBase_V1):
         self.saves_kv = kv in ("kv_both", "kv_producer")
         if self.config.load_failure == "recompute":
             transfer.kv_load_failure_policy = "recompute"  # a chunk the pool cannot deliver is a miss, not an error
-        block_size = vllm_config.cache_config.block_size
+        groups = KvGroups.of(kv_cache_config, self.config.chunk_size)
+        if groups.unserved and role == KVConnectorRole.SCHEDULER:
+            log.warning("kvpool: this model is served without the pool: %s", groups.unserved)
         self.side: SchedulerSide | WorkerSide
         if role == KVConnectorRole.SCHEDULER:
-            tp = vllm_config.parallel_config.tensor_parallel_size
-            identities = [cache_identity(vllm_config, kv_cache_config, self.config, r) for r in range(tp)]
-            layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
-            self.side = SchedulerSide(self.config, identities, layers, block_size, self.loads_kv, self.saves_kv)
+            tp = 1 if groups.replicated else vllm_config.parallel_config.tensor_parallel_size
+            identities = [cache_identity(vllm_config, groups, self.config, r) for r in range(tp)]
+            self.side = SchedulerSide(self.config, identities, groups, self.loads_kv, self.saves_kv)
         else:
-            identity = cache_identity(vllm_config, kv_cache_config, self.config, _tp_rank())
-            self.side = WorkerSide(self.config, identity, block_size, kv_cache_config.num_blocks, self.loads_kv)
+            rank = _tp_rank()
+            identity = cache_identity(vllm_config, groups, self.config, rank)
+            writes = rank == 0 or not groups.replicated  # one copy of replicated KV, from rank 0
+            self.side = WorkerSide(self.config, identity, groups, kv_cache_config.num_blocks, self.loads_kv, writes)
 
     # scheduler side ------------------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler.matched(request, num_computed_tokens), False
+        n = self._scheduler.matched(request, num_computed_tokens)
+        return n, n > 0 and self._scheduler.async_loads
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._scheduler.allocated(request, num_external_tokens)
+        self._scheduler.allocated(request, num_external_tokens, blocks.get_block_ids())
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._scheduler.build(scheduler_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.finished(request.request_id), None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid KV manager: as :meth:`request_finished`, whatever the groups (vLLM keeps them all)."""
         return self._scheduler.finished(request.request_id), None
 
     # worker side ---------------------------------------------------------------------------------------------
@@ -139,7 +146,18 @@ class KvPoolConnector(KVConnectorBase_V1):
             self._worker.drain(kv_connector_metadata.preempted)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.finished(finished_req_ids), None
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Saves done, and whole-request loads ended (models of several KV-cache groups, whose failed loads vLLM
+        can only take per request: it then computes them from the start)."""
+        ended, failed = self._worker.loaded()
+        return KVConnectorTransferResults(
+            finished_sending=self._worker.finished(finished_req_ids) or set(),
+            finished_recving=ended,
+            failed_recving=failed,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()

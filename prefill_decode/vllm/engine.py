@@ -15,6 +15,7 @@ each JSON line on stdin with a line ``RESULT <json>``:
 
 Settings: ``model`` (a directory), ``connector`` (kvpool's ``kv_connector_extra_config``; with ``role``) or
 ``kv_transfer`` (any vLLM ``KVTransferConfig``, e.g. vLLM's own connectors), ``max_model_len``, ``block_size``,
+``prefix_caching`` (false: vLLM's own prefix cache off, as Mamba hybrids need on CPU),
 ``kv_events`` (``{"endpoint", "topic"}``: vLLM publishes its prefix cache's block events there, see
 :mod:`~kvpool.prefill_decode.routing.engine_router`).
 :class:`EngineProcess` runs one from Python.
@@ -57,6 +58,8 @@ def start_engine(settings: dict[str, Any]) -> Any:
         kw["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(config, settings.get("role", "kv_both")))
     elif settings.get("kv_transfer") is not None:
         kw["kv_transfer_config"] = KVTransferConfig(**settings["kv_transfer"])
+    if settings.get("prefix_caching") is False:
+        kw["enable_prefix_caching"] = False
     if settings.get("kv_events"):  # vLLM publishes its prefix cache's blocks there (what a router tracks)
         from vllm.config import KVEventsConfig
 

@@ -4,6 +4,7 @@ etcd watch cache and, each step, the plan of loads and saves it sends the worker
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,11 +16,13 @@ from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.identities import register as register_identity
 from kvpool.metadata.lookup import Hit, PrefixLookup
+from kvpool.metadata.misses import miss_cause
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.advisor import AccessLog
 from kvpool.prefill_decode.connector_core.counts import EngineCounts
 from kvpool.prefill_decode.connector_core.tenancy import TenantScope
 from kvpool.prefill_decode.vllm.config import ConnectorConfig
+from kvpool.prefill_decode.vllm.groups import KvGroups, PoolLayer
 
 log = logging.getLogger(__name__)
 
@@ -31,20 +34,23 @@ RETRY_S = 5.0  #: a side whose etcd or pool could not be reached tries again aft
 
 @dataclass
 class Transfer:
-    """Chunks ``[first, end)`` of a request's prompt and the blocks they occupy (``block_ids[i]`` holds tokens
-    ``i * block_size ...``).  A load writes only blocks from ``write_from`` on: those before are vLLM's own
-    prefix-cache hits, shared with other requests."""
+    """Chunks ``[first, end)`` of a request's prompt and the blocks they occupy, per KV-cache group
+    (``block_ids[group][i]`` holds tokens ``i * block_size ...``).  A load writes only blocks from ``write_from`` on:
+    those before are vLLM's own prefix-cache hits, shared with other requests."""
 
     req_id: str
     tokens: list[int]  #: the prompt's first ``end * chunk_size`` tokens
     first: int
     end: int
-    block_ids: list[int]
+    block_ids: list[list[int]]
     write_from: int = 0
     #: a load whose last chunk reaches into what vLLM computes this step (the prompt's last token): done before the
     #: forward starts, so vLLM's own KV write of that token (before attention, not ordered with layer loads) wins
     whole_before_forward: bool = False
     tenant: str = ""  #: whose chain the chunks are keyed in (the request's cache_salt named the tenant's API key)
+    #: a load vLLM waits for before it schedules the request (models of several KV-cache groups: vLLM takes their
+    #: failed loads per request only), reported done or failed by ``get_transfer_results``
+    whole_request: bool = False
 
 
 @dataclass
@@ -66,9 +72,11 @@ class RequestTracker:
     load: tuple[int, int] | None = None  #: tokens ``[from, to)`` to load this step, once vLLM allocated their blocks
     running: bool = False  #: scheduled: ``tokens`` and ``block_ids`` are known
     tokens: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  #: per KV-cache group
     saved: int = 0  #: chunks already in the pool or queued for saving
     saving: bool = False  #: saves were sent to the workers: vLLM keeps its blocks until they are done
+    #: a whole-request load was sent: asked again (it failed, or the request was preempted), vLLM computes it all
+    whole_loaded: bool = False
 
 
 class SchedulerSide:
@@ -78,13 +86,15 @@ class SchedulerSide:
         self,
         config: ConnectorConfig,
         identities: list[CacheIdentity],
-        layers: int,
-        block_size: int,
+        groups: KvGroups,
         loads_kv: bool = True,
         saves_kv: bool = True,
     ) -> None:
-        self.config, self.identities, self.layers, self.block_size = config, identities, layers, block_size
+        self.config, self.identities, self.groups, self.block_size = config, identities, groups, groups.block_size
         self.loads_kv, self.saves_kv = loads_kv, saves_kv
+        #: loads a request waits for, planned when vLLM allocated its blocks (models of several KV-cache groups)
+        self.async_loads = len({layer.group for layer in groups.layers}) > 1
+        self._whole: list[Transfer] = []
         self.chunk = config.chunk_size
         self.cache: MetadataCache | None = None
         self._connecting = threading.Lock()
@@ -123,22 +133,41 @@ class SchedulerSide:
 
     def held_chunks(self, tokens: list[int], limit: int, tenant: str = "") -> Hit:
         """Leading chunks of ``tokens`` (at most ``limit``) whose every layer, on every TP rank, the pool holds (in
-        ``tenant``'s chain)."""
+        ``tenant``'s chain); of a sliding-window layer, the chunks inside the window of the prefix's end."""
         cache = self.cache
         if cache is None:
             self._connect()
             return Hit(limit, 0)
         scope = self.tenants.scope(tenant)
         ranks = [chunk_keys(identity, tokens[: limit * self.chunk], scope) for identity in self.identities]
-        layers = range(self.layers)
-        return self.lookup(cache, [[layer_key(keys[c], x) for keys in ranks for x in layers] for c in range(limit)])
+        full = [layer.index for layer in self.groups.layers if not layer.window]
+        hit = self.lookup(cache, [[layer_key(keys[c], x) for keys in ranks for x in full] for c in range(limit)])
+        windowed = [layer for layer in self.groups.layers if layer.window]
+        held = hit.held
+        while windowed and held and cache.lookup_prefix(keys := self._window_keys(ranks, windowed, held)) < len(keys):
+            held -= 1
+        if held == hit.held:
+            return hit
+        return Hit(hit.asked, held, miss_cause(cache, self._window_keys(ranks, windowed, held + 1))[0])
+
+    def _window_keys(self, ranks: list[list[bytes]], windowed: list[PoolLayer], end: int) -> list[bytes]:
+        """The objects of sliding-window layers a prefix of ``end`` chunks needs."""
+        first = self.groups.first_chunk
+        return [
+            layer_key(keys[c], layer.index)
+            for layer in windowed
+            for keys in ranks
+            for c in range(first(layer, end), end)
+        ]
 
     def matched(self, request: Any, num_computed: int) -> int:
         tokens = list(request.prompt_token_ids or [])
         tenant = self.tenants.tenant_of(getattr(request, "cache_salt", None))
+        if self.groups.unserved:
+            tenant = None  # the pool serves this model nothing (KvGroups.unserved says why, once, at start)
         req = self._requests.setdefault(request.request_id, RequestTracker(tenant))
         req.tenant, req.computed, req.held = tenant, num_computed, 0
-        if tenant is None:
+        if tenant is None or req.whole_loaded:
             return 0
         hit = self.held_chunks(tokens, len(tokens) // self.chunk, tenant)
         self.counts.lookup(hit, len(tokens), self.chunk)
@@ -149,10 +178,18 @@ class SchedulerSide:
         # and has vLLM compute its last token again (its KV slot is then written twice, with the same values)
         return max(min(hit.held * self.chunk, len(tokens) - 1) - num_computed, 0)
 
-    def allocated(self, request: Any, num_external_tokens: int) -> None:
+    def allocated(self, request: Any, num_external_tokens: int, block_ids: Sequence[Sequence[int]] = ()) -> None:
+        """vLLM gave the request its blocks (``block_ids``: per KV-cache group), for ``num_external_tokens`` to load."""
         req = self._requests.get(request.request_id)
-        if num_external_tokens > 0 and req is not None:
-            req.load = (req.computed, req.computed + num_external_tokens)
+        if num_external_tokens <= 0 or req is None:
+            return
+        load = (req.computed, req.computed + num_external_tokens)
+        if not self.async_loads:
+            req.load = load  # sent with the step that schedules the request
+            return
+        req.tokens, req.block_ids = list(request.prompt_token_ids or []), [list(ids) for ids in block_ids]
+        req.whole_loaded = True
+        self._whole.append(self._load(request.request_id, req, load, whole_request=True))
 
     def build(self, out: Any) -> KvPoolMetadata:
         meta = KvPoolMetadata(preempted=set(getattr(out, "preempted_req_ids", None) or ()), counts=self.counts.take())
@@ -161,7 +198,8 @@ class SchedulerSide:
             req = self._requests.setdefault(new.req_id, RequestTracker(""))
             if req.tenant is None:  # refused: no loads were planned; nothing is saved
                 continue
-            req.running, req.tokens, req.block_ids = True, list(new.prompt_token_ids or []), list(new.block_ids[0])
+            req.running, req.tokens = True, list(new.prompt_token_ids or [])
+            req.block_ids = [list(ids) for ids in new.block_ids]
             req.saved = req.held
             computed[new.req_id] = new.num_computed_tokens
         cached = out.scheduled_cached_reqs
@@ -171,10 +209,12 @@ class SchedulerSide:
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:  # after a preemption every block is new (its saves were drained)
-                running.block_ids = list(new_blocks[0]) if new_blocks else []
+                running.block_ids = [list(ids) for ids in new_blocks] if new_blocks else []
             elif new_blocks:
-                running.block_ids += new_blocks[0]
+                for ids, more in zip(running.block_ids, new_blocks, strict=True):
+                    ids += more
             computed[req_id] = cached.num_computed_tokens[i]
+        meta.loads, self._whole = self._whole, []
         for req_id in computed:
             load, self._requests[req_id].load = self._requests[req_id].load, None
             if load is not None:
@@ -185,7 +225,7 @@ class SchedulerSide:
             req.load = None  # planned for a request vLLM did not schedule after all
         return meta
 
-    def _load(self, req_id: str, req: RequestTracker, load: tuple[int, int]) -> Transfer:
+    def _load(self, req_id: str, req: RequestTracker, load: tuple[int, int], whole_request: bool = False) -> Transfer:
         computed, end_token = load
         first, end = computed // self.chunk, -(-end_token // self.chunk)  # the last chunk may end 1 token later
         return Transfer(
@@ -193,21 +233,22 @@ class SchedulerSide:
             req.tokens[: end * self.chunk],
             first,
             end,
-            req.block_ids[: end * (self.chunk // self.block_size)],
+            [ids[: end * self.groups.blocks_per_chunk] for ids in req.block_ids],
             write_from=computed // self.block_size,
             whole_before_forward=end * self.chunk > end_token,
             tenant=req.tenant or "",
+            whole_request=whole_request,
         )
 
     def _save(self, req_id: str, done: int, out: Any) -> Transfer | None:
         """The chunks of a running request that are complete after this step and not saved yet, if any."""
-        req, bpc = self._requests[req_id], self.chunk // self.block_size
+        req, bpc = self._requests[req_id], self.groups.blocks_per_chunk
         after = min(done + out.num_scheduled_tokens.get(req_id, 0), len(req.tokens))
-        full = min(after // self.chunk, len(req.block_ids) // bpc)
+        full = min([after // self.chunk] + [len(req.block_ids[layer.group]) // bpc for layer in self.groups.layers])
         if full <= req.saved:
             return None
         first, req.saved, req.saving = req.saved, full, True
-        tokens, blocks = req.tokens[: full * self.chunk], req.block_ids[: full * bpc]
+        tokens, blocks = req.tokens[: full * self.chunk], [ids[: full * bpc] for ids in req.block_ids]
         return Transfer(req_id, tokens, first, full, blocks, tenant=req.tenant or "")
 
     def finished(self, req_id: str) -> bool:

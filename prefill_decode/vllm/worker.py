@@ -20,6 +20,7 @@ from kvpool.prefill_decode.connector_core.counts import EngineCounts
 from kvpool.prefill_decode.connector_core.staging import HostStaging
 from kvpool.prefill_decode.connector_core.tenancy import TenantScope
 from kvpool.prefill_decode.vllm.config import ConnectorConfig
+from kvpool.prefill_decode.vllm.groups import NULL_BLOCK, KvGroups, PoolLayer
 from kvpool.prefill_decode.vllm.scheduler import KvPoolMetadata, Transfer
 from kvpool.prefill_decode.vllm.stats import KvPoolStats
 
@@ -28,10 +29,28 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Layer:
-    name: str
-    index: int
+    plan: PoolLayer
     kv: torch.Tensor
     block_dim: int  #: the dimension of ``kv`` that indexes blocks
+    tail: int  #: blocks of a chunk its objects hold: a chunk's last ``tail`` blocks
+    bpc: int  #: blocks per chunk
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    @property
+    def index(self) -> int:
+        return self.plan.index
+
+    def positions(self, chunk: int) -> range:
+        """The positions (in a request's block list) of the blocks of ``chunk`` that this layer stores."""
+        return range((chunk + 1) * self.bpc - self.tail, (chunk + 1) * self.bpc)
+
+    def gather(self, ids: list[int]) -> torch.Tensor:
+        """Blocks ``ids`` copied now into a tensor of their own, block-major."""
+        index = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
+        return self.kv.index_select(self.block_dim, index).movedim(self.block_dim, 0).to("cpu").contiguous()
 
     def blocks(self, ids: list[int], out: torch.Tensor) -> torch.Tensor:
         """Blocks ``ids`` copied into ``out`` (a host buffer of at least their bytes), block-major:
@@ -66,13 +85,20 @@ class WorkerSide:
     """Moves bytes between vLLM's paged KV and the pool on one I/O thread (a PoolClient is used by one thread)."""
 
     def __init__(
-        self, config: ConnectorConfig, identity: CacheIdentity, block_size: int, num_blocks: int, loads_kv: bool = True
+        self,
+        config: ConnectorConfig,
+        identity: CacheIdentity,
+        groups: KvGroups,
+        num_blocks: int,
+        loads_kv: bool = True,
+        writes: bool = True,
     ) -> None:
-        self.config, self.identity, self.block_size, self.num_blocks = config, identity, block_size, num_blocks
+        self.config, self.identity, self.groups, self.num_blocks = config, identity, groups, num_blocks
         self.fingerprint = fingerprint(identity)  #: every put carries it to the placements (and chunk events)
         self.loads_kv = loads_kv
+        self.writes = writes  #: False: another rank writes this rank's KV (MLA's, the same on every rank)
         self.tenants = TenantScope.load(config.tenants)
-        self.bpc = config.chunk_size // block_size  #: blocks per chunk
+        self.bpc = groups.blocks_per_chunk
         self.layers: dict[str, _Layer] = {}
         self.connection = PoolConnection(config)  #: the pool client, made on the I/O thread when first needed
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvpool-connector-io")
@@ -81,7 +107,10 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._errors_lock = threading.Lock()
         self._load_staging, self._save_staging = HostStaging(), HostStaging()  #: reused host buffers
-        self._queued: list[tuple[_Layer, Transfer]] = []  #: layers to save, taken together by the next _put
+        #: layers to save, taken together by the next _put, with their blocks if already copied out
+        self._queued: list[tuple[_Layer, Transfer, torch.Tensor | None]] = []
+        self._whole_ended: set[str] = set()  #: whole-request loads done or failed since :meth:`loaded`
+        self._whole_failed: set[str] = set()
         self._unsaved: dict[str, int] = {}  #: per request, queued layer saves not yet put
         self._saving = threading.Lock()
         self._finished: set[str] = set()  #: requests vLLM finished, whose saves may still run
@@ -90,14 +119,17 @@ class WorkerSide:
         self.counts = EngineCounts(readers=("pool", "engine"))  #: the pool node's metrics and vLLM's own stats
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        for index, (name, kv) in enumerate(kv_caches.items()):
+        """vLLM's KV tensors, one per layer (layers of several groups may share memory: a block id is one group's);
+        the pool's layers only (not a state layer's)."""
+        for plan in self.groups.layers:
+            kv = kv_caches[plan.name]
             dims = [d for d, n in enumerate(kv.shape) if n == self.num_blocks]
             if not dims:
                 raise ConfigError(
-                    f"KvPoolConnector: layer {name}'s KV tensor {tuple(kv.shape)} has no dimension of "
+                    f"KvPoolConnector: layer {plan.name}'s KV tensor {tuple(kv.shape)} has no dimension of "
                     f"{self.num_blocks} blocks; this attention backend's layout is not supported"
                 )
-            self.layers[name] = _Layer(name, index, kv, dims[0])
+            self.layers[plan.name] = _Layer(plan, kv, dims[0], self.groups.tail(plan), self.bpc)
         # connect now (Ray, etcd, the transport), not in the first request's step
         self._io.submit(self.connection.client)
 
@@ -111,12 +143,16 @@ class WorkerSide:
     def start_step(self, meta: KvPoolMetadata) -> None:
         self._load = None
         self.counts.add(**meta.counts)
-        if not meta.loads or not self.layers:
+        whole = [t for t in meta.loads if t.whole_request]
+        if whole:  # vLLM schedules these requests once they are reported ended: no layer waits for them
+            self._io.submit(self._load_whole, whole)
+        loads = [t for t in meta.loads if not t.whole_request]
+        if not loads or not self.layers:
             self._layer_ready = {}
             return
         self._layer_ready = {name: threading.Event() for name in self.layers}
-        self._load = self._io.submit(self._load_all, meta.loads)
-        if any(t.whole_before_forward for t in meta.loads):
+        self._load = self._io.submit(self._load_all, loads)
+        if any(t.whole_before_forward for t in loads):
             self._load.result()
 
     def wait_layer(self, layer_name: str) -> None:
@@ -125,81 +161,125 @@ class WorkerSide:
             ready.wait()
 
     def _load_all(self, loads: list[Transfer]) -> None:
-        started = time.perf_counter()
-        loaded_bytes = 0
+        """Load ``loads`` layer by layer, each layer's event set once it is in; blocks of chunks that did not come
+        are reported by :meth:`take_load_errors` (vLLM recomputes from there)."""
         try:
-            client = self.connection.client()
-            keys = [self._keys(t) if client else [] for t in loads]
-            failed: list[set[int]] = [set() for _ in loads]  #: chunk indices that did not arrive, per request
-            for layer in self.layers.values():
-                for t, ks, bad in zip(loads, keys, failed, strict=True):
-                    if client is None:
-                        bad.update(range(t.first, t.end))
-                        continue
-                    loaded_bytes += self._load_layer(client, layer, t, ks, bad)
-                self._layer_ready[layer.name].set()
+            failed = self._load_layers(loads, lambda layer: self._layer_ready[layer.name].set())
             errors = {b for t, bad in zip(loads, failed, strict=True) for b in self._blocks_of(t, bad)}
             with self._errors_lock:
                 self._load_errors |= errors
-            tokens = sum((t.end - t.first) * self.config.chunk_size for t in loads)
-            self.counts.add(
-                loaded_tokens=tokens,
-                loaded_bytes=loaded_bytes,
-                load_errors=len(errors),
-                load_seconds=time.perf_counter() - started,
-            )
-            if errors:  # the chunks were there when looked up, and could not be read: recomputed
-                self.counts.miss(MissCause.READ_FAILED, sum(1 for bad in failed if bad))
+            self.counts.add(load_errors=len(errors))
         finally:
             for ready in self._layer_ready.values():
                 ready.set()  # never leave a layer waiting
             self._report()
 
+    def _load_whole(self, loads: list[Transfer]) -> None:
+        """Load ``loads`` of requests vLLM holds back until :meth:`loaded` reports them ended (failed: vLLM
+        computes the request from its start)."""
+        failed: list[set[int]] = [set(range(t.first, t.end)) for t in loads]
+        try:
+            failed = self._load_layers(loads, lambda layer: None)
+            self.counts.add(load_errors=sum(len(self._blocks_of(t, bad)) for t, bad in zip(loads, failed, strict=True)))
+        finally:
+            with self._errors_lock:
+                self._whole_ended |= {t.req_id for t in loads}
+                self._whole_failed |= {t.req_id for t, bad in zip(loads, failed, strict=True) if bad}
+            self._report()
+
+    def _load_layers(self, loads: list[Transfer], layer_loaded: Any) -> list[set[int]]:
+        """Every layer of ``loads``, ``layer_loaded(layer)`` after each; per load, the chunks that did not come."""
+        started = time.perf_counter()
+        loaded_bytes = 0
+        client = self.connection.client()
+        keys = [self._keys(t) if client else [] for t in loads]
+        failed: list[set[int]] = [set() for _ in loads]  #: chunk indices that did not arrive, per request
+        for layer in self.layers.values():
+            for t, ks, bad in zip(loads, keys, failed, strict=True):
+                if client is None:
+                    bad.update(range(t.first, t.end))
+                    continue
+                loaded_bytes += self._load_layer(client, layer, t, ks, bad)
+            layer_loaded(layer)
+        self.counts.add(
+            loaded_tokens=sum((t.end - t.first) * self.config.chunk_size for t in loads),
+            loaded_bytes=loaded_bytes,
+            load_seconds=time.perf_counter() - started,
+        )
+        if any(failed):  # the chunks were there when looked up, and could not be read: recomputed
+            self.counts.miss(MissCause.READ_FAILED, sum(1 for bad in failed if bad))
+        return failed
+
     def _load_layer(self, client: Any, layer: _Layer, t: Transfer, keys: list[bytes], bad: set[int]) -> int:
-        """Load one layer of ``t``'s chunks into a reused staging buffer, then into the paged blocks; the indices
-        of chunks that did not come are added to ``bad``."""
-        bpc = self.bpc
+        """Load one layer of ``t``'s chunks (of a sliding window's, those inside the window of ``t``'s end) into a
+        reused staging buffer, then into the paged blocks (never the null block); the indices of chunks that did
+        not come are added to ``bad``."""
+        chunks = range(max(t.first, self.groups.first_chunk(layer.plan, t.end)), t.end)
+        tail = layer.tail
         # registered once the client has a transport (it read from a peer): reads from other nodes then land in it
-        nbytes = len(keys) * bpc * layer.block_bytes
-        staging = layer.view(self._load_staging.get(client, nbytes, register=client.registrations > 0), len(keys) * bpc)
-        views = [staging[i * bpc : (i + 1) * bpc] for i in range(len(keys))]
-        lkeys = [layer_key(k, layer.index) for k in keys]
+        nbytes = len(chunks) * tail * layer.block_bytes
+        staging = layer.view(
+            self._load_staging.get(client, nbytes, register=client.registrations > 0), len(chunks) * tail
+        )
+        views = [staging[i * tail : (i + 1) * tail] for i in range(len(chunks))]
+        lkeys = [layer_key(keys[c - t.first], layer.index) for c in chunks]
         try:
             client.get_into_batch(lkeys, views)
         except KvPoolError:  # find out which: each on its own
-            for i, (k, v) in enumerate(zip(lkeys, views, strict=True)):
+            for c, k, v in zip(chunks, lkeys, views, strict=True):
                 try:
                     client.get_into(k, v)
                 except KvPoolError:
-                    bad.add(t.first + i)
-        rows = [
-            i * bpc + j
-            for i in range(len(keys))
-            if t.first + i not in bad
-            for j in range(bpc)
-            if (t.first + i) * bpc + j >= t.write_from
-        ]
+                    bad.add(c)
+        ids = t.block_ids[layer.plan.group]
+        rows, dest = [], []
+        for i, c in enumerate(chunks):
+            for j, p in enumerate(layer.positions(c)):
+                if c not in bad and p >= t.write_from and p < len(ids) and ids[p] != NULL_BLOCK:
+                    rows.append(i * tail + j)
+                    dest.append(ids[p])
         if rows:
-            ids = [t.block_ids[t.first * bpc + r] for r in rows]
-            layer.write(ids, staging if len(rows) == len(staging) else staging[rows])
+            layer.write(dest, staging if len(rows) == len(staging) else staging[rows])
         return len(rows) * layer.block_bytes
 
     def _blocks_of(self, t: Transfer, bad: set[int]) -> list[int]:
         bpc = self.bpc
-        return [t.block_ids[b] for c in sorted(bad) for b in range(c * bpc, (c + 1) * bpc) if b >= t.write_from]
+        return [
+            ids[b]
+            for ids in t.block_ids
+            for c in sorted(bad)
+            for b in range(c * bpc, min((c + 1) * bpc, len(ids)))
+            if b >= t.write_from and ids[b] != NULL_BLOCK
+        ]
+
+    def loaded(self) -> tuple[set[str], set[str]]:
+        """Requests whose whole-request load ended since the last call, and those of them that failed."""
+        with self._errors_lock:
+            ended, failed = self._whole_ended, self._whole_failed
+            self._whole_ended, self._whole_failed = set(), set()
+        return ended, failed
 
     def layer_done(self, layer_name: str, meta: KvPoolMetadata) -> None:
         """A layer has been computed: queue its chunks of this step's saves (the forward pass goes on).  The
         step's end hands the queue to the I/O thread as one batch: two node calls and one etcd transaction for
         every layer, where a put per layer cost 30 of each for a 30-layer model and a producer's step waited for
-        all of them."""
+        all of them.  A sliding-window layer's blocks are copied out now: vLLM may free those the window leaves
+        before the request ends (and give them to another request in the next step)."""
         layer = self.layers.get(layer_name)
         if layer is None or not meta.saves:
             return
         with self._saving:
             for t in meta.saves:
-                self._queued.append((layer, t))
-                self._unsaved[t.req_id] = self._unsaved.get(t.req_id, 0) + 1
+                self._unsaved.setdefault(t.req_id, 0)  # reported saved when vLLM finishes it, if nothing is queued
+                if self.writes:
+                    data = layer.gather(self._save_ids(layer, t)) if layer.plan.window else None
+                    self._queued.append((layer, t, data))
+                    self._unsaved[t.req_id] += 1
+
+    def _save_ids(self, layer: _Layer, t: Transfer) -> list[int]:
+        """The blocks ``layer`` stores of ``t``'s chunks, chunk after chunk."""
+        ids = t.block_ids[layer.plan.group]
+        return [ids[p] for c in range(t.first, t.end) for p in layer.positions(c)]
 
     def _put(self) -> None:
         with self._saving:
@@ -212,16 +292,17 @@ class WorkerSide:
             if client is None:
                 self.counts.add(save_errors=len(batch))
                 return
-            bpc = self.bpc
-            buf = self._save_staging.get(client, sum((t.end - t.first) * bpc * layer.block_bytes for layer, t in batch))
+            gathered = sum((t.end - t.first) * layer.tail * layer.block_bytes for layer, t, d in batch if d is None)
+            buf = self._save_staging.get(client, gathered)
             items: dict[str, list[tuple[bytes, torch.Tensor]]] = {}  #: per tenant: its quota, its chain
-            at = 0
-            for layer, t in batch:
-                data = layer.blocks(t.block_ids[t.first * bpc : t.end * bpc], buf[at:])
-                at += data.numel() * data.element_size()
-                mine = items.setdefault(t.tenant, [])
+            at = saved = 0
+            for layer, t, copied in batch:
+                data = layer.blocks(self._save_ids(layer, t), buf[at:]) if copied is None else copied
+                at += 0 if copied is not None else data.numel() * data.element_size()
+                saved += data.numel() * data.element_size()
+                tail, mine = layer.tail, items.setdefault(t.tenant, [])
                 mine += [
-                    (layer_key(k, layer.index), data[i * bpc : (i + 1) * bpc]) for i, k in enumerate(self._keys(t))
+                    (layer_key(k, layer.index), data[i * tail : (i + 1) * tail]) for i, k in enumerate(self._keys(t))
                 ]
             try:
                 for tenant, chunk_layers in items.items():
@@ -235,14 +316,14 @@ class WorkerSide:
             self.counts.add(
                 # a transfer's tokens once, not once per layer of it
                 saved_tokens=sum(
-                    (t.end - t.first) * self.config.chunk_size for t in {id(t): t for _, t in batch}.values()
+                    (t.end - t.first) * self.config.chunk_size for t in {id(t): t for _, t, _ in batch}.values()
                 ),
-                saved_bytes=at,
+                saved_bytes=saved,
                 save_seconds=time.perf_counter() - started,
             )
         finally:
             with self._saving:
-                for _, t in batch:
+                for _, t, _ in batch:
                     self._unsaved[t.req_id] -= 1
             self._report()
 

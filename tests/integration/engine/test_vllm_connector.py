@@ -23,6 +23,7 @@ from kvpool.pool.protocol import actor_name
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.tenants import Tenants
 from kvpool.prefill_decode.vllm.config import ConnectorConfig
+from kvpool.prefill_decode.vllm.groups import KvGroups, PoolLayer
 from kvpool.prefill_decode.vllm.scheduler import KvPoolMetadata, Transfer
 from kvpool.prefill_decode.vllm.worker import WorkerSide
 
@@ -58,10 +59,11 @@ def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: 
     identity = CacheIdentity(model="worker-test", kv_dtype="float32", layout="vllm-test:[B,H,bs,2D]", chunk_size=64)
     blocks, bs = 16, 32
     src = {f"layers.{i}.attn": torch.randn(blocks, 2, bs, 128) for i in range(3)}
-    saver = WorkerSide(config, identity, bs, blocks)
+    groups = KvGroups(tuple(PoolLayer(name, i, 0) for i, name in enumerate(src)), bs, 64)
+    saver = WorkerSide(config, identity, groups, blocks)
     saver.register(src)
     tokens = list(range(200))  # 3 full chunks of 64 tokens: 6 blocks
-    meta = KvPoolMetadata(saves=[Transfer("r1", tokens[:192], 0, 3, [5, 2, 9, 11, 0, 7])])
+    meta = KvPoolMetadata(saves=[Transfer("r1", tokens[:192], 0, 3, [[5, 2, 9, 11, 0, 7]])])
     saver.start_step(meta)
     for name in src:
         saver.wait_layer(name)
@@ -74,10 +76,10 @@ def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: 
     assert saver.counts.totals["saved_tokens"] == 3 * 64 and "save_errors" not in saver.counts.totals
 
     dst = {name: torch.zeros_like(t) for name, t in src.items()}
-    loader = WorkerSide(config, identity, bs, blocks)
+    loader = WorkerSide(config, identity, groups, blocks)
     loader.register(dst)
     # chunk 0 is a prefix-cache hit of the engine (blocks 1, 3); chunks 1-2 come from the pool
-    load = KvPoolMetadata(loads=[Transfer("r2", tokens[:192], 1, 3, [1, 3, 4, 6, 8, 10], write_from=2)])
+    load = KvPoolMetadata(loads=[Transfer("r2", tokens[:192], 1, 3, [[1, 3, 4, 6, 8, 10]], write_from=2)])
     loader.start_step(load)
     for name in dst:
         loader.wait_layer(name)

@@ -1,0 +1,245 @@
+"""KvPoolConnector on models beyond one full-attention group: MLA (DeepSeek-V2), a sliding-window hybrid (Gemma3)
+and a Mamba-2 hybrid (Falcon-H1), each a tiny random-weight model built here, on real vLLM CPU engines."""
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+from engines import CHUNK, P, engine, extra_config, prompt
+
+from kvpool.core.keys import CacheIdentity, chunk_keys, layer_key
+from kvpool.pool.client import PoolClient
+from kvpool.pool.config import PoolConfig
+from kvpool.pool.protocol import actor_name
+from kvpool.pool.segment import DramSegment
+from kvpool.prefill_decode.vllm.config import ConnectorConfig
+from kvpool.prefill_decode.vllm.engine import EngineProcess
+from kvpool.prefill_decode.vllm.groups import KvGroups, PoolLayer
+from kvpool.prefill_decode.vllm.scheduler import KvPoolMetadata, Transfer
+from kvpool.prefill_decode.vllm.worker import WorkerSide
+
+ONE = P[:CHUNK] + prompt(4, 200)  #: shares P's first chunk only
+
+#: the engine tests start two or three vLLM engines each (20-60 s each on 2 busy cores)
+pytestmark = pytest.mark.timeout(900)
+
+#: the tiny configs (transformers 5.19 kwargs; hidden 256, vocab 4096, float32) vLLM's CPU backends run
+COMMON = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, max_position_embeddings=4096, bos_token_id=1)
+MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "deepseek-v2-mla": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        # CPU_MLA compiles head size 576 only: kv_lora_rank 512 + qk_rope_head_dim 64
+        dict(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=512,
+            q_lora_rank=128,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=128,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            rope_scaling=None,
+        ),
+    ),
+    "gemma3-sliding": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        # 3 sliding-window layers (window 128: 4 of a chunk's 8 blocks) and 1 full: 4 KV-cache groups
+        dict(
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            sliding_window=128,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        ),
+    ),
+    "falcon-h1-mamba": (
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        # Mamba-2 and attention in every layer: a FullAttention group and a Mamba group
+        dict(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            mamba_n_heads=8,
+            mamba_d_head=64,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=64,
+            mamba_d_ssm=512,
+        ),
+    ),
+}
+
+
+def build(name: str, root: Path) -> str:
+    """Model ``name`` of :data:`MODELS` with random weights, saved under ``root`` for vLLM to load offline."""
+    import torch
+    import transformers
+
+    config_cls, model_cls, kw = MODELS[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**COMMON, **kw)
+    path = root / name
+    getattr(transformers, model_cls)(config).to(torch.float32).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("hybrid-models")
+    return {name: build(name, root) for name in MODELS}
+
+
+def test_worker_side_moves_each_group_s_blocks_and_one_rank_writes_replicated_kv(engine_pool: PoolConfig) -> None:
+    """Two groups in one shared buffer (as vLLM's hybrid manager lays them out): a full layer saves every block of
+    a chunk, a sliding-window layer (window 64 = 2 of a chunk's 4 blocks) the chunk's last 2; a whole-request load
+    writes them into other blocks, never into vLLM's null block, and reports the request ended.  A rank whose KV
+    another rank writes (MLA) saves nothing and reports its saves done."""
+    config = ConnectorConfig.from_extra(extra_config(engine_pool, chunk_size=128))
+    identity = CacheIdentity(model="hybrid-worker-test", kv_dtype="float32", layout="vllm-test:groups", chunk_size=128)
+    groups = KvGroups((PoolLayer("full", 0, 0), PoolLayer("window", 1, 1, window=64)), 32, 128)
+    buffer = torch.randn(24, 2, 32, 128)
+    tokens = list(range(256))  # 2 chunks of 4 blocks
+    full, window = [1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]
+    meta = KvPoolMetadata(saves=[Transfer("r1", tokens, 0, 2, [full, window])])
+    saver, other_rank = WorkerSide(config, identity, groups, 24), WorkerSide(config, identity, groups, 24, writes=False)
+    for side in (saver, other_rank):
+        side.register({"full": buffer, "window": buffer})
+        side.start_step(meta)
+        for name in ("full", "window"):
+            side.layer_done(name, meta)
+        side.end_step(meta)
+    assert other_rank.finished({"r1"}) == {"r1"} and "saved_tokens" not in other_rank.counts.totals
+    deadline = time.monotonic() + 60
+    while saver.finished({"r1"}) != {"r1"}:
+        assert time.monotonic() < deadline, "saves of r1 never reported done"
+        time.sleep(0.05)
+    assert saver.counts.totals["saved_bytes"] == (8 + 2 * 2) * 2 * 32 * 128 * 4
+
+    dst = torch.zeros_like(buffer)
+    loader = WorkerSide(config, identity, groups, 24)
+    loader.register({"full": dst, "window": dst})
+    # vLLM pads the window's group with its null block left of the window of the hit's end
+    load = Transfer("r2", tokens, 0, 2, [[17, 18, 19, 20, 21, 22, 23, 1], [0, 0, 0, 0, 0, 0, 2, 3]], whole_request=True)
+    loader.start_step(KvPoolMetadata(loads=[load]))
+    deadline = time.monotonic() + 60
+    while not (ended := loader.loaded())[0]:
+        assert time.monotonic() < deadline, "the load of r2 never ended"
+        time.sleep(0.05)
+    assert ended == ({"r2"}, set())
+    assert torch.equal(dst[[17, 18, 19, 20, 21, 22, 23, 1]], buffer[full])
+    assert torch.equal(dst[[2, 3]], buffer[[15, 16]]) and not dst[0].any()
+    never = Transfer("r3", list(range(1000, 1256)), 0, 2, load.block_ids, whole_request=True)  # nothing saved
+    loader.start_step(KvPoolMetadata(loads=[never]))
+    while not (ended := loader.loaded())[0]:
+        assert time.monotonic() < deadline, "the load of r3 never ended"
+        time.sleep(0.05)
+    assert ended == ({"r3"}, {"r3"})  # vLLM computes r3 from its start
+    for side in (saver, other_rank, loader):
+        side.close()
+
+
+def from_the_pool(
+    pool: PoolConfig, model: str, name: str, logs: Path, then: Callable[[EngineProcess], None] | None = None
+) -> tuple[dict[str, Any], ...]:
+    """The answers to P (and ONE, which shares P's first chunk only) of an engine without the connector, to P of
+    one with it that computes and saves P, and of a fresh engine with it started once the first one's saves are in
+    (it has never computed P); that engine's connector state (before ``then(engine)``, if given, runs)."""
+    with engine({"model": model}, logs / f"{name}-plain.log") as plain:
+        want = plain.generate([P]) + plain.generate([ONE])  # one at a time, as the others are asked
+    settings = {"model": model, "connector": extra_config(pool, model_id=name)}
+    with engine(settings, logs / f"{name}-a.log", hash_seed=1) as a:
+        [computed] = a.generate([P])
+    # A's saves are in etcd once it has closed (its queued saves finish first)
+    with engine(settings, logs / f"{name}-b.log", hash_seed=2) as b:
+        [loaded] = b.generate([P])
+        state = b.ask(connector=True)
+        if then is not None:
+            then(b)
+    return want, computed, loaded, state
+
+
+def test_mla_stores_one_copy_for_every_rank_and_a_fresh_engine_takes_its_prompt_from_the_pool(
+    engine_pool: PoolConfig, models: dict[str, str], tmp_path: Path
+) -> None:
+    """DeepSeek-V2's latent KV (CPU_MLA: ``[blocks, 16, 576]``; vLLM turns its own prefix cache and chunked prefill
+    off for MLA on CPU, and still loads the connector's tokens) is keyed with no TP rank: one copy for all."""
+    (want, _), computed, loaded, state = from_the_pool(engine_pool, models["deepseek-v2-mla"], "dsv2", tmp_path)
+    assert computed["tokens"] == want["tokens"] and computed["cached"] == 0
+    assert loaded["cached"] == 2 * CHUNK and loaded["tokens"] == want["tokens"]
+    assert state["totals"]["loaded_tokens"] == 2 * CHUNK and state["totals"]["load_errors"] == 0
+    identity = state["identity"]
+    assert (identity["tp_size"], identity["tp_rank"]) == (1, 0)
+    assert "MLAAttentionSpec:kv_heads=1:head_size=576:block=16" in identity["layout"]
+
+
+def test_a_sliding_window_hybrid_takes_its_prompt_from_the_pool(
+    engine_pool: PoolConfig, models: dict[str, str], tmp_path: Path
+) -> None:
+    """Gemma3 with vLLM's hybrid KV manager on (the connector supports it): 4 groups sharing one buffer; the
+    sliding-window layers store and load only the blocks inside the window of each chunk's end.  A chunk whose
+    bytes fail their checksum fails the whole-request load: vLLM computes the request from its start, same answer."""
+    recomputed: list[dict[str, Any]] = []
+
+    def corrupt_then_ask(b: EngineProcess) -> None:
+        # a hit ending at P's first chunk needs that chunk's windowed blocks, saved although the window of P's end
+        # had left them
+        recomputed.extend(b.generate([ONE], reset=True))
+        identity = CacheIdentity(**b.ask(connector=True)["identity"])
+        with PoolClient(engine_pool) as client:
+            victim = layer_key(chunk_keys(identity, P)[1], 0)
+            assert client.cache.wait_until(lambda c: bool(c.replicas(victim)), 30)  # the test's watch is in
+            [p] = client.cache.replicas(victim)
+            info = ray.get(ray.get_actor(actor_name(p.node), namespace=engine_pool.namespace).info.remote())
+            with DramSegment.attach(info.dram_path, info.dram_capacity) as seg:
+                seg.write(p.offset + 100, bytes([seg.view(p.offset + 100, 1)[0] ^ 0xFF]))
+        recomputed.extend(b.generate([P], reset=True))
+        recomputed.append(b.ask(connector=True)["totals"])
+
+    model = models["gemma3-sliding"]
+    (want, want_o), computed, loaded, state = from_the_pool(engine_pool, model, "gemma3", tmp_path, corrupt_then_ask)
+    assert computed["tokens"] == want["tokens"] and computed["cached"] == 0
+    assert loaded["cached"] == 2 * CHUNK and loaded["tokens"] == want["tokens"]
+    totals = state["totals"]
+    assert totals["loaded_tokens"] == 2 * CHUNK and totals["load_errors"] == 0
+    # the full layer's 2 chunks of 8 blocks, each windowed layer's last chunk's last 4 blocks ([2, 32, 128] fp32)
+    assert totals["loaded_bytes"] == (2 * 8 + 3 * 4) * 2 * 32 * 128 * 4
+    assert "SlidingWindowSpec" in state["identity"]["layout"] and "window=128" in state["identity"]["layout"]
+    partial, again, totals = recomputed
+    assert partial["cached"] == CHUNK and partial["tokens"] == want_o["tokens"]
+    assert again["tokens"] == want["tokens"] and again["cached"] == 0 and totals["load_errors"] > 0
+
+
+def test_a_mamba_hybrid_starts_and_answers_with_the_connector_on(
+    engine_pool: PoolConfig, models: dict[str, str], tmp_path: Path
+) -> None:
+    """Falcon-H1 (vLLM's CPU engine runs Mamba-2 hybrids with its prefix cache off only): with the connector on the
+    engine starts and answers as without it; the pool serves it nothing (the Mamba state is kept at no chunk's
+    end), and says so."""
+    model = models["falcon-h1-mamba"]
+    with engine({"model": model, "prefix_caching": False}, tmp_path / "plain.log") as plain:
+        [want] = plain.generate([P])
+    settings = {"model": model, "prefix_caching": False, "connector": extra_config(engine_pool, model_id="falcon")}
+    with engine(settings, tmp_path / "falcon.log") as e:
+        [got, again] = e.generate([P, P])
+        state = e.ask(connector=True)
+    assert got["tokens"] == want["tokens"] and again["tokens"] == want["tokens"]
+    assert state["layers"] == 2 and "loaded_tokens" not in state["totals"] and "saved_tokens" not in state["totals"]
+    assert "served without the pool" in (tmp_path / "falcon.log").read_text()
