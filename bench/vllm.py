@@ -38,6 +38,7 @@ from rich.table import Table
 from kvpool.bench.limits import memcpy_gbps
 from kvpool.core.keys import CacheIdentity
 from kvpool.core.types import Tier
+from kvpool.errors import WorkerUnavailable
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
@@ -213,7 +214,7 @@ def vllm_cases(settings: dict[str, Any], connectors: dict[str, dict[str, Any]], 
                 prompts = cases.fresh()
                 ttft(e, prompts)  # computes and stores
                 cases.add(f"vLLM {name}", *ttft(e, prompts, reset=True))
-        except RuntimeError as exc:
+        except (RuntimeError, WorkerUnavailable) as exc:  # it does not start here, or stops on the first prompt
             lines = str(exc).splitlines()
             reason = next((ln for ln in reversed(lines) if re.search(r"(Error|Exception)\b", ln)), lines[0])
             cases.add(f"vLLM {name}", None, note=f"does not run here: {reason.split(']: ')[-1].strip()[:120]}")
