@@ -60,3 +60,30 @@ def tensor_bytes(t: object, field: str) -> "torch.Tensor":
     if t.is_conj() or t.is_neg():
         raise ConfigError(f"{field} is a lazy conjugate/negative view; call .resolve_conj()/.resolve_neg() first")
     return t.detach().reshape(-1).view(torch.uint8)
+
+
+def destinations(buffers: Any) -> tuple[list[memoryview], list[list[memoryview]]]:
+    """What a batched read lands in, per buffer: a byte view to read into, and the pieces the chunk ends up in.  A
+    buffer is its own one piece; a list of buffers (one chunk spread over several regions, its bytes in order) gets a
+    scratch view, which :func:`scatter` copies into the pieces, unless a read fills them directly."""
+    views: list[memoryview] = []
+    pieces: list[list[memoryview]] = []
+    for i, b in enumerate(buffers):
+        if isinstance(b, (list, tuple)):
+            parts = [byte_view(p, writable=True, field=f"buffers[{i}]") for p in b]
+            views.append(byte_view(np.empty(sum(p.nbytes for p in parts), dtype=np.uint8), writable=True))  # untouched
+        else:
+            parts = [byte_view(b, writable=True, field=f"buffers[{i}]")]
+            views.append(parts[0])
+        pieces.append(parts)
+    return views, pieces
+
+
+def scatter(view: memoryview, pieces: list[memoryview]) -> None:
+    """Copy ``view`` into ``pieces`` in order (nothing when the view is the one piece)."""
+    if len(pieces) == 1 and pieces[0] is view:
+        return
+    at = 0
+    for p in pieces:
+        p[:] = view[at : at + p.nbytes]
+        at += p.nbytes

@@ -25,6 +25,22 @@ def checksum(data: Buffer) -> int:
     return int(crc32c.crc32c(data))
 
 
+COPY_BLOCK = 256 << 10  #: bytes :func:`copy_checked` copies before it checksums them (they are still in cache then)
+
+
+def copy_checked(src: memoryview, pieces: list[memoryview]) -> int:
+    """Copy ``src`` into ``pieces`` (its bytes in order, piece after piece) and return the checksum of what landed
+    there.  Each block is checksummed right after it is copied, from the cache: one pass over memory, not two."""
+    value, at = 0, 0
+    for piece in pieces:
+        for start in range(0, piece.nbytes, COPY_BLOCK):
+            block = piece[start : start + COPY_BLOCK]
+            block[:] = src[at : at + block.nbytes]
+            value = crc32c.crc32c(block, value)
+            at += block.nbytes
+    return int(value)
+
+
 #: a cache identity's fingerprint, as puts carry it ("" for none)
 Fingerprint = Annotated[
     str,

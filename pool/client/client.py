@@ -45,7 +45,7 @@ from kvpool.metadata.lookup import PrefixLookup
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.advisor import AccessLog
-from kvpool.pool.buffers import byte_view, tensor_bytes
+from kvpool.pool.buffers import byte_view, destinations, scatter, tensor_bytes
 from kvpool.pool.chunks import Fingerprint, Origin, checksum, short
 from kvpool.pool.client.args import Counts, GraceS, MaybeOnDone, NodeId, NodeIds, NodeTier, ReplicaCount, Tensors
 from kvpool.pool.client.device_reads import DeviceReads
@@ -220,33 +220,39 @@ class PoolClient:
         actor call pins them all, one copy (same node) or one batched READ (a peer) moves them,
         one call releases them.  Anything that does not come back intact goes through :meth:`get_into`
         (next replica, corrupt replicas dropped).  ``on_done(i)`` is called as soon as ``keys[i]`` is in
-        its buffer, verified — same-node copies stream, so a caller can start on the first chunks early."""
+        its buffer, verified — same-node copies stream, so a caller can start on the first chunks early.  A buffer may
+        be a list of buffers, one chunk spread over them in order: a same-node copy lands there directly."""
         if len(keys) != len(buffers):
             raise ConfigError(f"{len(keys)} keys but {len(buffers)} buffers: pass one buffer per key")
         started = time.perf_counter()
-        dests = [byte_view(b, writable=True, field="buffer") for b in buffers]
+        dests, pieces = destinations(buffers)
         nearest = [r[0] for r in self.replicas.of(keys)]
         done = [False] * len(keys)
-        for i in self.reads.unpinned(nearest, dests, on_done):
+        for i in self.reads.unpinned(nearest, pieces, on_done):
             done[i] = True
+
+        def landed(i: int) -> None:  # read into dests[i] by the paths below: now into its pieces
+            scatter(dests[i], pieces[i])
+            if on_done is not None:
+                on_done(i)
+
         in_s3 = [i for i, p in enumerate(nearest) if not done[i] and p.tier is Tier.REMOTE]
         by_node: dict[str, list[int]] = {}
         for i, p in enumerate(nearest):
             if not done[i] and p.tier is not Tier.REMOTE:
                 by_node.setdefault(p.node, []).append(i)
         if in_s3:
-            self._settle(in_s3, self.s3.read([nearest[i] for i in in_s3], [dests[i] for i in in_s3]), done, on_done)
+            self._settle(in_s3, self.s3.read([nearest[i] for i in in_s3], [dests[i] for i in in_s3]), done, landed)
         for node_id, idx in by_node.items():
             with contextlib.suppress(NodeUnreachable):  # the holder is gone: get_into tries the next replica
-                notify = None if on_done is None else partial(_at, on_done, idx)
-                self._settle(
-                    idx, self.reads.pinned(node_id, [keys[i] for i in idx], [dests[i] for i in idx], notify), done, None
+                got = self.reads.pinned(
+                    node_id, [keys[i] for i in idx], [dests[i] for i in idx], partial(_at, landed, idx)
                 )
+                self._settle(idx, got, done, None)
         for i, key in enumerate(keys):
             if not done[i]:
                 self.replicas.read_any(key, dests[i])
-                if on_done is not None:
-                    on_done(i)
+                landed(i)
         by_source = dict.fromkeys(SOURCES, 0)
         for d, p in zip(dests, nearest, strict=True):
             by_source[self.replicas.source(p)] += d.nbytes

@@ -15,7 +15,7 @@ from typing import Any
 from kvpool.core.types import Placement, Tier
 from kvpool.errors import ChunkNotFound, UndecodableChunk
 from kvpool.pool.buffers import byte_view
-from kvpool.pool.chunks import SEGMENT_NAMES, StoredChunk, checksum, short
+from kvpool.pool.chunks import SEGMENT_NAMES, StoredChunk, checksum, copy_checked, short
 from kvpool.pool.client.peers import STAGING_BYTES, Peers, rounds
 from kvpool.pool.protocol import NodeHandle, NodeHandles, NodeInfo
 from kvpool.pool.segment import DramSegment, NvmeSegment
@@ -70,21 +70,22 @@ class NodeReads:
             self._nvme.close()
 
     def unpinned(
-        self, nearest: list[Placement], dests: list[memoryview], on_done: Callable[[int], None] | None
+        self, nearest: list[Placement], pieces: list[list[memoryview]], on_done: Callable[[int], None] | None
     ) -> set[int]:
-        """Copy the chunks held in this node's DRAM straight out of the mapped segment, with no call to the node;
-        the indexes that came out intact.  The node is told of the hits afterwards (LRU order, counters),
-        without waiting."""
+        """Copy the chunks held in this node's DRAM straight out of the mapped segment into their ``pieces`` (each
+        checksummed as it lands: :func:`copy_checked`), with no call to the node; the indexes that came out intact.
+        The node is told of the hits afterwards (LRU order, counters), without waiting."""
         if self.segment is None:
             return set()
         read: set[int] = set()
         for i, p in enumerate(nearest):
-            if p.node != self.node_id or p.tier is not Tier.DRAM or p.stored != dests[i].nbytes:
+            if p.node != self.node_id or p.tier is not Tier.DRAM or p.stored != sum(d.nbytes for d in pieces[i]):
                 continue
             if p.offset + p.stored > self.segment.capacity:
                 continue
-            self.segment.read_into(p.offset, dests[i])
-            if checksum(dests[i]) == p.checksum:
+            with self.segment.view(p.offset, p.stored) as src:
+                intact = copy_checked(src, pieces[i]) == p.checksum
+            if intact:
                 read.add(i)
                 if on_done is not None:
                     on_done(i)
@@ -125,8 +126,8 @@ class NodeReads:
         promoted: promote_on_hit off, or DRAM full) is read from the segment file, no byte through the node."""
         assert self.segment is not None
         if chunk.tier is Tier.DRAM:
-            self.segment.read_into(chunk.offset, dest)
-            return checksum(dest) == chunk.checksum
+            with self.segment.view(chunk.offset, chunk.stored) as src:
+                return copy_checked(src, [dest]) == chunk.checksum
         if self._nvme is None and self._nvme_file is not None:
             self._nvme = NvmeSegment.attach(*self._nvme_file)
         if self._nvme is None:
