@@ -34,6 +34,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvpool.core.keys import CacheIdentity
+from kvpool.core.types import Tier
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.metadata.identities import fingerprint
 from kvpool.metadata.lookup import PrefixLookup
@@ -48,6 +49,9 @@ from kvpool.prefill_decode.sglang.pages import PageLayout, page_key
 log = logging.getLogger(__name__)
 _METRICS = ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth")  #: StorageMetrics' fields
 CONNECT_S = 60.0  #: how long attaching the backend waits for the pool (Ray, etcd, the watch cache)
+#: a page is read straight into its host slots only where its bytes lie in runs at least this long (shorter runs cost
+#: more per run in Python than the staging copy they save: page_first's and page_head's are a head or a layer of a token)
+MIN_RUN = 16 << 10
 
 
 class KvPoolStorage(HiCacheStorage):
@@ -74,6 +78,7 @@ class KvPoolStorage(HiCacheStorage):
         self._batches: dict[str, list[float]] = {k: [] for k in _METRICS}
         self._batches_lock = threading.Lock()
         self._staging = HostStaging()
+        self._host_bytes: memoryview | None = None  #: the host buffer's bytes (for pages read straight into it)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvpool-hicache-io")
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -193,20 +198,26 @@ class KvPoolStorage(HiCacheStorage):
         return client
 
     def _load(self, keys: list[str], host_indices: torch.Tensor | None, flats: list[Any] | None) -> list[bool]:
-        """Pages ``keys`` from the pool into the host slots (``host_indices``) or flat pages (``flats``), through
-        the staging buffer: one copy out of the pool, one into the host pool's strided page."""
+        """Pages ``keys`` from the pool into the host slots (``host_indices``) or flat pages (``flats``).  A page in
+        this node's DRAM is copied from the node's mapped segment straight into its host slots (the contiguous runs
+        the slots' view lies in), checksummed as it lands; any other through the staging buffer: one copy out of the
+        pool, one into the host pool's strided page."""
         started = time.perf_counter()
         pages, client = self.pages, self._client()
         if client is None or pages is None:
             self.counts.add(load_errors=len(keys))
             return [False] * len(keys)
-        staged = self._staged(client, len(keys), register=client.registrations > 0)
         pool_keys = self.keys(keys)
-        ok = _read(client, pool_keys, [staged[i].view(torch.uint8).view(-1) for i in range(len(keys))])
         dests = self._dests(pages, keys, host_indices, flats)
-        for i, dest in enumerate(dests):
+        here = [flats is None and _in_dram_here(client, k) for k in pool_keys]
+        runs = [self._runs(d) if h else None for d, h in zip(dests, here, strict=True)]
+        staged_at = {i: j for j, i in enumerate(i for i, r in enumerate(runs) if r is None)}
+        staged = self._staged(client, len(staged_at), register=client.registrations > 0)
+        buffers = [r if r is not None else staged[staged_at[i]].view(torch.uint8).view(-1) for i, r in enumerate(runs)]
+        ok = _read(client, pool_keys, buffers)
+        for i, j in staged_at.items():
             if ok[i]:
-                dest.copy_(staged[i])
+                dests[i].copy_(staged[j])
         loaded, seconds = sum(ok), time.perf_counter() - started
         self.counts.add(loaded_tokens=loaded * pages.page, loaded_bytes=loaded * pages.nbytes, load_seconds=seconds)
         self._batch("prefetch", loaded, loaded * pages.nbytes, seconds)
@@ -259,6 +270,27 @@ class KvPoolStorage(HiCacheStorage):
         buffer = self._staging.get(client, pages * layout.nbytes, register=register)
         return buffer[: pages * layout.nbytes].view(layout.dtype).view(pages, *layout.shape)
 
+    def _runs(self, page: torch.Tensor) -> list[memoryview] | None:
+        """The host page ``page`` (a strided view of the host buffer) as the contiguous runs of host memory its bytes
+        lie in, in its order; None where they are shorter than ``MIN_RUN`` (the staging copy is quicker then)."""
+        kv = self.pages.kv if self.pages is not None else None
+        if kv is None or not kv.is_contiguous():
+            return None
+        if self._host_bytes is None:
+            self._host_bytes = kv.view(-1).view(torch.uint8).numpy().data
+        shape, strides, lead, run = page.shape, page.stride(), page.dim(), 1
+        while lead > 0 and strides[lead - 1] == run:  # the trailing dimensions that are contiguous
+            lead -= 1
+            run *= shape[lead]
+        size = page.element_size()
+        if run * size < MIN_RUN:
+            return None
+        base = (page.storage_offset() - kv.storage_offset()) * size
+        starts = [base]
+        for dim in range(lead):  # the leading dimensions, outermost first: the runs' starts in order
+            starts = [s + i * strides[dim] * size for s in starts for i in range(shape[dim])]
+        return [self._host_bytes[s : s + run * size] for s in starts]
+
     def _dests(
         self, pages: PageLayout, keys: list[str], host_indices: torch.Tensor | None, flats: list[Any] | None
     ) -> list[torch.Tensor]:
@@ -310,8 +342,14 @@ class KvPoolStorage(HiCacheStorage):
         self.connection.close()
 
 
-def _read(client: Any, keys: list[bytes], buffers: list[torch.Tensor]) -> list[bool]:
-    """Read ``keys`` into ``buffers``; per key, whether it came (verified)."""
+def _in_dram_here(client: Any, key: bytes) -> bool:
+    """Whether this node's pool node holds ``key`` in DRAM (the watch cache's view: the read checks it again)."""
+    return any(p.node == client.node_id and p.tier is Tier.DRAM for p in client.cache.replicas(key))
+
+
+def _read(client: Any, keys: list[bytes], buffers: list[Any]) -> list[bool]:
+    """Read ``keys`` into ``buffers`` (each a tensor, or the runs of host memory a page lies in); per key, whether it
+    came (verified)."""
     if not keys:
         return []
     try:

@@ -25,17 +25,17 @@ MODULE, CLASS = "kvpool.prefill_decode.sglang.storage", "KvPoolStorage"
 
 
 def pools(
-    layout: str, *, layers: int = 3, heads: int = 2, dim: int = 64, size: int = 64
+    layout: str, *, layers: int = 3, heads: int = 2, dim: int = 64, size: int = 64, page: int = PAGE
 ) -> tuple[MHATokenToKVPool, MHATokenToKVPoolHost]:
-    """A real MHA device pool of ``size`` tokens on CPU and its host pool (twice as many) in ``layout``, the host
-    pool filled with random bf16."""
+    """A real MHA device pool of ``size`` tokens on CPU and its host pool (twice as many) in ``layout``, ``page``
+    tokens a page, the host pool filled with random bf16."""
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     dev = MHATokenToKVPool(
         size=size,
-        page_size=PAGE,
+        page_size=page,
         dtype=torch.bfloat16,
         head_num=heads,
         head_dim=dim,
@@ -47,7 +47,7 @@ def pools(
         dev.get_device_pool_infos()[0].buffer_info,
         2.0,
         0,
-        PAGE,
+        page,
         layout,
         pin_memory=False,
         device="cpu",
