@@ -33,6 +33,7 @@ object a page and as objects of ``--groups`` pages, same node and read from the 
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -54,12 +55,13 @@ def measure(side: Any, tag: str, repeat: int, expected: list[int], *, save: bool
     """One side's figures (seconds of each pass): the backend's calls, then the controller's; ``save``: the side
     saves ``tag``'s pages itself (else it loads what another side saved under ``tag``).  Loads checked against
     ``expected``."""
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"memcpy_s": []}
     direct, ctrl = f"{tag}-direct", f"{tag}-ctrl"
     if save:
         out["save_s"] = []
         for rep in range(repeat):
             out["save_s"].append(side.save(direct))
+            out["memcpy_s"].append(side.memcpy.seconds())
             if rep < repeat - 1:
                 side.drop(direct)
     out["exists_s"] = side.exists(direct)
@@ -67,6 +69,7 @@ def measure(side: Any, tag: str, repeat: int, expected: list[int], *, save: bool
     for _ in range(repeat):
         seconds, got = side.load(direct)
         out["load_s"].append(seconds)
+        out["memcpy_s"].append(side.memcpy.seconds())
         check(got, expected, f"{tag}: load")
     if save:
         out["backup_s"] = []
@@ -95,9 +98,10 @@ def attempt(name: str, fn: Any) -> dict[str, Any]:
         console.print(f"  {name}: done", markup=False)
         return out
     except Exception as exc:
-        lines = [ln for ln in f"{type(exc).__name__}: {exc}".splitlines() if ln.strip()]
-        console.print(f"[yellow]  {name}: {lines[0][:300]}[/]")
-        return {"note": lines[0][:300]}
+        lines = [ln.strip() for ln in f"{type(exc).__name__}: {exc}".splitlines() if ln.strip()]
+        reason = next((ln for ln in reversed(lines) if re.search(r"(Error|Exception)\b", ln)), lines[0])[:300]
+        console.print(f"  {name}: {reason}", markup=False, style="yellow")
+        return {"note": reason}
 
 
 # -- the backends ----------------------------------------------------------------------------------------------
@@ -119,7 +123,7 @@ def kvpool_rows(shape: Any, args: argparse.Namespace, rows: dict[str, dict[str, 
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from kvpool.bench.sglang_sides import RemoteActor, Side, grouped_gets, grouped_puts
+    from kvpool.bench.sglang_sides import RemoteActor, Side, grouped
     from kvpool.metadata.config import MetadataConfig
     from kvpool.pool.config import PoolConfig
     from kvpool.pool.node import start_pool, stop_pool
@@ -156,14 +160,16 @@ def kvpool_rows(shape: Any, args: argparse.Namespace, rows: dict[str, dict[str, 
             )
             for tag in ("kv-direct", "kv-ctrl"):
                 side.drop(tag)
-            client, groups, n = side.backend.connection.connected, args.groups, args.repeat
-            rows["pages per object"] = {
-                "put_s": attempt("pages per object, put", lambda: grouped_puts(client, "group", shape, groups, n)),
-                "get_s": attempt("pages per object, get", lambda: grouped_gets(client, "group", shape, groups, n)),
-                "cross_get_s": attempt(
-                    "pages per object, cross-node", lambda: ray.get(remote.grouped_gets.remote("group", groups, n))
-                ),
-            }
+            client, n = side.backend.connection.connected, args.repeat
+
+            def far(tag: str, g: int) -> dict[str, Any]:
+                return attempt(
+                    f"{g} pages an object, cross-node", lambda: {"s": ray.get(remote.far_gets.remote(tag, g, n))}
+                )
+
+            rows["pages per object"] = attempt(
+                "pages per object", lambda: grouped(client, "group", shape, args.groups, n, far)
+            )
         finally:
             if remote is not None:
                 attempt("closing the actor", lambda: ray.get(remote.close.remote(), timeout=60) or {})
@@ -177,11 +183,12 @@ def remote_measure(remote: Any, tag: str, repeat: int, expected: list[int]) -> d
     import ray
 
     out: dict[str, Any] = {"exists_s": ray.get(remote.call.remote("exists", f"{tag}-direct"))}
-    out["load_s"], out["prefetch_s"] = [], []
+    out["load_s"], out["prefetch_s"], out["memcpy_s"] = [], [], []
     for _ in range(repeat):
         seconds, got = ray.get(remote.call.remote("load", f"{tag}-direct"))
         check(got, expected, "kvpool cross-node: load")
         out["load_s"].append(seconds)
+        out["memcpy_s"].append(ray.get(remote.memcpy.remote()))
     for _ in range(repeat):
         seconds, got = ray.get(remote.call.remote("prefetch", f"{tag}-ctrl"))
         check(got, expected, "kvpool cross-node: prefetch")
@@ -284,6 +291,8 @@ def mooncake_hosts(side: Any, tag: str) -> list[str]:
 def figures(row: dict[str, Any], nbytes: int, memcpy: float) -> dict[str, Any]:
     """GB/s (median pass) and the ratio to memcpy of each timed step of a row; batch_exists in ms."""
     out: dict[str, Any] = {k: v for k, v in row.items() if not k.endswith("_s")}
+    if row.get("memcpy_s"):  # the memcpy beside this row's passes
+        memcpy = out["memcpy_gbps"] = nbytes / statistics.median(row["memcpy_s"]) / 1e9
     for step in ("save", "load", "backup", "prefetch"):
         if samples := row.get(f"{step}_s"):
             gbps = nbytes / statistics.median(samples) / 1e9
@@ -297,18 +306,40 @@ def figures(row: dict[str, Any], nbytes: int, memcpy: float) -> dict[str, Any]:
     return out
 
 
-def grouping(row: dict[str, Any], shape: Any, memcpy: float) -> dict[str, Any]:
+def grouping(per: dict[Any, Any], shape: Any) -> dict[str, Any]:
+    """GB/s (median pass) of one batch put and got as objects of ``g`` pages, for each ``g`` measured."""
+    if "note" in per:
+        return per
     out: dict[str, Any] = {}
-    for key in ("put_s", "get_s", "cross_get_s"):
-        per = row.get(key) or {}
-        if "note" in per:
-            out[key[:-2]] = per
-            continue
-        out[key[:-2]] = {
-            str(g): {"gbps": shape.batch_bytes / statistics.median(s) / 1e9, "objects": shape.batch // int(g)}
-            for g, s in per.items()
-        }
+    for g, row in per.items():
+        fig: dict[str, Any] = {"objects": shape.batch // int(g)}
+        for step, samples in (("put", row["put_s"]), ("get", row["get_s"]), ("cross_get", row["cross_get_s"])):
+            if isinstance(samples, dict) and "s" not in samples:
+                fig[step] = samples  # why it was not measured
+            elif samples:
+                seconds = samples["s"] if isinstance(samples, dict) else samples
+                fig[step] = {"gbps": shape.batch_bytes / statistics.median(seconds) / 1e9}
+        out[str(g)] = fig
     return out
+
+
+def goals(rows: dict[str, Any]) -> str:
+    """The issue's goals against this run: same-node load >= 0.8x memcpy, >= 1.5x Mooncake's, batch_exists < 1 ms."""
+
+    def load(name: str) -> float | None:
+        return rows.get(name, {}).get("load", {}).get("gbps")
+
+    here = rows.get("kvpool, same node", {})
+    parts = []
+    if "load" in here:
+        parts.append(f"kvpool same-node load {here['load']['x_memcpy']:.2f}x memcpy (goal >= 0.8)")
+    for where in ("same node", "cross-node"):
+        ours, theirs = load(f"kvpool, {where}"), load(f"Mooncake, {where}")
+        if ours and theirs:
+            parts.append(f"{where} load {ours / theirs:.2f}x Mooncake's (goal >= 1.5)")
+    if "exists_ms" in here:
+        parts.append(f"batch_exists {here['exists_ms']:.3f} ms (goal < 1)")
+    return "goals: " + "; ".join(parts)
 
 
 def cell(fig: dict[str, Any] | None) -> str:
@@ -326,9 +357,19 @@ def render(result: dict[str, Any]) -> None:
         "prefetch → hit query → last ack (its threads)\nkvpool cross-node: a storage side on the other Ray node loads "
         "what the first saved (a save lands on the saver's own node first)",
     )
-    for col in ("backend", "save", "batch_exists", "load", "controller backup", "controller prefetch", "note"):
+    cols = (
+        "backend",
+        "memcpy beside",
+        "save",
+        "batch_exists",
+        "load",
+        "controller backup",
+        "controller prefetch",
+        "note",
+    )
+    for col in cols:
         table.add_column(col, justify="left" if col in ("backend", "note") else "right")
-    table.add_row("memcpy of the same bytes (np.copyto)", f"{memcpy:.2f}", "", f"{memcpy:.2f}", "", "", "the limit")
+    table.add_row("memcpy at the start (np.copyto)", f"{memcpy:.2f}", "", "", "", "", "", "a batch's bytes in one copy")
     for name, row in result["rows"].items():
         ms = f"{row['exists_ms']:.3f} ms" if "exists_ms" in row else "—"
         note = row.get("note", "")
@@ -336,6 +377,7 @@ def render(result: dict[str, Any]) -> None:
             note = f"objects on {', '.join(placed)}"
         table.add_row(
             name,
+            f"{row['memcpy_gbps']:.2f}" if "memcpy_gbps" in row else "",
             cell(row.get("save")),
             ms,
             cell(row.get("load")),
@@ -344,6 +386,7 @@ def render(result: dict[str, Any]) -> None:
             note,
         )
     console.print(table)
+    console.print(goals(result["rows"]))
     steps = result["load_steps_gbps"]
     console.print(
         "a same-node load's steps alone, one batch, GB/s: "
@@ -353,16 +396,15 @@ def render(result: dict[str, Any]) -> None:
     groups = Table(title="Pages per pool object: one batch through the pool client (put_batch / get_into_batch), GB/s")
     for col in ("pages an object", "objects", "put, same node", "get, same node", "get, cross-node"):
         groups.add_column(col, justify="right")
-    per = result["pages_per_object"]
-    for g, put in per.get("put", {}).items():
-        far = per.get("cross_get", {}).get(g)
-        groups.add_row(
-            g,
-            str(put["objects"]),
-            f"{put['gbps']:.2f}",
-            f"{per['get'][g]['gbps']:.2f}",
-            f"{far['gbps']:.2f}" if far else per.get("cross_get", {}).get("note", "—")[:60],
-        )
+    for g, fig in result["pages_per_object"].items():
+        if g == "note":
+            groups.add_row("—", "", fig[:60], "", "")
+            continue
+        cells = [
+            f"{fig[k]['gbps']:.2f}" if "gbps" in fig.get(k, {}) else fig.get(k, {}).get("note", "—")[:40]
+            for k in ("put", "get", "cross_get")
+        ]
+        groups.add_row(g, str(fig["objects"]), *cells)
     console.print(groups)
 
 
@@ -424,7 +466,7 @@ def main() -> None:
         "memcpy_gbps": memcpy,
         "load_steps_gbps": steps,
         "rows": {name: figures(row, shape.batch_bytes, memcpy) for name, row in rows.items()},
-        "pages_per_object": grouping(per_object, shape, memcpy),
+        "pages_per_object": grouping(per_object, shape),
         "seconds": time.perf_counter() - t0,
     }
     out = Path(args.json)

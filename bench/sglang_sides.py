@@ -21,6 +21,9 @@ from kvpool.prefill_decode.sglang.cpu_import import import_sglang
 
 WAIT_S = 300  #: the longest a controller's acknowledgement is waited for
 EXISTS_CALLS = 50  #: batch_exists calls timed (the median is reported)
+#: host memory SGLang leaves free when it sizes a host pool (it keeps 10 GiB for the rest of a server; the bench's
+#: processes need far less, and the machine it runs on may not have 10 GiB to spare beside its pools)
+RESERVE = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,26 @@ def tokens(shape: Shape, tag: str) -> list[int]:
     return [(seed + i * 7919) % 150_000 for i in range(shape.batch * shape.page)]
 
 
+class Memcpy:
+    """memcpy of as many bytes as a batch, in this process, beside each timed pass (the machine's load changes
+    during a run: each row is compared with the memcpy of its own moments): ``np.copyto`` between two 256 MiB
+    buffers (past any cache), as many times as a batch needs."""
+
+    BLOCK = 256 << 20
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.src = np.random.default_rng(2).integers(0, 256, min(nbytes, self.BLOCK), dtype=np.uint8)
+        self.dst = np.ones_like(self.src)
+
+    def seconds(self) -> float:
+        t0 = time.perf_counter()
+        for at in range(0, self.nbytes, self.src.nbytes):
+            n = min(self.src.nbytes, self.nbytes - at)
+            np.copyto(self.dst[:n], self.src[:n])
+        return time.perf_counter() - t0
+
+
 def tp_group() -> Any:
     """SGLang's TP group of one rank (gloo on loopback), as its scheduler sets it up; once per process."""
     import torch.distributed as dist
@@ -73,6 +96,7 @@ class Side:
         self, shape: Shape, backend: str, extra: dict[str, Any], model: str = "bench-sglang", batches: int = 2
     ) -> None:
         import_sglang("sglang.srt.mem_cache.hicache_storage")
+        import sglang.srt.mem_cache.pool_host.base as host_base
         import torch
         from sglang.srt.managers.cache_controller import HiCacheController
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -80,6 +104,7 @@ class Side:
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
         self.shape = shape
+        host_base.HICACHE_HOST_MEMORY_RESERVE_BYTES = RESERVE  # SGLang's 10 GiB: more than this machine spares
         dims = {"head_num": shape.heads, "head_dim": shape.dim, "layer_num": shape.layers}
         dev = MHATokenToKVPool(  # the device pool only sizes the host pool: a few pages
             size=4 * shape.page,
@@ -120,6 +145,7 @@ class Side:
         for start in [] if self.src is None else self.src[:: shape.page].tolist():  # random bytes in each page saved
             self._page(int(start)).view(torch.int16).random_()
         self._op = SimpleNamespace(request_id="bench", is_terminated=lambda: False)
+        self.memcpy = Memcpy(shape.batch_bytes)
 
     def _page(self, start: int) -> Any:
         """The page at host slot ``start`` as one strided view (K and V of every layer)."""
@@ -255,9 +281,12 @@ class RemoteSide:
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.side, method)(*args)
 
-    def grouped_gets(self, tag: str, groups: list[int], repeat: int) -> dict[int, list[float]]:
-        """:func:`grouped_gets` by this actor's pool client: what the bench's process stored, read from here."""
-        return grouped_gets(self.side.backend.connection.connected, tag, self.side.shape, groups, repeat)
+    def memcpy(self) -> float:
+        return self.side.memcpy.seconds()
+
+    def far_gets(self, tag: str, g: int, repeat: int) -> list[float]:
+        """:func:`far_gets` by this actor's pool client: what the bench's process stored, read from here."""
+        return far_gets(self.side.backend.connection.connected, tag, self.side.shape, g, repeat)
 
     def close(self) -> None:
         self.side.close()
@@ -282,30 +311,33 @@ def _get_once(client: Any, keys: list[bytes], size: int) -> float:
     return time.perf_counter() - t0
 
 
-def grouped_puts(client: Any, tag: str, shape: Shape, groups: list[int], repeat: int) -> dict[int, list[float]]:
-    """Seconds of ``repeat`` ``put_batch`` passes of one batch of pages as ``batch / g`` objects of ``g`` pages, for
-    each ``g`` of ``groups`` (each pass's objects removed before the next; the last pass's stay, to be read)."""
+def grouped(
+    client: Any, tag: str, shape: Shape, groups: list[int], repeat: int, far: Any = None
+) -> dict[int, dict[str, Any]]:
+    """For each ``g`` of ``groups``: seconds of ``repeat`` ``put_batch`` passes of one batch of pages as ``batch / g``
+    objects of ``g`` pages (removed between passes), of ``repeat`` ``get_into_batch`` passes of them, and of
+    ``far(tag, g)``'s (another node's reads of them, or why there are none); then they are removed."""
     src = np.random.default_rng(0).integers(0, 256, shape.batch_bytes, dtype=np.uint8)
-    out: dict[int, list[float]] = {}
+    out: dict[int, dict[str, Any]] = {}
     for g in groups:
         keys, size = group_keys(tag, shape.batch, g), g * shape.page_bytes
         items = [(k, src[i * size : (i + 1) * size]) for i, k in enumerate(keys)]
-        out[g] = []
+        puts = []
         for rep in range(repeat):
             t0 = time.perf_counter()
             client.put_batch(items)
-            out[g].append(time.perf_counter() - t0)
+            puts.append(time.perf_counter() - t0)
             if rep < repeat - 1:
                 client.remove_batch(keys)
+        gets = [_get_once(client, keys, size) for _ in range(repeat)]
+        out[g] = {"put_s": puts, "get_s": gets, "cross_get_s": far(tag, g) if far is not None else None}
+        client.remove_batch(keys)
     return out
 
 
-def grouped_gets(client: Any, tag: str, shape: Shape, groups: list[int], repeat: int) -> dict[int, list[float]]:
-    """Seconds of ``repeat`` ``get_into_batch`` passes of what :func:`grouped_puts` stored, per group size."""
-    return {
-        g: [_get_once(client, group_keys(tag, shape.batch, g), g * shape.page_bytes) for _ in range(repeat)]
-        for g in groups
-    }
+def far_gets(client: Any, tag: str, shape: Shape, g: int, repeat: int) -> list[float]:
+    """Seconds of ``repeat`` ``get_into_batch`` passes of one batch stored ``g`` pages an object (by :func:`grouped`)."""
+    return [_get_once(client, group_keys(tag, shape.batch, g), g * shape.page_bytes) for _ in range(repeat)]
 
 
 # -- where a same-node load's time goes: its steps alone, on one batch ----------------------------------------
