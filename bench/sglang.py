@@ -22,9 +22,12 @@ Every load's bytes are checked against the pages saved (crc32c per page).  The r
 - Mooncake's backend (``MooncakeStore``) on ``mooncake-transfer-engine-non-cuda`` over TCP, a ``mooncake_master`` in a
   private network namespace (as ``bench/transfer.py`` runs it): same node, the backend's own segment; cross-node, the
   segment of a second store client (another process); or the measured reason it does not run;
-- memcpy of the same bytes (one copy of a batch, ``np.copyto``): the limit, and every figure's ratio to it.
+- memcpy of as many bytes (``np.copyto``, one thread) in the same process beside each timed pass: the limit, and
+  each row's ratio to its own (the machine's load moves during a run); and once at the start.
 
-And the pages-per-object choice: one batch through the pool client directly (``put_batch`` / ``get_into_batch``) as one
+A same-node load's steps alone on one batch: memcpy, crc32c, a copy and its checksum in one pass (``copy_checked``,
+what a page read straight into its host slots costs) and the staging path's copy into the page views.  And the
+pages-per-object choice: one batch through the pool client directly (``put_batch`` / ``get_into_batch``) as one
 object a page and as objects of ``--groups`` pages, same node and read from the other node.
 
     python bench/sglang.py [--layers 32] [--batch 128] [--repeat 3] [--json bench/results/sglang.json]
@@ -241,7 +244,7 @@ def mooncake_child(shape: Any, where: str, repeat: int) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     loopback_namespace()
     env = {**os.environ, "GLOG_minloglevel": "1"}
-    room = 2 * shape.batch_bytes + 64 * MiB
+    room = 3 * shape.batch_bytes  # two batches held, and headroom below its eviction watermark
     with tempfile.TemporaryFile() as log, contextlib.ExitStack() as stack:
         try:
             extra = {
