@@ -51,7 +51,7 @@ from kvpool.pool.client.args import Counts, GraceS, MaybeOnDone, NodeId, NodeIds
 from kvpool.pool.client.device_reads import DeviceReads
 from kvpool.pool.client.peers import Peers, node_record
 from kvpool.pool.client.prefetch import Prefetched, plan
-from kvpool.pool.client.reads import NodeReads, Outcome
+from kvpool.pool.client.reads import NodeReads, at, settle
 from kvpool.pool.client.replicas import Replicas
 from kvpool.pool.client.s3_reads import S3Reads
 from kvpool.pool.client.writes import Item, Rooms, Summary, put_local, put_peer, targets
@@ -64,10 +64,6 @@ from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.s3_config import GC_GRACE_S
 
 log = logging.getLogger(__name__)
-
-
-def _at(fn: Callable[[int], None], index: list[int], j: int) -> None:
-    fn(index[j])
 
 
 class PoolClient:
@@ -242,13 +238,13 @@ class PoolClient:
             if not done[i] and p.tier is not Tier.REMOTE:
                 by_node.setdefault(p.node, []).append(i)
         if in_s3:
-            self._settle(in_s3, self.s3.read([nearest[i] for i in in_s3], [dests[i] for i in in_s3]), done, landed)
+            settle(in_s3, self.s3.read([nearest[i] for i in in_s3], [dests[i] for i in in_s3]), done, landed)
         for node_id, idx in by_node.items():
             with contextlib.suppress(NodeUnreachable):  # the holder is gone: get_into tries the next replica
                 got = self.reads.pinned(
-                    node_id, [keys[i] for i in idx], [dests[i] for i in idx], partial(_at, landed, idx)
+                    node_id, [keys[i] for i in idx], [dests[i] for i in idx], partial(at, landed, idx)
                 )
-                self._settle(idx, got, done, None)
+                settle(idx, got, done, None)
         for i, key in enumerate(keys):
             if not done[i]:
                 self.replicas.read_any(key, dests[i])
@@ -259,13 +255,6 @@ class PoolClient:
         self._stats.seen.get(time.perf_counter() - started, by_source)
         self._stats.report()
         return [d.nbytes for d in dests]
-
-    @staticmethod
-    def _settle(idx: list[int], got: list[Outcome], done: list[bool], on_done: Callable[[int], None] | None) -> None:
-        for i, intact in zip(idx, got, strict=True):
-            done[i] = intact is True
-            if done[i] and on_done is not None:
-                on_done(i)
 
     @checked
     def get_into_device(self, keys: Sequence[ChunkKey], tensors: Tensors) -> list[int]:

@@ -26,6 +26,19 @@ from kvpool.transport.base import Op
 Outcome = bool | None  #: per chunk: True intact, False failed its checksum, None not read (moved, gone, unreachable)
 
 
+def settle(idx: list[int], got: list[Outcome], done: list[bool], on_done: Callable[[int], None] | None) -> None:
+    """Mark ``done[idx[j]]`` for each intact ``got[j]`` (and tell ``on_done``): a batch of reads' outcomes, in place."""
+    for i, intact in zip(idx, got, strict=True):
+        done[i] = intact is True
+        if done[i] and on_done is not None:
+            on_done(i)
+
+
+def at(fn: Callable[[int], None], index: list[int], j: int) -> None:
+    """``fn(index[j])``: a read's callback by its position in a node's batch, told as the caller's index."""
+    fn(index[j])
+
+
 def fill(dest: memoryview, data: Any, codec: str, expected: int, key: bytes = b"", keys: Keyring | None = None) -> bool:
     """Put a chunk's stored bytes (encoded with ``codec``) into ``dest`` if they match their checksum and
     decode to exactly ``dest``'s size; whether they did.  Sealed bytes (``codec`` ends in ``+aes256gcm``) are opened
