@@ -308,9 +308,11 @@ class PoolClient:
 
     @checked
     def record_engine(self, counts: Counts) -> None:
-        """Add an inference engine connector's counts (see ``ClientStats.engine``) to what this client reports."""
+        """Add an inference engine connector's counts (see ``ClientStats.engine``) to what this client reports, sent to
+        its node at once (one call not waited for; connectors call this at most once a load or save batch), so a
+        count is never held back until the client's next call, which an idle engine may not make."""
         self._stats.seen.add_engine(counts)
-        self._stats.report()
+        self._stats.report(force=True)
 
     @checked
     def register_identity(self, identity: CacheIdentity) -> str:

@@ -65,6 +65,8 @@ GOOD: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "move": (([KEY], Tier.DRAM), {}),
     "remote_gc": ((), {"grace_s": 10.0}),
     "stats": ((), {}),
+    "prefetch": (([KEY],), {"node": "", "tenant": ""}),
+    "connect_peers": ((), {}),
 }
 NOT_WALKED = {"close"}  # ends the client: called last, by the fixture
 
