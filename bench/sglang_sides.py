@@ -5,7 +5,6 @@ threads; the pool client's pages-per-object figures.  It runs in the bench's pro
 
 import hashlib
 import os
-import socket
 import statistics
 import threading
 import time
@@ -17,7 +16,7 @@ import numpy as np
 import ray
 
 from kvpool.pool.chunks import checksum
-from kvpool.prefill_decode.sglang.cpu_import import import_sglang
+from kvpool.prefill_decode.sglang.cpu_import import import_sglang, tp_group
 
 WAIT_S = 300  #: the longest a controller's acknowledgement is waited for
 EXISTS_CALLS = 50  #: batch_exists calls timed (the median is reported)
@@ -71,20 +70,6 @@ class Memcpy:
             n = min(self.src.nbytes, self.nbytes - at)
             np.copyto(self.dst[:n], self.src[:n])
         return time.perf_counter() - t0
-
-
-def tp_group() -> Any:
-    """SGLang's TP group of one rank (gloo on loopback), as its scheduler sets it up; once per process."""
-    import torch.distributed as dist
-    from sglang.srt.runtime_context import get_parallel
-
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0)
-    return dist.new_group([0], backend="gloo")
 
 
 class Side:

@@ -3,12 +3,16 @@ time) out of the venv's site-packages, in ``<venv>/sglang-torchvision``: PyPI's 
 CPU torch its C ops do not load, and transformers (hence vLLM) would fail on it.  :func:`import_sglang` puts that
 folder on ``sys.path`` of the process that asks (SGLang's tests, ``bench/sglang.py``; never a vLLM process) and gives
 torchvision's two missing ops a schema so that its Python part imports (nothing on SGLang's storage path calls them).
-With a CUDA torch, where torchvision imports cleanly, it only imports the module asked for."""
+With a CUDA torch, where torchvision imports cleanly, it only imports the module asked for.  :func:`tp_group` is the
+one-rank TP group SGLang's cache controller needs where no SGLang scheduler set one up (the tests, the bench)."""
 
 import importlib
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+from kvpool.servers.process import free_port
 
 TORCHVISION = Path(sys.prefix) / "sglang-torchvision"  #: where the Makefile puts torchvision (see above)
 _ops: object = None  #: the op schemas, kept alive for the process
@@ -41,3 +45,15 @@ def import_sglang(name: str = "sglang") -> ModuleType:
     where SGLang is not installed."""
     _torchvision()
     return importlib.import_module(name)
+
+
+def tp_group() -> Any:
+    """SGLang's TP group of one rank (gloo on loopback), as its scheduler sets it up; once a process."""
+    import torch.distributed as dist
+    from sglang.srt.runtime_context import get_parallel
+
+    if not dist.is_initialized():
+        port = free_port("127.0.0.1")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0)
+    return dist.new_group([0], backend="gloo")

@@ -126,22 +126,6 @@ def storage_config(
     )
 
 
-def tp_group() -> Any:
-    """SGLang's TP group of one rank (gloo on loopback), as its scheduler sets it up; once a process."""
-    import socket
-
-    import torch.distributed as dist
-    from sglang.srt.runtime_context import get_parallel
-
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0)
-    return dist.new_group([0], backend="gloo")
-
-
 @contextlib.contextmanager
 def attached(
     group: Any, extra: dict[str, Any], layout: str = "page_first", *, mla: bool = False

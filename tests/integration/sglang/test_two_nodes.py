@@ -12,9 +12,11 @@ from typing import Any
 import ray
 import sglang_needed
 import torch
-from hicache import PAGE, attached, back_up, prefetch, tp_group
+from hicache import PAGE, attached, back_up, prefetch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from sglang_needed import sglang_module
+
+from kvpool.prefill_decode.sglang.cpu_import import tp_group
 
 sglang_module("sglang.srt.mem_cache.hicache_storage")  # a skip where SGLang is not installed (see sglang_needed)
 
