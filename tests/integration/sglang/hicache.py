@@ -43,7 +43,14 @@ def pools(
         device="cpu",
         enable_memory_saver=False,
     )
-    host = MHATokenToKVPoolHost(
+    return dev, _host(MHATokenToKVPoolHost, dev, page, layout)
+
+
+def _host(cls: Any, dev: Any, page: int, layout: str, **extra: Any) -> Any:
+    """SGLang's host pool ``cls`` (twice ``dev``'s tokens) on CPU in ``layout``, filled with random bf16."""
+    import torch
+
+    host = cls(
         dev.get_device_pool_infos()[0].buffer_info,
         2.0,
         0,
@@ -54,9 +61,10 @@ def pools(
         device_capacity_tokens=dev.size,
         start_layer=dev.start_layer,
         end_layer=dev.end_layer,
+        **extra,
     )
     host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape).to(host.dtype))
-    return dev, host
+    return host
 
 
 def host_pool(layout: str, **dims: int) -> MHATokenToKVPoolHost:
@@ -83,21 +91,7 @@ def mla_pools(
         device="cpu",
         enable_memory_saver=False,
     )
-    host = MLATokenToKVPoolHost(
-        dev.get_device_pool_infos()[0].buffer_info,
-        2.0,
-        0,
-        PAGE,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=dev.size,
-        start_layer=dev.start_layer,
-        end_layer=dev.end_layer,
-        target_layer_num=dev.layer_num,
-    )
-    host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape).to(host.dtype))
-    return dev, host
+    return dev, _host(MLATokenToKVPoolHost, dev, PAGE, layout, target_layer_num=dev.layer_num)
 
 
 def mla_host_pool(layout: str, **dims: int) -> MLATokenToKVPoolHost:
