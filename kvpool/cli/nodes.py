@@ -105,6 +105,14 @@ NVME_DIR = typer.Option(
 METRICS_HOST = typer.Option(
     options.field_default(PoolConfig, "metrics_host"), "--metrics-host", help="Where the node serves its metrics."
 )
+METRICS_PORT = typer.Option(
+    options.field_default(PoolConfig, "metrics_port"),
+    "--metrics-port",
+    min=-1,
+    max=65535,
+    help="The port of the node's metrics: 0 a free one (published in its node record), -1 none; a fixed one for "
+    "probes and scrapers that cannot read etcd (Kubernetes).",
+)
 
 
 @root.app.command()
@@ -119,6 +127,7 @@ def join(
     nvme_mib: int = NVME_MIB,
     nvme_dir: str = NVME_DIR,
     metrics_host: str = METRICS_HOST,
+    metrics_port: int = METRICS_PORT,
     nvme_codec: str = options.NVME_CODEC,
     s3_bucket: str = options.S3_BUCKET,
     s3_endpoint: str = options.S3_ENDPOINT,
@@ -143,6 +152,7 @@ def join(
             nvme_dir=nvme_dir,
             namespace=namespace,
             metrics_host=metrics_host,
+            metrics_port=metrics_port,
             nvme_codec=nvme_codec,
             remote=options.remote_config(s3_bucket, s3_endpoint, s3_codec, flush_after),
         )
