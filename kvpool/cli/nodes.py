@@ -67,7 +67,11 @@ def _start_node(ray_address: str, node_ip: str, base: PoolConfig, dram_mib: int,
         )
         ip = node["NodeManagerAddress"]
         with root.console.status(f"starting the PoolNode on {ip}"):
-            info = ray.get(start_pool(pool, [node["NodeID"]])[node["NodeID"]].info.remote())
+            try:
+                info = ray.get(start_pool(pool, [node["NodeID"]])[node["NodeID"]].info.remote())
+            except ray.exceptions.RayActorError as exc:  # its constructor raised: the traceback's last line says why
+                why = str(exc).strip().splitlines()[-1]
+                raise ConfigError(f"the PoolNode on {ip} did not start: {why}") from None
         return info, ip
     finally:
         ray.shutdown()

@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 
 from kvpool import ray_auth
 from kvpool.core.types import Tier
+from kvpool.errors import ConfigError
 from kvpool.pool.gds import nvme_io_path
 from kvpool.pool.metrics import ClientStats
 from kvpool.pool.node.store import ChunkStore
@@ -133,5 +134,11 @@ def serve_metrics(collector: StoreCollector, host: str, port: int) -> tuple[Any,
     """Serve ``collector`` on ``host:port`` (0: a free port); returns the server and its ``host:port``."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(collector)
-    server, _ = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, _ = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise ConfigError(
+            f"the node's metrics cannot be served on {host}:{port} ({exc.strerror}): give another metrics_port "
+            "(kvpool join --metrics-port), 0 for a free one, or a metrics_host of this machine"
+        ) from None
     return server, f"{host}:{server.server_port}"
