@@ -107,6 +107,11 @@ def test_every_pool_group_advertises_capacity_sizes_shm_and_keeps_nvme(overlay: 
         [container] = [c for c in pod["containers"] if "kvpool join " in "\n".join(c.get("args", []))]
         dram, nvme = (int(group["resources"][f"kvpool_{t}_mib"]) for t in ("dram", "nvme"))
         assert dram > 0 and nvme > 0
+        # KubeRay refuses a group with resources both here and in rayStartParams
+        assert not {"num-cpus", "num-gpus", "memory", "resources"} & group["rayStartParams"].keys()
+        # the command runs KubeRay's `ray start`, which KubeRay hands over only with this annotation
+        assert "$KUBERAY_GEN_RAY_START_CMD" in container["args"][0]
+        assert ray["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
         where = mounts(pod, container)
         shm = where["/dev/shm"]["emptyDir"]
         store = int(group["rayStartParams"]["object-store-memory"])  # Ray's object store lives there too
