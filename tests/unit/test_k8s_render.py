@@ -223,3 +223,15 @@ def test_the_dockerfile_passes_hadolint() -> None:
         [hadolint, "--no-color", str(DEPLOY / "Dockerfile")], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pod_script_is_valid_bash(overlay: str) -> None:
+    pods = [o["spec"]["template"]["spec"] for o in render(overlay) if o["kind"] in ("Deployment", "StatefulSet")]
+    ray = one(render(overlay), "RayCluster", "kvpool")["spec"]
+    pods += [g["template"]["spec"] for g in (ray["headGroupSpec"], *ray["workerGroupSpecs"])]
+    scripts = [c["args"][0] for p in pods for c in p["containers"] if c.get("command", [])[:1] == ["/bin/bash"]]
+    assert len(scripts) >= 4  # head, pool, vLLM, SGLang
+    for script in scripts:
+        out = subprocess.run(["bash", "-n", "-c", script], capture_output=True, text=True, timeout=10)
+        assert out.returncode == 0, f"{script}\n{out.stderr}"
