@@ -159,21 +159,22 @@ def test_worker_side_moves_each_group_s_blocks_and_one_rank_writes_replicated_kv
 def from_the_pool(
     pool: PoolConfig, model: str, name: str, logs: Path, then: Callable[[EngineProcess], None] | None = None
 ) -> tuple[dict[str, Any], ...]:
-    """The answers to P (and ONE, which shares P's first chunk only) of an engine without the connector, to P of
-    one with it that computes and saves P, and of a fresh engine with it started once the first one's saves are in
-    (it has never computed P); that engine's connector state (before ``then(engine)``, if given, runs)."""
-    with engine({"model": model}, logs / f"{name}-plain.log") as plain:
-        want = plain.generate([P]) + plain.generate([ONE])  # one at a time, as the others are asked
+    """The answers of an engine with the connector that computes and saves P (the pool empty: the recomputed
+    answer) and then answers ONE (which shares P's first chunk only; the engine's own prefix cache serves that
+    chunk), and of a fresh engine started once the first one's saves are in (it has never computed P) to P; that
+    engine's connector state (before ``then(engine)``, if given, runs).  (An engine without the connector answers
+    as the first does: test_vllm_connector.py checks that against transformers, the Mamba hybrid below here.)"""
     settings = {"model": model, "connector": extra_config(pool, model_id=name)}
     with engine(settings, logs / f"{name}-a.log", hash_seed=1) as a:
         [computed] = a.generate([P])
+        [other] = a.generate([ONE])
     # A's saves are in etcd once it has closed (its queued saves finish first)
     with engine(settings, logs / f"{name}-b.log", hash_seed=2) as b:
         [loaded] = b.generate([P])
         state = b.ask(connector=True)
         if then is not None:
             then(b)
-    return want, computed, loaded, state
+    return (computed, other), loaded, state
 
 
 def test_mla_stores_one_copy_for_every_rank_and_a_fresh_engine_takes_its_prompt_from_the_pool(
@@ -181,9 +182,9 @@ def test_mla_stores_one_copy_for_every_rank_and_a_fresh_engine_takes_its_prompt_
 ) -> None:
     """DeepSeek-V2's latent KV (CPU_MLA: ``[blocks, 16, 576]``; vLLM turns its own prefix cache and chunked prefill
     off for MLA on CPU, and still loads the connector's tokens) is keyed with no TP rank: one copy for all."""
-    (want, _), computed, loaded, state = from_the_pool(engine_pool, models["deepseek-v2-mla"], "dsv2", tmp_path)
-    assert computed["tokens"] == want["tokens"] and computed["cached"] == 0
-    assert loaded["cached"] == 2 * CHUNK and loaded["tokens"] == want["tokens"]
+    (computed, _), loaded, state = from_the_pool(engine_pool, models["deepseek-v2-mla"], "dsv2", tmp_path)
+    assert computed["cached"] == 0
+    assert loaded["cached"] == 2 * CHUNK and loaded["tokens"] == computed["tokens"]
     assert state["totals"]["loaded_tokens"] == 2 * CHUNK and state["totals"]["load_errors"] == 0
     identity = state["identity"]
     assert (identity["tp_size"], identity["tp_rank"]) == (1, 0)
@@ -214,8 +215,8 @@ def test_a_sliding_window_hybrid_takes_its_prompt_from_the_pool(
         recomputed.append(b.ask(connector=True)["totals"])
 
     model = models["gemma3-sliding"]
-    (want, want_o), computed, loaded, state = from_the_pool(engine_pool, model, "gemma3", tmp_path, corrupt_then_ask)
-    assert computed["tokens"] == want["tokens"] and computed["cached"] == 0
+    (want, want_o), loaded, state = from_the_pool(engine_pool, model, "gemma3", tmp_path, corrupt_then_ask)
+    assert want["cached"] == 0
     assert loaded["cached"] == 2 * CHUNK and loaded["tokens"] == want["tokens"]
     totals = state["totals"]
     assert totals["loaded_tokens"] == 2 * CHUNK and totals["load_errors"] == 0
