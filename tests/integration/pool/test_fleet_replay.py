@@ -1,0 +1,49 @@
+"""The fleet simulator (bench/fleet_sim.py) against a real pool: the first 600 requests of each Mooncake trace, scaled
+down to 16-token chunks of one page and 8 MiB of DRAM a node (a third to two thirds of the slice's reuse fits), replayed with real puts and gets on the session's three
+Ray nodes, give the simulator's hit rates within 2 points."""
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from kvpool.bench.fleet_check import Check, real, simulated
+from kvpool.bench.fleet_trace import trace_path
+from kvpool.metadata.config import MetadataConfig
+from kvpool.pool.client import PoolClient
+from kvpool.pool.config import PoolConfig
+from kvpool.pool.node import start_pool, stop_pool
+from kvpool.servers.etcd import EmbeddedEtcd
+
+CHECK = Check()
+pytestmark = pytest.mark.skipif(
+    not trace_path("conversation").exists(), reason="the Mooncake traces are not beside the repository"
+)
+
+
+@pytest.fixture
+def dram_pool(ray_cluster: list[str], etcd_server: EmbeddedEtcd) -> Iterator[PoolConfig]:
+    """A fresh pool of the check's configuration: three nodes of 8 MiB DRAM, no NVMe."""
+    metadata = MetadataConfig(endpoints=(etcd_server.endpoint,), cluster=f"t-{uuid.uuid4().hex[:12]}", lease_ttl_s=2)
+    config = PoolConfig(
+        metadata=metadata,
+        dram_bytes=CHECK.dram_bytes,
+        nvme_bytes=-1,
+        alignment=CHECK.alignment,
+        namespace=f"kvpool-{uuid.uuid4().hex[:8]}",
+    )
+    start_pool(config, ray_cluster)
+    yield config
+    stop_pool(config)
+
+
+@pytest.mark.parametrize("trace", ["conversation", "synthetic"])
+def test_the_simulator_gives_the_real_pools_hit_rate(trace: str, dram_pool: PoolConfig, ray_cluster: list[str]) -> None:
+    requests = CHECK.trace(trace)
+    expected = simulated(CHECK, requests)
+    with PoolClient(dram_pool) as client:
+        measured, wrong = real(CHECK, client, ray_cluster, requests)
+    print(f"\n{trace}: real {measured:.4f}, simulated {expected:.4f}")
+    assert wrong == 0
+    assert 0 < expected < 1
+    assert abs(measured - expected) <= 0.02, (trace, measured, expected)
