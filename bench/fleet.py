@@ -100,20 +100,20 @@ def advisor_curve(
 
 
 def sweep_rows(
-    run: Runner, name: str, requests: Sequence[Request], base: FleetSettings, rate: float
+    run: Runner, name: str, requests: Sequence[Request], base: FleetSettings, rates: Sequence[float]
 ) -> list[dict[str, Any]]:
     """Hit rate against the pool's total DRAM (``base.nodes`` nodes, no NVMe), exact and from the advisor's curve
-    (of the largest pool's logged replay: any replay's logs give the whole curve)."""
+    at each access-log sampling rate (of the largest pool's logged replay: any replay's logs give the whole curve)."""
     dram_only = replace(base, nvme_tokens=0, s3=False)
     big = replace(dram_only, dram_tokens=math.ceil(SWEEP[-1] / base.nodes))
-    _, curve = advisor_curve(run, name, requests, big, rate)
+    curves = {rate: advisor_curve(run, name, requests, big, rate)[1] for rate in rates}
     rows = []
     for tokens in SWEEP:
         per_node = max(1, round(tokens / base.nodes))
         settings = replace(dram_only, dram_tokens=per_node)
         r = run.replay(f"{name}: {tokens:.2g} tokens", requests, settings)
         pool_bytes = settings.nodes * per_node * settings.token_bytes
-        advised = curve.hit_ratio(usable_bytes(pool_bytes, 0)[0])
+        advised = {rate: c.hit_ratio(usable_bytes(pool_bytes, 0)[0]) for rate, c in curves.items()}
         rows.append({"trace": name, "tokens": tokens, "exact": r.hit_rate, "advisor": advised})
     return rows
 
@@ -150,9 +150,11 @@ def main() -> None:
     ap.add_argument("--nvme-tokens", type=int, default=0, help="NVMe per node in the paper rows (0: 4x DRAM)")
     ap.add_argument("--policy", default="cache-aware", help="the global pool's routing policy")
     ap.add_argument("--flush-after-s", type=float, default=300.0, help="NVMe chunks idle this long go to S3")
-    ap.add_argument("--access-rate", type=float, default=0.1, help="the advisor's access-log sampling rate")
+    ap.add_argument(
+        "--access-rates", default="1,0.01", help="the advisor's access-log sampling rates (kvpool's default: 0.01)"
+    )
     ap.add_argument("--cost-nodes", default="16,128,1024", help="fleet sizes of the cost table")
-    ap.add_argument("--cost-span-s", type=float, default=600.0, help="trace seconds each cost-table replay serves")
+    ap.add_argument("--cost-span-s", type=float, default=300.0, help="trace seconds each cost-table replay serves")
     ap.add_argument("--json", default="bench/results/fleet.json")
     ap.add_argument("--png", default="bench/results/fleet.png")
     args = ap.parse_args()
@@ -173,7 +175,8 @@ def main() -> None:
         if "paper" in parts:
             out["paper"] += paper_rows(run, name, requests, base)
         if "sweep" in parts:
-            out["sweep"] += sweep_rows(run, name, requests, base, args.access_rate)
+            rates = [float(r) for r in args.access_rates.split(",")]
+            out["sweep"] += sweep_rows(run, name, requests, base, rates)
         if "nvme" in parts:
             out["nvme"] += nvme_rows(run, name, requests, base)
         if "cost" in parts and name == "conversation":

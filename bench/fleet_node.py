@@ -11,6 +11,7 @@ answers of :class:`~kvpool.pool.protocol.NodeHandle`, so the client's own write 
 writes.Rooms`, one room held per node) drives it.
 """
 
+import heapq
 from collections.abc import Sequence
 from typing import cast
 
@@ -164,3 +165,32 @@ def read(reader: SimNode, holder: SimNode, keys: list[bytes], tier: Tier) -> Non
     else:
         holder.prepare_load(keys)
         holder.complete_load(keys)
+
+
+class Queues:
+    """Each node's booked prefills: how many have not ended, and when the last one ends (a node prefills one request
+    at a time, in the order they were booked)."""
+
+    def __init__(self, nodes: int) -> None:
+        self.busy = [0.0] * nodes  #: when each node's last booked prefill ends
+        self.queued = [0] * nodes  #: booked prefills not ended, per node
+        self.active: set[int] = set()  #: nodes with a booked prefill not ended
+        self._ends: list[tuple[float, int]] = []  #: (end, node) of every booked prefill not ended
+
+    def advance(self, now: float) -> None:
+        """Forget the prefills that ended by ``now``."""
+        while self._ends and self._ends[0][0] <= now:
+            _, lane = heapq.heappop(self._ends)
+            self.queued[lane] -= 1
+            if not self.queued[lane]:
+                self.active.discard(lane)
+
+    def book(self, lane: int, now: float, seconds: float) -> None:
+        self.busy[lane] = max(now, self.busy[lane]) + seconds
+        heapq.heappush(self._ends, (self.busy[lane], lane))
+        self.queued[lane] += 1
+        self.active.add(lane)
+
+    def of(self, lane: int, now: float) -> tuple[int, float]:
+        """``(requests queued, seconds of prefill booked ahead)`` of node ``lane``."""
+        return self.queued[lane], max(0.0, self.busy[lane] - now)

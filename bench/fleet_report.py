@@ -80,11 +80,12 @@ def _sweep(out: dict[str, Any], console: Console) -> None:
         title="hit rate against the pool's total DRAM: exact replay and `kvpool advise`'s curve "
         f"(paper: 3M tokens reach {PAPER.of_max_at_3m[0]:.0%}-{PAPER.of_max_at_3m[1]:.0%} of the maximum)"
     )
-    for col in ("trace", "tokens", "exact", "advisor", "advisor - exact"):
+    rates = list(out["sweep"][0]["advisor"])
+    for col in ("trace", "tokens", "exact", *(f"advisor, log {r:g}: - exact" for r in rates)):
         t.add_column(col, justify="left" if col == "trace" else "right")
     for row in out["sweep"]:
-        diff = 100 * (row["advisor"] - row["exact"])
-        t.add_row(row["trace"], f"{row['tokens']:.3g}", _pct(row["exact"]), _pct(row["advisor"]), f"{diff:+.1f} pt")
+        advised = [f"{_pct(a)}: {100 * (a - row['exact']):+.1f} pt" for a in row["advisor"].values()]
+        t.add_row(row["trace"], f"{row['tokens']:.3g}", _pct(row["exact"]), *advised)
     console.print(t)
 
 
@@ -164,14 +165,17 @@ def plot(out: dict[str, Any], path: Path) -> None:
         if rows:
             xs = [r["tokens"] for r in rows]
             ax.plot(xs, [r["exact"] for r in rows], "o", color=color, label=f"{name}: exact replay")
-            ax.plot(xs, [r["advisor"] for r in rows], "-", color=color, label=f"{name}: kvpool advise")
+            for rate, style in zip(rows[0]["advisor"], ("-", ":"), strict=False):
+                label = f"{name}: kvpool advise, log {rate:g}"
+                ax.plot(xs, [r["advisor"][rate] for r in rows], style, color=color, label=label)
         if name in out.get("ceiling", {}):
             ax.axhline(out["ceiling"][name]["replayed"], ls="--", color=color, lw=0.8)
     ax.axvline(3e6, color="grey", lw=0.8, ls=":")
     ax.set(xscale="log", xlabel="pool capacity (tokens)", ylabel="hit rate", title="hit rate against capacity")
     ax.legend(fontsize=7)
     rows = out["paper"]
-    bx.barh([f"{r['trace'][:4]}: {r['config']}" for r in rows], [r["hit_rate"] for r in rows], color="tab:green")
+    if rows:
+        bx.barh([f"{r['trace'][:4]}: {r['config']}" for r in rows], [r["hit_rate"] for r in rows], color="tab:green")
     bx.set(xlabel="hit rate", title="16 nodes x 3M tokens")
     bx.tick_params(axis="y", labelsize=6)
     cost = out.get("cost", [])

@@ -17,12 +17,12 @@ NVMe chunks idle for ``flush_after_s`` (``pool/node/flush.py``'s choice) to an u
 """
 
 import math
-from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.bench.fleet_node import SimNode, put, read
+from kvpool.bench.fleet_node import Queues, SimNode, put, read
 from kvpool.bench.fleet_trace import BLOCK_TOKENS, Request
 from kvpool.clock import ManualClock
 from kvpool.core.types import Placement, Tier, nearest
@@ -138,8 +138,7 @@ class Fleet:
         self.policy = Policy.of(s.policy)
         self.logs = list(logs)
         self.turn = 0
-        self.busy = [0.0] * s.nodes  #: when each node's booked prefills end
-        self.ends: list[deque[float]] = [deque() for _ in self.nodes]  #: each booked prefill's end, per node
+        self.queues = Queues(s.nodes)
         self.next_flush = s.flush_every_s
         self.result = FleetResult(s)
 
@@ -150,6 +149,7 @@ class Fleet:
         self.clock.advance(max(0.0, now - self.clock.time()))
         if self.s.s3 and now >= self.next_flush:
             self._flush()
+        self.queues.advance(now)
         quotes, sources, held = self._quotes(req) if self.s.shared else self._local_quotes(req)
         quote = choose(self.policy, quotes, self.turn)
         self.turn += 1
@@ -161,9 +161,7 @@ class Fleet:
         put(self.rooms, node, req.keys[cached:], self.s.chunk_bytes)
         r.links["put (same node)"] += (len(req.keys) - cached) * self.s.chunk_bytes
         self._publish([node, *touched])
-        start = max(now, self.busy[quote.lane])
-        self.busy[quote.lane] = start + quote.prefill_s
-        self.ends[quote.lane].append(self.busy[quote.lane])
+        self.queues.book(quote.lane, now, quote.prefill_s)
         r.requests += 1
         r.chunks += len(req.keys)
         r.hits += cached
@@ -178,11 +176,19 @@ class Fleet:
     def _tokens(self, req: Request) -> int:
         return max(req.input_tokens, 1)
 
-    def _queue(self, lane: int, now: float) -> tuple[int, float]:
-        ends = self.ends[lane]
-        while ends and ends[0] <= now:
-            ends.popleft()
-        return len(ends), max(0.0, self.busy[lane] - now)
+    def _lanes(self, holders: Iterable[int]) -> list[int]:
+        """The nodes to quote: all of them for round-robin; else those with prefills booked or some of the prompt
+        held, and the first other node from this turn's on — the others are that one's equals (no queue, nothing
+        held), so they could win only a tie, which this one stands for."""
+        n = len(self.nodes)
+        if self.policy is Policy.ROUND_ROBIN:
+            return list(range(n))
+        lanes = self.queues.active | set(holders)
+        for step in range(n):
+            if (lane := (self.turn + step) % n) not in lanes:
+                lanes.add(lane)
+                break
+        return sorted(lanes)
 
     def _decision(self, req: Request, chunks: int, paths: Counter[str]) -> Decision:
         n = self._tokens(req)
@@ -213,24 +219,25 @@ class Fleet:
                     delta[read_path(mine.tier.value, mine.node, p.node)] += self.s.chunk_bytes
         shared = self._decision(req, held, base)
         special = {self.lane[nid]: self._decision(req, held, base + d) for nid, d in own.items()}
-        now = req.t_s
-        quotes = [Quote(i, special.get(i, shared), *self._queue(i, now)) for i in range(len(self.nodes))]
+        quotes = [Quote(i, special.get(i, shared), *self.queues.of(i, req.t_s)) for i in self._lanes(special)]
         return quotes, sources, [held] * len(self.nodes)
 
     def _local_quotes(self, req: Request) -> tuple[list[Quote], list[list[Placement]], list[int]]:
         """Local caches: each node sees its own chunks only (the prefix-aware scheduler's view)."""
         none = self._decision(req, 0, Counter())
-        quotes, lanes = [], []
-        for i, node in enumerate(self.nodes):
-            held, paths = 0, Counter[str]()
+        first = req.keys[0] if req.keys else b""
+        lanes = [0] * len(self.nodes)
+        decisions = {}
+        for i in (i for i, node in enumerate(self.nodes) if first in node.store):
+            paths = Counter[str]()
             for key in req.keys:
-                chunk = node.store.held(key)
+                chunk = self.nodes[i].store.held(key)
                 if chunk is None:
                     break
-                held += 1
+                lanes[i] += 1
                 paths[chunk.tier.value] += self.s.chunk_bytes
-            quotes.append(Quote(i, self._decision(req, held, paths) if held else none, *self._queue(i, req.t_s)))
-            lanes.append(held)
+            decisions[i] = self._decision(req, lanes[i], paths)
+        quotes = [Quote(i, decisions.get(i, none), *self.queues.of(i, req.t_s)) for i in self._lanes(decisions)]
         return quotes, [], lanes
 
     # -- reads, placements, flushes ---------------------------------------------------------------------
