@@ -92,12 +92,13 @@ def _sweep(out: dict[str, Any], console: Console) -> None:
 def _nvme(out: dict[str, Any], console: Console) -> None:
     if not out["nvme"]:
         return
-    t = Table(title="the global pool with NVMe below 3M tokens of DRAM a node: 95 % of the infinite cache's hit rate")
-    for col in ("trace", "NVMe a node (tokens)", "pool (tokens)", "hit rate", "target (95 %)"):
+    t = Table(title="the global pool with NVMe below DRAM: where it reaches 95 % of the infinite cache's hit rate")
+    for col in ("trace", "DRAM a node", "NVMe a node", "pool (tokens)", "hit rate", "target (95 %)"):
         t.add_column(col, justify="left" if col == "trace" else "right")
     for row in out["nvme"]:
         t.add_row(
             row["trace"],
+            f"{row['dram_tokens']:.3g}",
             f"{row['nvme_tokens']:.3g}",
             f"{row['pool_tokens']:.3g}",
             _pct(row["hit_rate"]),
