@@ -96,7 +96,9 @@ def test_the_global_pool_reads_what_another_node_put_and_local_caches_do_not() -
     assert local.hits == 3  # the third request, back on the first node
     assert shared.chunks == local.chunks == 12
     assert shared.published["added"] == shared.counters["puts"] == 5
-    assert shared.links["read DRAM (peer)"] == 4 * CHUNK and shared.peer_out == Counter({"node-0000": 3 * CHUNK, "node-0001": CHUNK})
+    assert shared.links["read DRAM (peer)"] == 4 * CHUNK and shared.peer_out == Counter(
+        {"node-0000": 3 * CHUNK, "node-0001": CHUNK}
+    )
     cache_aware = replay(reqs, settings(shared=False))  # the local caches' prefix-aware scheduler follows the prefix
     assert cache_aware.hits == 7
 
