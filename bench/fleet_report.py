@@ -173,7 +173,8 @@ def plot(out: dict[str, Any], path: Path) -> None:
             ax.axhline(out["ceiling"][name]["replayed"], ls="--", color=color, lw=0.8)
     ax.axvline(3e6, color="grey", lw=0.8, ls=":")
     ax.set(xscale="log", xlabel="pool capacity (tokens)", ylabel="hit rate", title="hit rate against capacity")
-    ax.legend(fontsize=7)
+    if out["sweep"]:
+        ax.legend(fontsize=7)
     rows = out["paper"]
     if rows:
         bx.barh([f"{r['trace'][:4]}: {r['config']}" for r in rows], [r["hit_rate"] for r in rows], color="tab:green")
