@@ -19,8 +19,7 @@ import msgspec
 
 from kvpool.clock import Clock
 from kvpool.core.types import Tier
-from kvpool.errors import ChunkNotFound
-from kvpool.pool.chunks import Change, Origin, StoredChunk
+from kvpool.pool.chunks import Change, Origin
 from kvpool.pool.client.peers import rounds
 from kvpool.pool.client.writes import Rooms
 from kvpool.pool.config import Watermarks
@@ -116,13 +115,7 @@ class SimNode:
             moves = self.store.moves.promotions(keys)
             if moves:
                 self.store.moves.run(moves)
-        chunks: list[StoredChunk | None] = []
-        for key in keys:
-            try:
-                chunks.append(self.store.locate(key))
-            except ChunkNotFound:
-                self.store.counters["misses"] += 1
-                chunks.append(None)
+        chunks = self.store.locate_each(keys)
         return Loaded(chunks, [None] * len(chunks))
 
     def complete_load(self, keys: list[bytes]) -> None:

@@ -28,7 +28,7 @@ from msgspec import Meta
 
 from kvpool.core.config import validated
 from kvpool.core.types import NodeRecord, SegmentInfo, Tier
-from kvpool.errors import ChunkBusy, ChunkNotFound, MetadataUnavailable, PoolFull, RemoteUnavailable
+from kvpool.errors import ChunkBusy, MetadataUnavailable, PoolFull, RemoteUnavailable
 from kvpool.pool.chunks import SEGMENT_NAMES, Origin, StoredChunk, shared_origin
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.gds import nvme_io_path
@@ -247,14 +247,8 @@ class PoolNode:
             if moves:
                 self.store.moves.run(moves, self._lock, self._io)
                 self._publish_later.set()  # the reader needs no placement of them: it gets where they are now
-        chunks: list[StoredChunk | None] = []
         with self._lock:
-            for key in keys:
-                try:
-                    chunks.append(self.store.locate(key))
-                except ChunkNotFound:
-                    self.store.counters["misses"] += 1
-                    chunks.append(None)
+            chunks = self.store.locate_each(keys)
         on_nvme = [c if c is not None and c.tier is Tier.NVME and copy_nvme else None for c in chunks]
         copies: list[bytes | None] = (
             list(self._io.map(self._read_pinned, on_nvme)) if any(on_nvme) else [None] * len(chunks)

@@ -207,6 +207,17 @@ class ChunkStore:
         self.counters["gets"] += 1
         return chunk
 
+    def locate_each(self, keys: list[bytes]) -> list[StoredChunk | None]:
+        """:meth:`locate` for each of ``keys``; None (and a miss counted) for one not held."""
+        chunks: list[StoredChunk | None] = []
+        for key in keys:
+            try:
+                chunks.append(self.locate(key))
+            except ChunkNotFound:
+                self.counters["misses"] += 1
+                chunks.append(None)
+        return chunks
+
     def pin(self, key: bytes) -> StoredChunk:
         """Pin a chunk where it is, counting no read (the node reads it for a caller, then releases it)."""
         chunk = self._require(key)
