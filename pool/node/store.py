@@ -20,7 +20,7 @@ one-sided, straight into their buffers.
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from msgspec.structs import replace
 
@@ -207,7 +207,7 @@ class ChunkStore:
         self.counters["gets"] += 1
         return chunk
 
-    def locate_each(self, keys: list[bytes]) -> list[StoredChunk | None]:
+    def locate_each(self, keys: Sequence[bytes]) -> list[StoredChunk | None]:
         """:meth:`locate` for each of ``keys``; None (and a miss counted) for one not held."""
         chunks: list[StoredChunk | None] = []
         for key in keys:
