@@ -16,6 +16,10 @@ vLLM loads it by module path (``--kv-transfer-config '{"kv_connector": "KvPoolCo
   of several KV-cache groups (vLLM's hybrid manager: the connector is ``SupportsHMA``) loads a request whole before
   vLLM schedules it, and a failed load has vLLM compute the request from its start (``get_transfer_results``).
 
+With vLLM's KV events on (``--kv-events-config``), the engine's event stream also carries the pool's chunks this
+engine saved: ``BlockStored`` once a save is in the pool, ``BlockRemoved`` once it is gone, the pool's tier as
+``medium`` (:mod:`~kvpool.prefill_decode.vllm.events`).
+
 The pool object of a chunk is one layer of it: the chunk's ``chunk_size / block_size`` blocks laid end to end,
 each a block of vLLM's KV tensor for that layer exactly as the attention backend lays it out (on CPU
 ``[kv_heads, block_size, 2 * head_size]``), keyed by :func:`~kvpool.core.keys.layer_key` of the chunk's
@@ -33,6 +37,7 @@ from typing import Any
 
 import torch
 import vllm
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -44,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpool.core.keys import CacheIdentity
 from kvpool.errors import ConfigError
 from kvpool.prefill_decode.vllm.config import ConnectorConfig, kv_role
+from kvpool.prefill_decode.vllm.events import PoolEvents, PoolKVEvents
 from kvpool.prefill_decode.vllm.groups import KvGroups
 from kvpool.prefill_decode.vllm.scheduler import KvPoolMetadata, SchedulerSide, Transfer
 from kvpool.prefill_decode.vllm.stats import KvPoolPromMetrics, KvPoolStats
@@ -96,7 +102,11 @@ class KvPoolConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             tp = 1 if groups.replicated else vllm_config.parallel_config.tensor_parallel_size
             identities = [cache_identity(vllm_config, groups, self.config, r) for r in range(tp)]
-            self.side = SchedulerSide(self.config, identities, groups, self.loads_kv, self.saves_kv)
+            events_config = getattr(vllm_config, "kv_events_config", None)
+            events = None
+            if events_config is not None and events_config.enable_kv_cache_events and self.saves_kv:
+                events = PoolEvents(groups, kv_cache_config.hash_block_size or groups.block_size, writers=tp)
+            self.side = SchedulerSide(self.config, identities, groups, self.loads_kv, self.saves_kv, events)
         else:
             rank = _tp_rank()
             identity = cache_identity(vllm_config, groups, self.config, rank)
@@ -114,6 +124,17 @@ class KvPoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._scheduler.build(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' reports of chunks they saved (vLLM's KV events on), published once every writer's came."""
+        events = connector_output.kv_cache_events
+        if self._scheduler.events is not None and isinstance(events, PoolKVEvents):
+            self._scheduler.events.confirm(events.get_all_events())
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The pool's chunks saved, moved or gone since the last step, for vLLM's KV-event publisher."""
+        side = self._scheduler
+        return side.events.take(side.cache) if side.events is not None else []
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.finished(request.request_id), None
@@ -161,6 +182,10 @@ class KvPoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()
+
+    def get_kv_connector_kv_cache_events(self) -> PoolKVEvents | None:
+        """The chunks this worker's puts saved since the last step (their ``BlockStored``: :mod:`.events`)."""
+        return self._worker.saved.take()
 
     def get_kv_connector_stats(self) -> KvPoolStats | None:
         """The worker's counts since the last step (the scheduler's travel to the workers with each step's plan)."""

@@ -22,6 +22,7 @@ from kvpool.pool.advisor import AccessLog
 from kvpool.prefill_decode.connector_core.counts import EngineCounts
 from kvpool.prefill_decode.connector_core.tenancy import TenantScope
 from kvpool.prefill_decode.vllm.config import ConnectorConfig
+from kvpool.prefill_decode.vllm.events import PoolEvents
 from kvpool.prefill_decode.vllm.groups import KvGroups, PoolLayer
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class Transfer:
     #: a load vLLM waits for before it schedules the request (models of several KV-cache groups: vLLM takes their
     #: failed loads per request only), reported done or failed by ``get_transfer_results``
     whole_request: bool = False
+    #: a save, with KV events on: vLLM's hashes of the prompt's blocks up to ``end``, for the workers' reports
+    hashes: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -77,6 +80,7 @@ class RequestTracker:
     saving: bool = False  #: saves were sent to the workers: vLLM keeps its blocks until they are done
     #: a whole-request load was sent: asked again (it failed, or the request was preempted), vLLM computes it all
     whole_loaded: bool = False
+    hashes: list[Any] = field(default_factory=list)  #: vLLM's hashes of the prompt's full blocks (KV events on)
 
 
 class SchedulerSide:
@@ -89,8 +93,10 @@ class SchedulerSide:
         groups: KvGroups,
         loads_kv: bool = True,
         saves_kv: bool = True,
+        events: PoolEvents | None = None,
     ) -> None:
         self.config, self.identities, self.groups, self.block_size = config, identities, groups, groups.block_size
+        self.events = events  #: the pool's chunks in vLLM's KV events (None: vLLM publishes none)
         self.loads_kv, self.saves_kv = loads_kv, saves_kv
         #: loads a request waits for, planned when vLLM allocated its blocks (models of several KV-cache groups)
         self.async_loads = len({layer.group for layer in groups.layers}) > 1
@@ -169,6 +175,7 @@ class SchedulerSide:
         req.tenant, req.computed, req.held = tenant, num_computed, 0
         if tenant is None or req.whole_loaded:
             return 0
+        req.hashes = self.events.hashes(request) if self.events is not None and self.saves_kv else []
         hit = self.held_chunks(tokens, len(tokens) // self.chunk, tenant)
         self.counts.lookup(hit, len(tokens), self.chunk)
         req.held = hit.held
@@ -249,7 +256,11 @@ class SchedulerSide:
             return None
         first, req.saved, req.saving = req.saved, full, True
         tokens, blocks = req.tokens[: full * self.chunk], [ids[: full * bpc] for ids in req.block_ids]
-        return Transfer(req_id, tokens, first, full, blocks, tenant=req.tenant or "")
+        hashes = req.hashes[: full * bpc]
+        if self.events is not None and hashes:
+            keys = chunk_keys(self.identities[0], tokens, self.tenants.scope(req.tenant or ""))
+            self.events.expect(hashes, keys[first:], first)
+        return Transfer(req_id, tokens, first, full, blocks, tenant=req.tenant or "", hashes=hashes)
 
     def finished(self, req_id: str) -> bool:
         """Whether vLLM must keep the request's blocks until the workers report its saves done."""

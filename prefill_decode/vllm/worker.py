@@ -20,6 +20,7 @@ from kvpool.prefill_decode.connector_core.counts import EngineCounts
 from kvpool.prefill_decode.connector_core.staging import HostStaging
 from kvpool.prefill_decode.connector_core.tenancy import TenantScope
 from kvpool.prefill_decode.vllm.config import ConnectorConfig
+from kvpool.prefill_decode.vllm.events import SavedChunks
 from kvpool.prefill_decode.vllm.groups import NULL_BLOCK, KvGroups, PoolLayer
 from kvpool.prefill_decode.vllm.scheduler import KvPoolMetadata, Transfer
 from kvpool.prefill_decode.vllm.stats import KvPoolStats
@@ -117,6 +118,7 @@ class WorkerSide:
         #: what this worker did, and the scheduler's lookups it hands on: reported to its pool node (kvpool_engine_*)
         #: from the I/O thread, the one that uses the client
         self.counts = EngineCounts(readers=("pool", "engine"))  #: the pool node's metrics and vLLM's own stats
+        self.saved = SavedChunks(groups)  #: the chunks its puts saved, for vLLM's KV events
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's KV tensors, one per layer (layers of several groups may share memory: a block id is one group's);
@@ -275,6 +277,7 @@ class WorkerSide:
                     data = layer.gather(self._save_ids(layer, t)) if layer.plan.window else None
                     self._queued.append((layer, t, data))
                     self._unsaved[t.req_id] += 1
+                    self.saved.queued(t)
 
     def _save_ids(self, layer: _Layer, t: Transfer) -> list[int]:
         """The blocks ``layer`` stores of ``t``'s chunks, chunk after chunk."""
@@ -286,7 +289,7 @@ class WorkerSide:
             batch, self._queued = self._queued, []
         if not batch:
             return  # an earlier _put took this layer's saves with its own
-        started = time.perf_counter()
+        started, ok = time.perf_counter(), False
         try:
             client = self.connection.client()
             if client is None:
@@ -321,7 +324,9 @@ class WorkerSide:
                 saved_bytes=saved,
                 save_seconds=time.perf_counter() - started,
             )
+            ok = True
         finally:
+            self.saved.put([t for _, t, _ in batch], ok)  # before the request can be reported saved
             with self._saving:
                 for _, t, _ in batch:
                     self._unsaved[t.req_id] -= 1
