@@ -38,7 +38,7 @@ from kvpool.prefill_decode.vllm.groups import KvGroups
 OWNERSHIP = "kvpool"  #: the ``ownership`` of the connector's events: the tier system that emitted them
 SCAN_S = 1.0  #: the scheduler side looks for removed and moved chunks at most this often
 SCAN_BATCH = 4096  #: and at this many chunks at a time, those it looked at longest ago
-UNSEEN_S = 30.0  #: a published chunk the watch cache never showed is taken as removed after this
+UNSEEN_S = 10.0  #: a published chunk the watch cache never showed (its watch slow) is taken as removed after this
 KEPT = 100_000  #: chunks (and pending reports) remembered at most, oldest forgotten first
 
 
@@ -147,9 +147,6 @@ class _Published:
 class Watched(Protocol):
     """What the scheduler side reads of its watch cache (:class:`~kvpool.metadata.cache.MetadataCache`)."""
 
-    @property
-    def revision(self) -> int: ...
-
     def replicas(self, key: bytes) -> list[Placement]: ...
 
 
@@ -166,7 +163,7 @@ class PoolEvents:
         self._reports: Counter[BlockStored] = Counter()  #: workers that reported each save, until all did
         self._published: OrderedDict[tuple[bytes, int | None], _Published] = OrderedDict()
         self._out: list[KVCacheEvent] = []
-        self._scanned_at, self._scanned_revision = 0.0, -1
+        self._scanned_at = 0.0
         full = [layer.index for layer in groups.layers if not layer.window]
         self._watched_layer = full[0] if full else -1
 
@@ -212,8 +209,8 @@ class PoolEvents:
         """The events to publish now: the chunks confirmed since the last call, then those the pool no longer
         holds or holds in another tier."""
         now = self.clock()
-        if cache is not None and now - self._scanned_at >= SCAN_S and cache.revision != self._scanned_revision:
-            self._scanned_at, self._scanned_revision = now, cache.revision
+        if cache is not None and now - self._scanned_at >= SCAN_S:
+            self._scanned_at = now
             self._scan(cache, now)
         out, self._out = self._out, []
         return out

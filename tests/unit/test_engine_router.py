@@ -62,6 +62,11 @@ def test_offloaded_copies_and_malformed_events_are_not_the_engines_own_prefix() 
     index.apply(stored([1], None, [0, 1, 2, 3], medium="CPU"))  # vLLM's own CPU offloading: a read, not a hit
     index.apply(stored([2], None, [0, 1, 2]))  # three tokens for one block of four: skipped
     assert index.cached_tokens([0, 1, 2, 3]) == 0
+    # the pool's chunks KvPoolConnector publishes in the engine's stream carry vLLM's hashes of the engine's blocks:
+    # the pool dropping a chunk leaves the engine's own block of the same hash where it is
+    index.apply(stored([3], None, [0, 1, 2, 3]))
+    index.apply(BlockRemoved([3], "CPU", ownership="kvpool"))
+    assert index.cached_tokens([0, 1, 2, 3]) == 4
 
 
 def test_a_gap_in_an_engines_sequence_clears_its_index_and_only_its() -> None:

@@ -5,11 +5,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import ray
 import torch
-from engines import CHUNK, P, Q, R, S, engine, extra_config
+import zmq
+from engines import CHUNK, P, Q, R, S, engine, extra_config, prompt
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvpool.cli import scrape
@@ -46,6 +48,80 @@ def pool_keys(identity: dict[str, Any], tokens: list[int]) -> list[list[bytes]]:
 
 def wait_for(client: PoolClient, keys: list[bytes], timeout_s: float = 120.0) -> None:
     assert client.cache.wait_until(lambda c: all(c.replicas(k) for k in keys), timeout_s), "saves never arrived"
+
+
+class KvEvents:
+    """A SUB socket that an engine given its endpoint publishes vLLM's KV events to (vLLM connects to a
+    non-wildcard endpoint), decoded with vLLM's own classes: kvpool's events in order, and which tokens each of the
+    engine's own blocks holds, by block hash."""
+
+    def __init__(self) -> None:
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.setsockopt(zmq.RCVTIMEO, 200)
+        self._sub.bind("tcp://127.0.0.1:*")
+        self.endpoint = self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self.pool: list[Any] = []  #: BlockStored / BlockRemoved of kvpool's chunks
+        self.own: dict[Any, tuple[int, ...]] = {}  #: the engine's own blocks: their tokens, by hash
+
+    def drain(self) -> None:
+        while True:
+            try:
+                frames = self._sub.recv_multipart()
+            except zmq.Again:
+                return
+            for event in self._decoder.decode(frames[-1]).events:
+                if getattr(event, "ownership", None) == "kvpool":
+                    self.pool.append(event)
+                elif type(event).__name__ == "BlockStored" and event.medium == "GPU":
+                    size = event.block_size
+                    for i, h in enumerate(event.block_hashes):
+                        self.own[h] = tuple(event.token_ids[i * size : (i + 1) * size])
+
+    def stored(self, tokens: list[int]) -> list[Any]:
+        return [e for e in self.pool if type(e).__name__ == "BlockStored" and e.token_ids == tokens]
+
+    def __enter__(self) -> "KvEvents":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._sub.close(0)
+        self._ctx.term()
+
+
+def drive_until(e: Any, events: KvEvents, done: Any, timeout_s: float = 120.0) -> None:
+    """Short requests to engine ``e`` (vLLM publishes what its connector hands it at its steps) until ``done()``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        events.drain()
+        if done():
+            return
+        assert time.monotonic() < deadline, f"kvpool's events so far: {events.pool}"
+        e.generate([prompt(9, 40)], max_tokens=1)
+
+
+def check_pool_events(a: Any, events: KvEvents, client: PoolClient, identity: dict[str, Any]) -> None:
+    """Engine A's own KV-event stream carries a ``BlockStored`` of each chunk it saved of P and R: medium ``CPU``
+    (the pool's DRAM), vLLM's hashes of the same blocks A cached itself, their tokens; a chunk removed from the pool
+    is a ``BlockRemoved`` of those hashes, and stored again when A saves it again."""
+    chunks = [x[c * CHUNK : (c + 1) * CHUNK] for x in (P, R) for c in range(2)]
+    drive_until(a, events, lambda: all(events.stored(c) for c in chunks))
+    for c in chunks:
+        [e] = events.stored(c)
+        assert (e.medium, e.block_size, len(e.block_hashes)) == ("CPU", 32, CHUNK // 32)
+        assert [events.own.get(h) for h in e.block_hashes] == [tuple(c[i : i + 32]) for i in range(0, CHUNK, 32)]
+    [r1] = events.stored(chunks[3])
+    client.remove_batch(pool_keys(identity, R)[1])
+    drive_until(a, events, lambda: any(type(e).__name__ == "BlockRemoved" for e in events.pool))
+    [gone] = [e for e in events.pool if type(e).__name__ == "BlockRemoved"]
+    assert (gone.block_hashes, gone.medium) == (r1.block_hashes, "CPU")
+    [again] = a.generate([R], reset=True)  # loads R's first chunk, computes and saves the second again
+    assert again["cached"] == CHUNK
+    drive_until(a, events, lambda: len(events.stored(chunks[3])) == 2)
 
 
 # -- without an engine: the worker side's byte moves, and the extra config ----------------------------------------
@@ -131,12 +207,16 @@ def test_a_fresh_engine_answers_from_the_pool_as_if_it_had_computed(
     connector (also for a prompt that ends on a chunk).  KV altered in the pool changes B's answer (so the check can
     fail); a corrupt chunk is a miss that B recomputes, right answer."""
     settings = {"model": model_dir, "connector": extra_config(engine_pool)}
-    with engine(settings, tmp_path / "a.log", hash_seed=1) as a:
-        got = a.generate([P, R])
-        assert [g["cached"] for g in got] == [0, 0]
-        assert same_answer(got[0], baseline["P"]) and same_answer(got[1], baseline["R"])
-        identity = a.ask(connector=True)["identity"]
-    with PoolClient(engine_pool) as client:
+    with PoolClient(engine_pool) as client, KvEvents() as events:
+        # A publishes vLLM's KV events: its own blocks', and the pool's chunks it saved (check_pool_events)
+        with engine({**settings, "kv_events": {"endpoint": events.endpoint}}, tmp_path / "a.log", hash_seed=1) as a:
+            # ZeroMQ drops what a PUB socket sends before its subscriber's handshake is through: a first short prompt
+            drive_until(a, events, lambda: bool(events.own))
+            got = a.generate([P, R])
+            assert [g["cached"] for g in got] == [0, 0]
+            assert same_answer(got[0], baseline["P"]) and same_answer(got[1], baseline["R"])
+            identity = a.ask(connector=True)["identity"]
+            check_pool_events(a, events, client, identity)
         p_keys, r_keys = pool_keys(identity, P), pool_keys(identity, R)
         wait_for(client, [k for chunk in p_keys + r_keys for k in chunk])
         # B starts once A's saves are in etcd, so its first read of the pool's chunks holds them: started beside A
