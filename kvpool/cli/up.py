@@ -11,6 +11,7 @@ from kvpool import ray_auth
 from kvpool.cli import options, root
 from kvpool.cli.sglang import launch_line
 from kvpool.cli.vllm import serve_line
+from kvpool.core.config import one_of
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
@@ -257,12 +258,8 @@ def _check_choices(demo: str, route: str, ray_auth_mode: str, engine: str, serve
     Policy.of(route, "--route")
     if ray_auth_mode:
         ray_auth.requested_mode(ray_auth_mode)
-    choices = {"--demo": (demo, (*MODELS, "none")), "--engine": (engine, ("workers", "vllm"))}
-    for flag, (value, allowed) in choices.items():
-        if value not in allowed:
-            *others, last = allowed
-            named = f"{', '.join(others)} or {last}" if len(others) < 2 else f"one of {', '.join(others)} or {last}"
-            raise ConfigError(f"{flag} must be {named}, got {value!r:.40}")
+    one_of((*MODELS, "none"), demo, "--demo")
+    one_of(("workers", "vllm"), engine, "--engine")
     if engine == "vllm" and (serve < 0 or tenants):
         raise ConfigError(
             "--engine vllm serves over vLLM engines: give --serve PORT (tenants are served by the workers' front only)"

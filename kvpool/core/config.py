@@ -22,7 +22,7 @@ import inspect
 import re
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ParamSpec, TypeVar
 
 import msgspec
@@ -31,7 +31,18 @@ from msgspec import Meta
 
 from kvpool.errors import ConfigError
 
-__all__ = ["Config", "Finite", "Fraction", "NonNegative", "Positive", "Seconds", "checked", "default_of", "validated"]
+__all__ = [
+    "Config",
+    "Finite",
+    "Fraction",
+    "NonNegative",
+    "Positive",
+    "Seconds",
+    "checked",
+    "default_of",
+    "one_of",
+    "validated",
+]
 
 C = TypeVar("C", bound="Config")
 P = ParamSpec("P")
@@ -90,6 +101,19 @@ def validated(cls: Any, value: Any, where: str = "") -> Any:
         raise _config_error(cls, exc, value, where or cls.__name__) from None
     finally:
         _mode.reset(token)
+
+
+def one_of(choices: Iterable[str], value: Any, where: str) -> str:
+    """``value`` if it is one of the names ``choices`` (a model, a tier, a flag's values); ``ConfigError`` naming
+    ``where`` and the choices otherwise (a ``Literal`` of them, checked by msgspec as any declared type)."""
+    return validated(_names(tuple(choices)), value, where)
+
+
+@functools.lru_cache(maxsize=64)
+def _names(names: tuple[str, ...]) -> Any:
+    *others, last = names
+    rule = f"{', '.join(others)} or {last}" if len(others) < 2 else f"one of {', '.join(others)} or {last}"
+    return typing.Annotated[typing.Literal[names], Meta(description=rule if others else repr(last))]
 
 
 T = TypeVar("T")

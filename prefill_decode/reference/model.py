@@ -35,6 +35,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from kvpool.core.config import one_of
 from kvpool.core.keys import token_array
 from kvpool.errors import ConfigError
 
@@ -225,9 +226,7 @@ MODELS: dict[str, Callable[..., LoadedModel]] = {"tiny-llama": tiny_llama, "smol
 
 
 def _loader(name: str) -> Callable[..., LoadedModel]:
-    if name not in MODELS:
-        raise ConfigError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
-    return MODELS[name]
+    return MODELS[one_of(sorted(MODELS), name, "model")]
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase | None:

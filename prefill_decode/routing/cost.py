@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from kvpool.core.config import Config, Positive, validated
+from kvpool.core.config import Config, Positive, checked, one_of, validated
 from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
 
@@ -34,17 +34,13 @@ KvDtypeBytes = Annotated[Literal[1, 2, 4], Meta(description="1, 2 or 4 (bytes pe
 _NonNegativeFinite = Annotated[float, Meta(ge=0, le=sys.float_info.max, description="a finite number >= 0")]
 
 
-def _tokens(name: str, value: object, minimum: int = 0) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
+Tokens = Annotated[int, Meta(ge=0, description="a number of tokens: an int >= 0")]
+SomeTokens = Annotated[int, Meta(ge=1, description="a number of tokens: an int >= 1")]
 
 
 def _tier_name(tier: str | Tier) -> str:
-    name = tier.value if isinstance(tier, Tier) else tier
-    if name not in PATHS:
-        raise ConfigError(f"tier must be one of {', '.join(PATHS)}, got {tier!r}")
-    return name
+    """``tier``'s name, one of :data:`PATHS`."""
+    return one_of(PATHS, tier.value if isinstance(tier, Tier) else tier, "tier")
 
 
 class ModelSpec(Config, frozen=True):
@@ -114,10 +110,7 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
 
 def model_spec(name: str) -> ModelSpec:
     """A model of :data:`KNOWN_MODELS` by name (case-insensitive)."""
-    try:
-        return KNOWN_MODELS[name.lower()]
-    except KeyError:
-        raise ConfigError(f"unknown model {name!r}; known models: {', '.join(KNOWN_MODELS)}") from None
+    return KNOWN_MODELS[one_of(KNOWN_MODELS, name.lower(), "model")]
 
 
 class Hardware(Config, frozen=True):
@@ -217,10 +210,9 @@ class CostModel:
     hardware: Hardware
     attention: bool = field(default=False, kw_only=True)
 
-    def prefill_flops(self, tokens: int, cached: int = 0) -> int:
+    @checked
+    def prefill_flops(self, tokens: Tokens, cached: Tokens = 0) -> int:
         """FLOPs to compute positions ``[cached, tokens)`` with the KV of ``[0, cached)`` at hand."""
-        _tokens("tokens", tokens)
-        _tokens("cached", cached)
         if cached > tokens:
             raise ConfigError(f"cached must be <= tokens ({tokens}), got {cached}")
         s = tokens - cached
@@ -235,8 +227,9 @@ class CostModel:
         flops = self.prefill_flops(tokens, cached)
         return flops / self.hardware.flops + (self.hardware.step_s if tokens > cached else 0.0)
 
-    def kv_bytes(self, tokens: int) -> int:
-        return _tokens("tokens", tokens) * self.spec.kv_bytes_per_token
+    @checked
+    def kv_bytes(self, tokens: Tokens) -> int:
+        return tokens * self.spec.kv_bytes_per_token
 
     def reload_s(self, tokens: int, tier: str | Tier) -> float:
         """The hardware's fixed reload latency plus :meth:`transfer_s` (nothing to reload: 0)."""
@@ -264,14 +257,14 @@ class CostModel:
         compute = 2 * self.spec.params / (self.hardware.flops * self.spec.kv_bytes_per_token)
         return compute - 1 / (self._bandwidth(tier) * shrink)
 
-    def speedup(self, tokens: int, tier: str | Tier) -> float:
+    @checked
+    def speedup(self, tokens: SomeTokens, tier: str | Tier) -> float:
         """How many times faster reloading ``tokens`` of KV from ``tier`` is than recomputing them."""
-        _tokens("tokens", tokens, minimum=1)
         return self.prefill_s(tokens) / self.reload_s(tokens, tier)
 
-    def break_even_bandwidth(self, tokens: int) -> float:
+    @checked
+    def break_even_bandwidth(self, tokens: SomeTokens) -> float:
         """The read bandwidth (bytes/s) above which reloading ``tokens`` of KV beats recomputing them."""
-        _tokens("tokens", tokens, minimum=1)
         return self.kv_bytes(tokens) / self.prefill_s(tokens)
 
     def decide(self, prompt_tokens: int, cached_tokens: int, tier: str | Tier) -> Decision:
@@ -287,9 +280,9 @@ class CostModel:
         action = Action.RELOAD if reload < recompute else Action.RECOMPUTE
         return Decision(action, prompt_tokens, cached_tokens, name, reload, recompute)
 
-    def break_even(self, tokens: int) -> list[PlanRow]:
+    @checked
+    def break_even(self, tokens: SomeTokens) -> list[PlanRow]:
         """Reloading all ``tokens`` against recomputing them, one row per tier with a bandwidth."""
-        _tokens("tokens", tokens, minimum=1)
         prefill = self.prefill_s(tokens)
         return [
             PlanRow(tier, bw, self.kv_bytes(tokens), self.reload_s(tokens, tier), prefill, self.speedup(tokens, tier))

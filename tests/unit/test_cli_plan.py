@@ -74,7 +74,7 @@ def test_other_models() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["plan", "gpt-9"], "unknown model 'gpt-9'; known models: llama-3-70b, llama-3-8b, smollm2-135m"),
+        (["plan", "gpt-9"], "model must be one of llama-3-70b, llama-3-8b or smollm2-135m, got str 'gpt-9'"),
         (["plan", "--dram-gbps", "0"], "--dram-gbps must be > 0, got 0.0"),
         (["plan", "--tflops", "-5"], "--tflops must be > 0, got -5.0"),
     ],

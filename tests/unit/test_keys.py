@@ -62,10 +62,12 @@ def test_identity_separates_caches(field: str, value: object) -> None:
         ([1, 2.5, 3], r"tokens\[1\]"),
         ([1, "2"], r"tokens\[1\]"),
         ([True, 2], r"tokens\[0\]"),
-        ([1, -4, 2], "non-negative"),
+        ([1, -4, 2], r"tokens\[1\] must be a token id: an int in \[0, 2\*\*32\), got int -4"),
+        (np.array([1, -4, 2]), r"tokens\[1\] is -4: token ids are non-negative"),
         (np.array([1.0, 2.0]), "integer"),
         (np.array([[1, 2]]), "1-D"),
-        ([2**32], "largest supported"),
+        ([2**32], r"tokens\[0\] must be a token id: an int in \[0, 2\*\*32\), got int 4294967296"),
+        (np.array([2**32]), "largest supported"),
     ],
 )
 def test_bad_tokens_name_the_field(tokens: object, field: str) -> None:
