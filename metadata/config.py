@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from kvpool.core.config import Config, Positive, Seconds, validated
+from kvpool.core.config import Config, Positive, Rule, Seconds, validated
 from kvpool.errors import ConfigError
 
 ENDPOINTS_ENV = "KVPOOL_ETCD_ENDPOINTS"
@@ -84,6 +84,17 @@ class MetadataConfig(Config, frozen=True):
     tls_key: _PemFile = ""  #: PEM file of its private key
     tls_server_name: str = ""  #: check etcd's certificate for this name instead of the endpoint's host
 
+    rules = (
+        Rule(
+            "together",
+            "tls_cert",
+            "tls_key",
+            f"a client certificate is presented with its private key ({TLS_ENV['tls_cert']}, {TLS_ENV['tls_key']})",
+        ),
+        Rule("needs", "tls_cert", "tls_ca", f"give the CA that signed etcd's certificate ({TLS_ENV['tls_ca']})"),
+        Rule("needs", "tls_server_name", "tls_ca", "the name is checked in etcd's certificate, which TLS shows"),
+    )
+
     def check(self) -> None:
         self._check_tls()
         for ep in self.endpoints:
@@ -97,8 +108,7 @@ class MetadataConfig(Config, frozen=True):
         return bool(self.tls_ca)
 
     def _check_tls(self) -> None:
-        """Each TLS path: a string, made absolute, naming a readable file; a certificate comes with its key and
-        needs the CA that verifies etcd."""
+        """Each TLS path: a string, made absolute, naming a readable file."""
         for name, env in TLS_ENV.items():
             value = getattr(self, name)
             if not value:
@@ -110,17 +120,6 @@ class MetadataConfig(Config, frozen=True):
                     "certificates were made in (kvpool certs, kvpool etcd --tls-dir) or fix the path"
                 )
             msgspec.structs.force_setattr(self, name, path)
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ConfigError(
-                f"tls_cert and tls_key ({TLS_ENV['tls_cert']}, {TLS_ENV['tls_key']}) go together: a client "
-                "certificate is presented with its private key"
-            )
-        if self.tls_cert and not self.tls_ca:
-            raise ConfigError(
-                f"tls_cert is set but tls_ca ({TLS_ENV['tls_ca']}) is not: give the CA that signed etcd's certificate"
-            )
-        if self.tls_server_name and not self.tls_ca:
-            raise ConfigError(f"tls_server_name must be a host name and needs tls_ca, got {self.tls_server_name!r}")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "MetadataConfig":

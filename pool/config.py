@@ -8,7 +8,7 @@ from typing import Annotated
 
 from msgspec import Meta, field
 
-from kvpool.core.config import Config, Seconds
+from kvpool.core.config import Config, PowerOfTwo, Seconds
 from kvpool.errors import ConfigError
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.tiers.crypto import EncryptionConfig
@@ -52,7 +52,7 @@ class PoolConfig(Config, frozen=True):
     nvme_dir: str = ""
     watermarks: Watermarks = field(default_factory=Watermarks)
     promote_on_hit: bool = True  #: a hit on an NVMe chunk copies it back to DRAM
-    alignment: Annotated[int, Meta(ge=1, description="a power of two, e.g. 4096")] = 4096
+    alignment: PowerOfTwo = 4096
     namespace: _Text = "kvpool"  #: the Ray namespace of the PoolNode actors
     metrics_host: _Text = "127.0.0.1"  #: where each PoolNode serves Prometheus metrics
     #: 0: a free port per node (published in its node record); -1: no metrics
@@ -78,8 +78,6 @@ class PoolConfig(Config, frozen=True):
             check_codec(self.nvme_codec)
         except ConfigError as exc:
             raise ConfigError(f"nvme_codec: {exc}") from None
-        if self.alignment & (self.alignment - 1):
-            raise ConfigError(f"alignment must be a power of two, got {self.alignment}")
         if not os.path.isdir(self.shm_dir):
             raise ConfigError(f"shm_dir {self.shm_dir!r} is not a directory (the DRAM segment's file lives there)")
         if self.nvme_dir and not os.path.isdir(self.nvme_dir):

@@ -2,7 +2,8 @@
 
 A config class derives from :class:`Config` and declares each field's type and range in its annotation
 (``Annotated[int, Meta(ge=0, description="...")]``); the ``description`` is what the error tells the user to write.
-Its :meth:`Config.check` holds only the rules a type cannot say: one field against another, a path that must exist.
+Rules between two fields (given together, one needs the other, not both) are declared in its ``rules``
+(:class:`Rule`); its :meth:`Config.check` holds only the rules neither can say: a path that must exist, an order.
 
 Every way of making a config checks it: keyword construction (``PoolConfig(dram_bytes=...)``), ``msgspec.structs
 .replace``, unpickling (a config sent to a Ray actor is checked again where it lands, so the actor re-checks
@@ -37,6 +38,8 @@ __all__ = [
     "Fraction",
     "NonNegative",
     "Positive",
+    "PowerOfTwo",
+    "Rule",
     "Seconds",
     "checked",
     "default_of",
@@ -57,6 +60,13 @@ Positive = typing.Annotated[int, Meta(ge=1)]
 Fraction = typing.Annotated[float, Meta(gt=0, le=1, description="a number in (0, 1]")]
 #: a finite number of seconds > 0
 Seconds = typing.Annotated[float, Meta(gt=0, le=_FLOAT_MAX, description="a number of seconds > 0")]
+if typing.TYPE_CHECKING:
+    PowerOfTwo = int
+else:  #: an alignment in bytes: a power of two, 1 to 2**40 (msgspec has no such bound, so the powers are listed)
+    PowerOfTwo = typing.Annotated[
+        typing.Literal[tuple(1 << i for i in range(41))],
+        Meta(description="a power of two, e.g. 4096 (bytes, at most 2**40)"),
+    ]
 
 # What __post_init__ does: a config made in code round-trips through msgspec.convert (_CHECK); the copy that
 # round trip makes checks nothing (_COPY); one converted by validated() is checked by msgspec already (_CONVERT).
@@ -66,9 +76,37 @@ _SEGMENT = re.compile(r"\.([A-Za-z_]\w*)|\[(\d+|\.\.\.)\]")
 _AT = re.compile(r" - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`$")
 
 
+class Rule(typing.NamedTuple):
+    """A rule between fields that a config declares in its ``rules``: ``"together"``, ``a`` and ``b`` are set
+    both or neither; ``"needs"``, a set ``a`` needs ``b`` set; ``"excludes"``, not both.  "Set" is truthy; ``b`` may
+    be ``"x or y"`` (either will do).  ``why`` ends the error: why, and what to write."""
+
+    kind: typing.Literal["together", "needs", "excludes"]
+    a: str
+    b: str
+    why: str
+
+    def broken(self, config: object) -> str:
+        """The error's sentence if ``config`` breaks the rule, else ``""``."""
+        a, b = (any(getattr(config, name) for name in names.split(" or ")) for names in (self.a, self.b))
+        ok, said = _RULES[self.kind]
+        return "" if ok(a, b) else f"{said.format(a=self.a, b=self.b)}: {self.why}"
+
+
+_RULES: dict[str, tuple[Callable[[bool, bool], bool], str]] = {
+    "together": (lambda a, b: a == b, "{a} and {b} go together"),
+    "needs": (lambda a, b: b or not a, "{a} is set but {b} is not"),
+    "excludes": (lambda a, b: not (a and b), "give {a} or {b}, not both"),
+}
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Base of kvpool's configs: frozen, unknown fields refused, every field's type and range checked on every
-    construction (see the module docstring).  Subclasses override :meth:`check` for cross-field rules."""
+    construction (see the module docstring).  Subclasses declare rules between two fields in ``rules`` and
+    override :meth:`check` for the others."""
+
+    #: rules between fields, checked after the fields' types and ranges and before :meth:`check`
+    rules: typing.ClassVar[tuple[Rule, ...]] = ()
 
     def __post_init__(self) -> None:
         mode = _mode.get()
@@ -76,6 +114,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return
         if mode == _CHECK:
             _round_trip(self)
+        if broken := next(filter(None, (rule.broken(self) for rule in self.rules)), ""):
+            raise ConfigError(broken)
         self.check()
 
     def check(self) -> None:

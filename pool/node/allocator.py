@@ -13,11 +13,10 @@ from typing import Annotated
 
 from msgspec import Meta
 
-from kvpool.core.config import checked
+from kvpool.core.config import PowerOfTwo, checked
 from kvpool.errors import ConfigError, PoolFull
 
 _Capacity = Annotated[int, Meta(ge=1, description="an int > 0 (bytes)")]
-_Alignment = Annotated[int, Meta(ge=1, description="a power of two >= 1 (bytes)")]
 
 
 @dataclass(frozen=True)
@@ -41,9 +40,7 @@ class OffsetAllocator:
     """
 
     @checked
-    def __init__(self, capacity: _Capacity, alignment: _Alignment = 4096) -> None:
-        if alignment & (alignment - 1):
-            raise ConfigError(f"OffsetAllocator: `alignment` must be a power of two >= 1, got {alignment}")
+    def __init__(self, capacity: _Capacity, alignment: PowerOfTwo = 4096) -> None:
         if capacity < alignment:
             raise ConfigError(f"capacity must be at least one alignment unit ({alignment} B), got {capacity}")
         self._alignment = alignment

@@ -55,7 +55,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from msgspec import Meta
 
-from kvpool.core.config import Config, checked, validated
+from kvpool.core.config import Config, Rule, checked, validated
 from kvpool.core.keys import check_key
 from kvpool.errors import ConfigError, UndecryptableChunk
 
@@ -301,11 +301,12 @@ class EncryptionConfig(Config, frozen=True):
     #: the key that seals new chunks; empty: the last one listed
     key_id: KeyIdOrNone = ""
 
+    rules = (
+        Rule("excludes", "key_file", "key_env", "the keys come from one of them"),
+        Rule("needs", "key_id", "key_file or key_env", "it names a key of the key file (or variable): set one too"),
+    )
+
     def check(self) -> None:
-        if self.key_file and self.key_env:
-            raise ConfigError("encryption: give key_file or key_env, not both")
-        if self.key_id and not self.enabled:
-            raise ConfigError("encryption.key_id is set but no keys are: set key_file (or key_env) too")
         self.keyring()  # everything about the keys is checked now, in the process that made the config
 
     @property

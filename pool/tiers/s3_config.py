@@ -5,8 +5,7 @@ from typing import Annotated
 
 from msgspec import Meta, field
 
-from kvpool.core.config import Config, Seconds
-from kvpool.errors import ConfigError
+from kvpool.core.config import Config, Rule, Seconds
 from kvpool.metadata.config import Name
 from kvpool.pool.tiers.crypto import EncryptionConfig
 
@@ -74,12 +73,17 @@ class RemoteConfig(Config, frozen=True):
         shown = ", ".join(f"{k}={v!r}" for k, v in self.__rich_repr__() if k != "secret_access_key")
         return f"RemoteConfig({shown})"
 
+    rules = (
+        Rule(
+            "together",
+            "access_key_id",
+            "secret_access_key",
+            "give both, or neither for boto3's credential chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+            "~/.aws/credentials)",
+        ),
+    )
+
     def check(self) -> None:
-        if bool(self.access_key_id) != bool(self.secret_access_key):
-            raise ConfigError(
-                "access_key_id and secret_access_key: give both, or neither for boto3's credential chain "
-                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws/credentials)"
-            )
         check_codec(self.codec)
 
     @property

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from kvpool.errors import ConfigError
+from kvpool.core.config import Rule
 from kvpool.prefill_decode.connector_core.settings import PoolSettings
 
 MODULE = "kvpool.prefill_decode.sglang.storage"
@@ -32,11 +32,14 @@ class StorageConfig(PoolSettings, frozen=True):
     #: the tenant whose chain and quota this server's pages use (a name in ``tenants``); "": none
     tenant: str = ""
 
-    def check(self) -> None:
-        if self.tenants and not self.tenant:
-            raise ConfigError(f"{_WHERE}: with tenants, name the tenant this server's pages are for (tenant=NAME)")
-        if self.tenant and not self.tenants:
-            raise ConfigError(f"{_WHERE}: tenant={self.tenant!r} needs the tenants file that names it (tenants=PATH)")
+    rules = (
+        Rule(
+            "together",
+            "tenants",
+            "tenant",
+            "with a tenants file (tenants=PATH), name the tenant this server's pages are for (tenant=NAME)",
+        ),
+    )
 
     @classmethod
     def from_extra(cls, extra: Any, where: str = _WHERE) -> "StorageConfig":

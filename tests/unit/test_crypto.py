@@ -207,7 +207,7 @@ def test_config_is_checked_with_errors_that_say_what_to_do(tmp_path: Path) -> No
         ({"key_file": file(key_line("k1", good) * 2)}, "line 2: key id 'k1' appears twice"),
         ({"key_file": file(key_line("k1", good)), "key_id": "k2"}, "key_id 'k2' is not in the keyring"),
         ({"key_file": file(key_line("k1", good)), "key_env": "X"}, "key_file or key_env, not both"),
-        ({"key_id": "k1"}, "no keys are: set key_file"),
+        ({"key_id": "k1"}, "key_id is set but key_file or key_env is not: it names a key of the key file"),
         ({"key_env": "not a name"}, "the name of an environment variable"),
         ({"key_file": 3}, "`key_file` expected `str`, got int 3"),
     ]

@@ -70,10 +70,13 @@ def test_the_config_takes_tls_files_as_absolute_paths_and_pickles(made: Path, mo
     "settings,match",
     [
         ({"tls_ca": "/nonexistent/ca.pem"}, "KVPOOL_ETCD_CA.*not a readable file"),
-        ({"tls_cert": "client.pem"}, "go together"),
-        ({"tls_cert": "client.pem", "tls_key": "client-key.pem"}, "tls_ca .* is not"),
+        ({"tls_cert": "client.pem"}, "tls_cert and tls_key go together: a client certificate is presented with its"),
+        (
+            {"tls_cert": "client.pem", "tls_key": "client-key.pem"},
+            "tls_cert is set but tls_ca is not: give the CA that signed etcd's certificate",
+        ),
         ({"tls_ca": 3}, "path string"),
-        ({"tls_server_name": "kvpool-etcd"}, "needs tls_ca"),
+        ({"tls_server_name": "kvpool-etcd"}, "tls_server_name is set but tls_ca is not"),
         ({"tls_ca": "ca.pem", "endpoints": ("http://127.0.0.1:2379",)}, "plaintext but TLS is configured"),
         ({"endpoints": ("https://127.0.0.1:2379",)}, "uses TLS but no CA"),
     ],
