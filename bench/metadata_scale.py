@@ -31,17 +31,19 @@ import time
 import tracemalloc
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import pyetcd
+from msgspec import Meta
 from rich.console import Console
 from rich.table import Table
 
 from kvpool.bench.limits import proc_cpu_s
 from kvpool.bench.metadata_sim import Stamp, publisher, watcher
+from kvpool.core.config import Config, NonNegative, Positive, validated
 from kvpool.errors import ConfigError, MetadataUnavailable
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient, prefix_end
@@ -51,30 +53,23 @@ from kvpool.metadata.namespace import Namespace
 COLLECT_TIMEOUT_S = 300.0  #: how long the parent waits for every watch to catch up with a phase
 
 
-@dataclass(frozen=True)
-class ScaleSettings:
+_NodeCounts = Annotated[tuple[Positive, ...], Meta(min_length=1, description="ints >= 1, e.g. 1,4,16,64")]
+
+
+class ScaleSettings(Config, frozen=True):
     """One scale run; the issue's full configuration is ``chunks=1_000_000`` and 256 watches in all."""
 
-    node_counts: tuple[int, ...] = (1, 4, 16, 64)  #: new nodes joining in each phase
-    chunks: int = 100_000  #: placements in etcd after the last phase, split evenly over the phases
-    caches: int = 4  #: real MetadataCache instances
-    watchers: int = 60  #: bare watch streams
-    publisher_procs: int = 2
-    watch_procs: int = 1
-    lease_ttl_s: int = 10  #: of each simulated node (longer than the pool's 5 s: the keepers share busy cores)
+    node_counts: _NodeCounts = (1, 4, 16, 64)  #: new nodes joining in each phase
+    chunks: Positive = 100_000  #: placements in etcd after the last phase, split evenly over the phases
+    caches: NonNegative = 4  #: real MetadataCache instances
+    watchers: NonNegative = 60  #: bare watch streams
+    publisher_procs: Positive = 2
+    watch_procs: Positive = 1
+    lease_ttl_s: Positive = 10  #: of each simulated node (longer than the pool's 5 s: the keepers share busy cores)
 
-    def __post_init__(self) -> None:
-        counts = self.node_counts
-        if not counts or any(not isinstance(n, int) or n < 1 for n in counts):
-            raise ConfigError(f"node counts must be ints >= 1 (e.g. 1,4,16,64), got {counts!r}")
-        if self.chunks < len(counts) * max(counts):
+    def check(self) -> None:
+        if self.chunks < len(self.node_counts) * max(self.node_counts):
             raise ConfigError(f"--chunks {self.chunks} is fewer than one placement per node per phase; raise it")
-        for name in ("caches", "watchers", "publisher_procs", "watch_procs", "lease_ttl_s"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < (0 if name in ("caches", "watchers") else 1):
-                raise ConfigError(
-                    f"{name} must be an int >= {0 if name in ('caches', 'watchers') else 1}, got {value!r}"
-                )
         if self.caches + self.watchers < 1:
             raise ConfigError("give at least one watch (--caches or --watchers): lag is measured by them")
 
@@ -239,7 +234,12 @@ def run_scale(
             watchers.append(mine)
         procs.append(ctx.Process(target=target, args=args, daemon=True))
         procs[-1].start()
-    out: dict[str, Any] = {"settings": asdict(s), "endpoint": endpoint, "cluster": cfg.cluster, "phases": []}
+    out: dict[str, Any] = {
+        "settings": msgspec.structs.asdict(s),
+        "endpoint": endpoint,
+        "cluster": cfg.cluster,
+        "phases": [],
+    }
     try:
         for c in watchers:
             c.recv()  # every watch started
@@ -382,10 +382,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, endpoint: str, etcd_pid: int | None, db_file: Path | None) -> None:
-    try:
-        counts = tuple(int(n) for n in args.nodes.split(","))
-    except ValueError:
-        raise ConfigError(f"--nodes takes comma-separated ints (e.g. 1,4,16,64), got {args.nodes!r}") from None
+    counts = validated(_NodeCounts, args.nodes.split(","), "--nodes", strict=False)
     settings = ScaleSettings(counts, args.chunks, args.caches, args.watchers, args.publisher_procs, args.watch_procs)
     console = Console(width=160)
     out = run_scale(settings, endpoint, etcd_pid, db_file, console)

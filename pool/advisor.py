@@ -91,12 +91,7 @@ class AccessLog:
         directory = os.environ.get(ACCESS_LOG_ENV, "")
         if not directory:
             return None
-        raw = os.environ.get(ACCESS_RATE_ENV, "0.01")
-        try:
-            rate = float(raw)
-        except ValueError:
-            raise ConfigError(f"{ACCESS_RATE_ENV} must be a number in (0, 1], got {raw!r}") from None
-        return cls(directory, rate)
+        return cls(directory, validated(_Rate, os.environ.get(ACCESS_RATE_ENV, "0.01"), ACCESS_RATE_ENV, strict=False))
 
     def record(self, keys: Sequence[bytes], size_of: Callable[[bytes], int]) -> None:
         """Count a lookup of ``keys`` (in chain order); log those in the sample with ``size_of(key)`` (0: not held)."""

@@ -5,15 +5,16 @@ import json
 from contextlib import ExitStack
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from msgspec import Meta
 from rich.console import Group, RenderableType
 from rich.table import Table
 
 from kvpool import ray_auth
 from kvpool.cli import options, root
-from kvpool.errors import ConfigError
+from kvpool.core.config import validated
 from kvpool.pool.config import MiB, PoolConfig
 
 if TYPE_CHECKING:
@@ -86,11 +87,12 @@ def render_bench(r: "Results") -> RenderableType:
     return Group(*parts)
 
 
+_Lengths = tuple[Annotated[int, Meta(ge=1, description="a prompt length > 0, as in 1024,4096 ('' to skip)")], ...]
+
+
 def parse_lengths(ttft: str) -> tuple[int, ...]:
     """``--ttft``: prompt lengths like ``1024,4096``; ``''`` for none."""
-    if not all(t.strip().isdigit() and int(t) > 0 for t in ttft.split(",") if t.strip()):
-        raise ConfigError(f"--ttft takes prompt lengths like 1024,4096 (or '' to skip), got {ttft!r}")
-    return tuple(int(t) for t in ttft.split(",") if t.strip())
+    return validated(_Lengths, [t.strip() for t in ttft.split(",") if t.strip()], "--ttft", strict=False)
 
 
 def _settings(

@@ -8,11 +8,13 @@ every command with it.  The builders turn the options' values into those config 
 import inspect
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import typer
+from msgspec import Meta
 
 from kvpool.core.config import default_of as field_default
+from kvpool.core.config import validated
 from kvpool.errors import ConfigError
 from kvpool.metadata.config import ENDPOINTS_ENV, TLS_ENV, MetadataConfig
 from kvpool.pool.config import PoolConfig
@@ -165,11 +167,14 @@ def gbps_option(tier: str, label: str) -> Any:
     )
 
 
+_Figure = Annotated[float, Meta(gt=0, description="a number > 0")]
+
+
 def overridden(hardware: Hardware, tflops: float | None, gbps: dict[str, float | None]) -> Hardware:
     """``hardware`` with the figures given on the command line (each > 0)."""
     flags = {"--tflops": tflops, **{f"--{tier}-gbps": value for tier, value in gbps.items()}}
     for flag, value in flags.items():
-        if value is not None and not value > 0:
-            raise ConfigError(f"{flag} must be > 0, got {value}")
+        if value is not None:
+            validated(_Figure, value, flag)
     bandwidth = {tier: None if value is None else value * 1e9 for tier, value in gbps.items()}
     return hardware.with_overrides(flops=None if tflops is None else tflops * 1e12, **bandwidth)

@@ -124,19 +124,21 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 @typing.overload
-def validated(cls: type[C], value: Mapping[str, Any] | C, where: str = "") -> C: ...
+def validated(cls: type[C], value: Mapping[str, Any] | C, where: str = "", *, strict: bool = True) -> C: ...
 @typing.overload
-def validated(cls: Any, value: Any, where: str) -> Any: ...
-def validated(cls: Any, value: Any, where: str = "") -> Any:
+def validated(cls: Any, value: Any, where: str, *, strict: bool = True) -> Any: ...
+def validated(cls: Any, value: Any, where: str = "", *, strict: bool = True) -> Any:
     """``value`` (a mapping of field names, nested configs as mappings, or a ``cls`` already) as a checked
     ``cls``; ``ConfigError`` naming ``where`` (default: the class name), the field path and what to write.
-    ``cls`` may also be any type msgspec checks (``list[ChunkKey]``), then ``where`` names the value."""
+    ``cls`` may also be any type msgspec checks (``list[ChunkKey]``), then ``where`` names the value.
+    ``strict=False`` for text from a command line or the environment: numbers and booleans written as strings
+    (``"0.5"``, ``"true"``) are read as such."""
     struct = isinstance(cls, type) and issubclass(cls, msgspec.Struct)
     if struct and isinstance(value, cls):
         return value
     token = _mode.set(_CONVERT)
     try:
-        return msgspec.convert(value, cls, strict=True)
+        return msgspec.convert(value, cls, strict=strict)
     except msgspec.ValidationError as exc:
         raise _config_error(cls, exc, value, where or cls.__name__) from None
     finally:

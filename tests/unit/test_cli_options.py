@@ -77,7 +77,10 @@ def test_field_default_refuses_what_is_not_there() -> None:
         (["join", "--ray-address", "127.0.0.2:6379"], "join needs the pool's etcd: pass --etcd"),
         (["ls", "--etcd", "not-an-endpoint"], "must be an etcd endpoint: host:port"),
         (["up", "--demo", "gpt-9"], "--demo must be one of smollm2-135m, tiny-llama or none, got str 'gpt-9'"),
-        (["bench", "--ttft", "12,x"], "--ttft takes prompt lengths like 1024,4096"),
+        (
+            ["bench", "--ttft", "12,x"],
+            "--ttft[1] must be a prompt length > 0, as in 1024,4096 ('' to skip), got str 'x'",
+        ),
         (["etcd", "--data-dir", "/tmp/x", "--host", "0.0.0.0"], "--advertise: with --host 0.0.0.0"),
         (["up", "--tenants", "/nonexistent/tenants.toml"], "tenants file '/nonexistent/tenants.toml' cannot be read"),
         (["up", "--engine", "sglang", "--serve", "0"], "--engine must be workers or vllm, got str 'sglang'"),

@@ -75,8 +75,8 @@ def test_other_models() -> None:
     ("args", "message"),
     [
         (["plan", "gpt-9"], "model must be one of llama-3-70b, llama-3-8b or smollm2-135m, got str 'gpt-9'"),
-        (["plan", "--dram-gbps", "0"], "--dram-gbps must be > 0, got 0.0"),
-        (["plan", "--tflops", "-5"], "--tflops must be > 0, got -5.0"),
+        (["plan", "--dram-gbps", "0"], "--dram-gbps must be a number > 0, got float 0.0 (expected `float` > 0.0)"),
+        (["plan", "--tflops", "-5"], "--tflops must be a number > 0, got float -5.0 (expected `float` > 0.0)"),
     ],
 )
 def test_errors_are_one_line_with_exit_code_1(args: list[str], message: str) -> None:
