@@ -4,13 +4,15 @@ stack per node (see kvpool.pool.reuse)."""
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
+from msgspec import Meta
 from rich.table import Table
 
 from kvpool.cli import connect, options, root
 from kvpool.cli.figures import fig
+from kvpool.core.config import validated
 from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
 from kvpool.pool.advisor import MissRatioCurve, curve_of_log, read_access_logs, tier_hits
@@ -20,20 +22,21 @@ GiB = 2**30
 DEFAULT_CODECS = ["fp8-e4m3=2", "int4=3.6"]  #: nominal size ratios against 16-bit KV
 
 
+#: ``--codec``: a name, ``=``, and a decimal number > 0
+_CodecRatio = Annotated[
+    str,
+    Meta(
+        pattern=r"^[^=\s]+=(?!0*\.?0*\Z)(\d+\.?\d*|\.\d+)\Z",
+        description="NAME=RATIO, RATIO how many times smaller the codec stores a chunk (a number > 0): e.g. int4=3.6",
+    ),
+]
+
+
 def _codecs(specs: list[str]) -> list[tuple[str, float]]:
-    out = []
-    for spec in specs:
-        name, _, ratio = spec.partition("=")
-        try:
-            value = float(ratio)
-        except ValueError:
-            value = 0.0
-        if not name or not value > 0:
-            raise ConfigError(
-                f"--codec takes NAME=RATIO (how many times smaller the codec stores a chunk), got {spec!r}"
-            )
-        out.append((name, value))
-    return out
+    return [
+        (name, float(ratio))
+        for name, _, ratio in (s.partition("=") for s in validated(list[_CodecRatio], specs, "--codec"))
+    ]
 
 
 def capacities(dram_gib: float | None, nvme_gib: float | None, etcd: str | None, cluster: str) -> tuple[float, float]:
