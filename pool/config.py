@@ -25,6 +25,13 @@ _Text = Annotated[str, Meta(min_length=1, description="a non-empty string")]
 _Quota = Annotated[int, Meta(ge=0, description="an int >= 0 in tenant -> (DRAM bytes, NVMe bytes) (0: no limit)")]
 
 
+#: the directories a config names that must exist where it is checked, and what to do about one that does not
+_DIRECTORIES = {
+    "shm_dir": "the DRAM segment's file lives there (e.g. /dev/shm)",
+    "nvme_dir": "create it, or leave it empty for a temp dir",
+}
+
+
 class Watermarks(Config, frozen=True):
     """DRAM above ``high`` (a fraction of capacity) migrates LRU chunks to NVMe until ``low``."""
 
@@ -78,12 +85,9 @@ class PoolConfig(Config, frozen=True):
             check_codec(self.nvme_codec)
         except ConfigError as exc:
             raise ConfigError(f"nvme_codec: {exc}") from None
-        if not os.path.isdir(self.shm_dir):
-            raise ConfigError(f"shm_dir {self.shm_dir!r} is not a directory (the DRAM segment's file lives there)")
-        if self.nvme_dir and not os.path.isdir(self.nvme_dir):
-            raise ConfigError(
-                f"nvme_dir {self.nvme_dir!r} is not a directory; create it or leave it empty for a temp dir"
-            )
+        for name, what in _DIRECTORIES.items():
+            if getattr(self, name) and not os.path.isdir(getattr(self, name)):
+                raise ConfigError(f"{name} {getattr(self, name)!r} is not a directory: {what}")
 
     def resolved_dram_bytes(self) -> int:
         if self.dram_bytes:

@@ -115,16 +115,14 @@ class Codec:
     """
 
     quantizer: Quantizer
-    delta: bool = False  #: token-wise delta of the code words before zstd (needs ``zstd``)
+    delta: bool = False  #: token-wise delta of int4 code words before zstd (needs both)
     zstd: bool = False
 
     def __post_init__(self) -> None:
-        if self.delta and not self.zstd:
-            raise ConfigError("the delta stage only helps the zstd stage after it: use +delta+zstd")
-        if self.delta and not isinstance(self.quantizer, Int4):
+        if self.delta and not (self.zstd and isinstance(self.quantizer, Int4)):
             raise ConfigError(
-                f"+delta+zstd is an int4 stage: on {self.quantizer.spec} KV it compresses worse than plain +zstd "
-                "(measured by bench/codecs.py); use +zstd"
+                f"the delta stage goes between int4 and zstd (int4+delta+zstd): it only helps the zstd stage after it, "
+                f"and on {self.quantizer.spec} KV it compresses worse than plain +zstd (measured by bench/codecs.py)"
             )
 
     @property
