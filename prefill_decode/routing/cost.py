@@ -108,6 +108,7 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
 }
 
 
+@checked
 def model_spec(name: str) -> ModelSpec:
     """A model of :data:`KNOWN_MODELS` by name (case-insensitive)."""
     return KNOWN_MODELS[one_of(KNOWN_MODELS, name.lower(), "model")]

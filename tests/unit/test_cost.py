@@ -77,6 +77,8 @@ def test_model_spec_lookup() -> None:
         ConfigError, match=r"model must be one of llama-3-70b, llama-3-8b or smollm2-135m, got str 'gpt-9'"
     ):
         model_spec("gpt-9")
+    with pytest.raises(ConfigError, match=r"model_spec: `name` expected `str`, got int 3"):
+        model_spec(3)  # type: ignore[arg-type]
 
 
 def test_from_hf_config() -> None:
