@@ -11,13 +11,17 @@ wall time of a 1-token generation (= TTFT):
 - kvpool, NVMe-resident prefix: engine B's prompt moved to its node's NVMe, then asked again, as it is and after
   ``PoolClient.prefetch`` promoted it to DRAM (what the engine front does while a request waits for its engine);
 - kvpool, P/D: a producer engine on the other node prefills, engine B answers from that node's DRAM (one-sided);
+- model families beyond one full-attention group (tiny random-weight models, ``--families``): a sliding-window hybrid
+  (Gemma3) and MLA (DeepSeek-V2), each cold + save in one engine and from the pool in a fresh one, beside the
+  first engine's own prefix hit where vLLM's CPU engine has one (not for MLA);
 - vLLM OffloadingConnector (CPU) and SimpleCPUOffloadConnector: the prompt again after ``reset_prefix_cache``,
   served from their CPU store; ExampleConnector: the same from its disk files — each where it runs on this
   platform, else the reason it does not.
 
 Beside them: the prompt's KV bytes, the memcpy limit in the same run and the floor it sets for moving that KV.
 
-    python bench/vllm.py [--model smollm2|tiny] [--tokens 4096] [--chunk-size 256] [--repeat 3] [--json ...]
+    python bench/vllm.py [--model smollm2|tiny] [--tokens 4096] [--chunk-size 256] [--repeat 3] [--families ...]
+                         [--json ...]
 """
 
 import argparse
@@ -48,6 +52,7 @@ from kvpool.servers.etcd import EmbeddedEtcd
 from kvpool.servers.ray_cluster import LocalRayCluster
 
 console = Console(width=150)
+FAMILY_NAMES = ("gemma3-sliding", "deepseek-v2-mla")  #: the families bench/vllm.py can run (tiny_models.FAMILIES)
 
 
 def model_dir(name: str, work: Path) -> tuple[Path, int, dict[str, int]]:
@@ -96,12 +101,15 @@ class Cases:
     rows: list[dict[str, Any]] = field(default_factory=list)
     seeds: Iterator[int] = field(default_factory=lambda: iter(range(1, 1000)))
 
-    def fresh(self) -> list[list[int]]:
-        return [prompt(next(self.seeds), self.tokens) for _ in range(self.repeat)]
+    def fresh(self, tokens: int | None = None) -> list[list[int]]:
+        return [prompt(next(self.seeds), tokens or self.tokens) for _ in range(self.repeat)]
 
     def add(self, name: str, seconds: float | None, cached: int = 0, note: str = "") -> None:
         self.rows.append({"case": name, "ttft_s": seconds, "cached_tokens": cached, "note": note})
-        console.print(f"  {name}: " + (f"{seconds:.3f} s, {cached} tokens cached" if seconds is not None else note))
+        done = (
+            f"{seconds:.3f} s, {cached} tokens cached" + (f" ({note})" if note else "") if seconds is not None else note
+        )
+        console.print(f"  {name}: {done}")
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -131,6 +139,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         try:
             plain_cases(settings, work, cases)
             kvpool_cases(settings, extra, cluster.node_ids(), work, cases, pool)
+            family_cases(args.families, extra, work, cases)
             vllm_cases(settings, vllm_connectors(work, kv_bytes, args.repeat), work, cases)
         finally:
             stop_pool(pool)
@@ -205,6 +214,34 @@ def nvme_cases(engine: EngineProcess, pool: PoolConfig, node: str, cases: Cases)
             cases.add(name, *ttft(engine, prompts, reset=True), note=note)
 
 
+def family_cases(families: list[str], extra: dict[str, Any], work: Path, cases: Cases) -> None:
+    """Each family's tiny model: engine A computes and saves (then answers again from its own prefix cache), a fresh
+    engine B answers from the pool.  Their prompts are as long as the run's, within the tiny models' context."""
+    from kvpool.prefill_decode.reference.tiny_models import COMMON, save_tiny
+
+    tokens = min(cases.tokens, COMMON["max_position_embeddings"] - 8)
+    for name in families:
+        settings = {"model": str(save_tiny(name, work)), "max_model_len": tokens + 8}
+        connector = {**extra, "node_ip": "127.0.0.2", "model_id": f"bench-{name}"}
+        prompts = cases.fresh(tokens)
+        with EngineProcess({**settings, "connector": connector}, work / f"{name}-a.log") as a:
+            ttft(a, [prompt(995, 64)])
+            cases.add(f"{name}: cold + save (kv_both)", *ttft(a, prompts))
+            if name.endswith("-mla"):  # vLLM's CPU engine turns its prefix cache off for MLA
+                cases.add(f"{name}: vLLM prefix-cache hit", None, note="vLLM's CPU engine has no prefix cache for MLA")
+            else:
+                cases.add(f"{name}: vLLM prefix-cache hit", *ttft(a, prompts))
+            wait_saved(a, len(prompts) * (tokens // extra["chunk_size"]) * extra["chunk_size"])
+        with EngineProcess({**settings, "connector": connector}, work / f"{name}-b.log") as b:
+            ttft(b, [prompt(994, 64)])
+            before = b.ask(connector=True)["totals"].get("load_seconds", 0.0)
+            seconds, cached = ttft(b, prompts, reset=True)
+            spent = (b.ask(connector=True)["totals"].get("load_seconds", 0.0) - before) / len(prompts)
+            cases.add(
+                f"{name}: restart, same node", seconds, cached, note=f"the connector's load: {spent * 1e3:.0f} ms"
+            )
+
+
 def vllm_cases(settings: dict[str, Any], connectors: dict[str, dict[str, Any]], work: Path, cases: Cases) -> None:
     """vLLM's own connectors: the prompt again after ``reset_prefix_cache``, or why one does not run here."""
     for name, transfer in connectors.items():
@@ -242,13 +279,17 @@ def vllm_connectors(work: Path, kv_bytes: int, repeat: int) -> dict[str, dict[st
 
 
 def show(result: dict[str, Any]) -> None:
+    """The table: each row's ratios against its own model's cold and prefix-hit rows (a family's rows are named
+    ``<family>: ...``)."""
     rows = result["rows"]
-    cold = next(r["ttft_s"] for r in rows if r["case"].startswith("cold"))
-    hit = next(r["ttft_s"] for r in rows if r["case"] == "vLLM prefix-cache hit")
+
+    def first(model: str, start: str) -> float | None:
+        return next((r["ttft_s"] for r in rows if r["case"].startswith(start) and _model(r) == model), None)
+
     floor = result["kv_bytes"] / (result["limits"]["memcpy_gbps"] * 1e9)
     table = Table(
-        title=f"TTFT, {result['model']}, {result['tokens']}-token prompt, kvpool chunks of {result['chunk_size']} "
-        f"tokens, median of {result['repeat']} (CPU)"
+        title=f"TTFT, {result['model']} (and other families' tiny models), {result['tokens']}-token prompt, kvpool "
+        f"chunks of {result['chunk_size']} tokens, median of {result['repeat']} (CPU)"
     )
     for col in ("case", "TTFT", "cold / TTFT", "TTFT / prefix hit", "cached tokens", "note"):
         table.add_column(col, justify="left" if col in ("case", "note") else "right")
@@ -257,8 +298,15 @@ def show(result: dict[str, Any]) -> None:
         if s is None:
             table.add_row(r["case"], "-", "-", "-", "-", r["note"])
             continue
+        prefix = f"{_model(r)}: " if _model(r) else ""
+        cold, hit = first(_model(r), prefix + "cold"), first(_model(r), prefix + "vLLM prefix-cache hit")
         table.add_row(
-            r["case"], f"{s * 1e3:.0f} ms", f"{cold / s:.1f}x", f"{s / hit:.2f}", str(r["cached_tokens"]), r["note"]
+            r["case"],
+            f"{s * 1e3:.0f} ms",
+            f"{cold / s:.1f}x" if cold else "-",
+            f"{s / hit:.2f}" if hit else "-",
+            str(r["cached_tokens"]),
+            r["note"],
         )
     table.add_row(
         "limit: move the KV at memcpy speed",
@@ -269,6 +317,22 @@ def show(result: dict[str, Any]) -> None:
         f"{result['kv_bytes'] / MiB:.0f} MiB at {result['limits']['memcpy_gbps']:.1f} GB/s (+ one step: the prefix hit)",
     )
     console.print(table)
+
+
+def _model(row: dict[str, Any]) -> str:
+    """The family a row belongs to ('' for the run's main model)."""
+    head = row["case"].split(":", 1)[0]
+    return head if head in FAMILY_NAMES else ""
+
+
+def families(text: str) -> list[str]:
+    """``--families``: names of :data:`FAMILY_NAMES`, comma-separated, or ``none``."""
+    names = [f for f in text.split(",") if f and f != "none"]
+    if unknown := set(names) - set(FAMILY_NAMES):
+        raise argparse.ArgumentTypeError(
+            f"unknown {', '.join(sorted(unknown))}: name some of {', '.join(FAMILY_NAMES)}"
+        )
+    return names
 
 
 def main() -> None:
@@ -283,6 +347,12 @@ def main() -> None:
     ap.add_argument("--chunk-size", type=int, default=256, help="kvpool's tokens per chunk (a multiple of 32)")
     ap.add_argument("--repeat", type=int, default=3, help="prompts per case (median)")
     ap.add_argument("--dram-mib", type=int, default=2048, help="DRAM (and NVMe) of each pool node")
+    ap.add_argument(
+        "--families",
+        type=families,
+        default=",".join(FAMILY_NAMES),
+        help=f"tiny models of other families to run too, comma-separated ({', '.join(FAMILY_NAMES)}), or none",
+    )
     ap.add_argument("--json", default="bench/results/vllm.json", help="where to write the figures")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-vllm-") as work:

@@ -1,5 +1,5 @@
 """KvPoolConnector on models beyond one full-attention group: MLA (DeepSeek-V2), a sliding-window hybrid (Gemma3)
-and a Mamba-2 hybrid (Falcon-H1), each a tiny random-weight model built here, on real vLLM CPU engines."""
+and a Mamba-2 hybrid (Falcon-H1), each a tiny random-weight model (prefill_decode/reference/tiny_models.py), on real vLLM CPU engines."""
 
 import time
 from collections.abc import Callable
@@ -16,6 +16,7 @@ from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.protocol import actor_name
 from kvpool.pool.segment import DramSegment
+from kvpool.prefill_decode.reference.tiny_models import FAMILIES, save_tiny
 from kvpool.prefill_decode.vllm.config import ConnectorConfig
 from kvpool.prefill_decode.vllm.engine import EngineProcess
 from kvpool.prefill_decode.vllm.groups import KvGroups, PoolLayer
@@ -27,84 +28,11 @@ ONE = P[:CHUNK] + prompt(4, 200)  #: shares P's first chunk only
 #: the engine tests start two or three vLLM engines each (20-60 s each on 2 busy cores)
 pytestmark = pytest.mark.timeout(900)
 
-#: the tiny configs (transformers 5.19 kwargs; hidden 256, vocab 4096, float32) vLLM's CPU backends run
-COMMON = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, max_position_embeddings=4096, bos_token_id=1)
-MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "deepseek-v2-mla": (
-        "DeepseekV2Config",
-        "DeepseekV2ForCausalLM",
-        # CPU_MLA compiles head size 576 only: kv_lora_rank 512 + qk_rope_head_dim 64
-        dict(
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            kv_lora_rank=512,
-            q_lora_rank=128,
-            qk_rope_head_dim=64,
-            qk_nope_head_dim=32,
-            v_head_dim=32,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=128,
-            first_k_dense_replace=1,
-            n_shared_experts=1,
-            n_group=1,
-            topk_group=1,
-            rope_scaling=None,
-        ),
-    ),
-    "gemma3-sliding": (
-        "Gemma3TextConfig",
-        "Gemma3ForCausalLM",
-        # 3 sliding-window layers (window 128: 4 of a chunk's 8 blocks) and 1 full: 4 KV-cache groups
-        dict(
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            sliding_window=128,
-            layer_types=["sliding_attention"] * 3 + ["full_attention"],
-        ),
-    ),
-    "falcon-h1-mamba": (
-        "FalconH1Config",
-        "FalconH1ForCausalLM",
-        # Mamba-2 and attention in every layer: a FullAttention group and a Mamba group
-        dict(
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            mamba_n_heads=8,
-            mamba_d_head=64,
-            mamba_n_groups=1,
-            mamba_d_state=16,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            mamba_chunk_size=64,
-            mamba_d_ssm=512,
-        ),
-    ),
-}
-
-
-def build(name: str, root: Path) -> str:
-    """Model ``name`` of :data:`MODELS` with random weights, saved under ``root`` for vLLM to load offline."""
-    import torch
-    import transformers
-
-    config_cls, model_cls, kw = MODELS[name]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**COMMON, **kw)
-    path = root / name
-    getattr(transformers, model_cls)(config).to(torch.float32).save_pretrained(path)
-    return str(path)
-
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("hybrid-models")
-    return {name: build(name, root) for name in MODELS}
+    return {name: str(save_tiny(name, root)) for name in FAMILIES}
 
 
 def test_worker_side_moves_each_group_s_blocks_and_one_rank_writes_replicated_kv(engine_pool: PoolConfig) -> None:
