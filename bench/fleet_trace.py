@@ -12,6 +12,7 @@ so no key is shared between copies), interleaved on the trace's clock: traffic f
 """
 
 import json
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,13 +104,18 @@ def load(
 
 def ceiling(requests: list[Request]) -> float:
     """The hit rate of an infinite cache over the requests' chunks (prefix rule: the leading chunks seen before)."""
-    seen: set[bytes] = set()
+    return prefix_hit_rate(r.keys for r in requests)
+
+
+def prefix_hit_rate(sequences: Iterable[Sequence[Hashable]]) -> float:
+    """The share of the items of ``sequences`` (in order) that lie in a prefix whose every item came earlier."""
+    seen: set[Hashable] = set()
     hits = total = 0
-    for r in requests:
+    for items in sequences:
         prefix = True
-        for key in r.keys:
-            prefix = prefix and key in seen
+        for item in items:
+            prefix = prefix and item in seen
             hits += prefix
-            seen.add(key)
-        total += len(r.keys)
+            seen.add(item)
+        total += len(items)
     return hits / total if total else 0.0

@@ -9,7 +9,15 @@ import pytest
 from kvpool.bench import fleet, fleet_cost
 from kvpool.bench.fleet_node import Byteless, SimNode, put, read
 from kvpool.bench.fleet_sim import Fleet, FleetResult, FleetSettings, replay
-from kvpool.bench.fleet_trace import Request, block_tokens, ceiling, load, request_keys, trace_path
+from kvpool.bench.fleet_trace import (
+    Request,
+    block_tokens,
+    ceiling,
+    load,
+    prefix_hit_rate,
+    request_keys,
+    trace_path,
+)
 from kvpool.clock import ManualClock
 from kvpool.core.types import Tier
 from kvpool.errors import ConfigError
@@ -42,16 +50,7 @@ def test_equal_ids_give_equal_keys_and_a_shared_prefix_shares_exactly_its_keys()
 @pytest.mark.skipif(not trace_path("conversation").exists(), reason="the Mooncake traces are not here")
 def test_the_trace_keys_reuse_what_its_ids_reuse() -> None:
     requests = load("conversation", limit=300, tokens_per_block=TOKENS, chunk_tokens=TOKENS)
-    seen: set[int] = set()
-    hits = total = 0
-    for r in requests:
-        prefix = True
-        for h in r.hash_ids:
-            prefix = prefix and h in seen
-            hits += prefix
-            seen.add(h)
-        total += len(r.hash_ids)
-    assert ceiling(requests) == hits / total > 0
+    assert ceiling(requests) == prefix_hit_rate(r.hash_ids for r in requests) > 0  # keys reuse as the ids do
     assert [r.t_s for r in requests] == sorted(r.t_s for r in requests)
     assert len(load("conversation", limit=10, copies=3, tokens_per_block=TOKENS, chunk_tokens=TOKENS)) == 30
 

@@ -1,25 +1,18 @@
 """The Grafana dashboard (deploy/k8s/base/grafana-dashboard.json) asks only for metrics that a live pool node serves:
-a real pool is started, given traffic (puts past DRAM's watermark, gets, a lookup that stops short), its node is
+the module's real pool (tests/integration/pool/conftest.py) is given traffic (puts past DRAM's watermark, gets, a lookup that stops short), its node is
 scraped, and every metric name in the dashboard's queries must be one the scrape shows — so the dashboard cannot
 drift from pool/node/collector.py and pool/metrics.py."""
 
 import json
 import re
 import urllib.request
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.core.keys import CacheIdentity, chunk_keys
-from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
-from kvpool.pool.config import MiB, PoolConfig
-from kvpool.pool.node import start_pool, stop_pool
-from kvpool.servers.etcd import EmbeddedEtcd
 
 DASHBOARD = Path(__file__).parents[3] / "deploy" / "k8s" / "base" / "grafana-dashboard.json"
 METRIC = re.compile(r"\bkvpool_[a-z0-9_]+")
@@ -68,20 +61,6 @@ def exported(text: str) -> set[str]:
         names |= {s.name for s in family.samples}
         names |= {family.name + suffix for suffix in SUFFIXES.get(family.type, ("",))}
     return names
-
-
-@pytest.fixture
-def client(ray_cluster: list[str], etcd_server: EmbeddedEtcd) -> Iterator[PoolClient]:
-    metadata = MetadataConfig(endpoints=(etcd_server.endpoint,), cluster=f"t-{uuid.uuid4().hex[:12]}", lease_ttl_s=2)
-    config = PoolConfig(
-        metadata=metadata, dram_bytes=4 * MiB, nvme_bytes=8 * MiB, namespace=f"kvpool-{uuid.uuid4().hex[:8]}"
-    )
-    start_pool(config)
-    try:
-        with PoolClient(config) as c:
-            yield c
-    finally:
-        stop_pool(config)
 
 
 def test_the_dashboard_asks_only_for_metrics_a_live_node_serves(client: PoolClient) -> None:
