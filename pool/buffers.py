@@ -62,21 +62,21 @@ def tensor_bytes(t: object, field: str) -> "torch.Tensor":
     return t.detach().reshape(-1).view(torch.uint8)
 
 
-def destinations(buffers: Any) -> tuple[list[memoryview], list[list[memoryview]]]:
-    """What a batched read lands in, per buffer: a byte view to read into, and the pieces the chunk ends up in.  A
-    buffer is its own one piece; a list of buffers (one chunk spread over several regions, its bytes in order) gets a
-    scratch view, which :func:`scatter` copies into the pieces, unless a read fills them directly."""
-    views: list[memoryview] = []
-    pieces: list[list[memoryview]] = []
-    for i, b in enumerate(buffers):
-        if isinstance(b, (list, tuple)):
-            parts = [byte_view(p, writable=True, field=f"buffers[{i}]") for p in b]
-            views.append(byte_view(np.empty(sum(p.nbytes for p in parts), dtype=np.uint8), writable=True))  # untouched
-        else:
-            parts = [byte_view(b, writable=True, field=f"buffers[{i}]")]
-            views.append(parts[0])
-        pieces.append(parts)
-    return views, pieces
+def pieces_of(buffers: Any, *, writable: bool = True, field: str = "buffers") -> list[list[memoryview]]:
+    """Per buffer, the byte views its chunk's bytes fill (a read) or come from (a write), in order.  A buffer is its
+    own one piece; a list of buffers is one chunk spread over several regions (a run of KV blocks, say)."""
+    return [
+        [byte_view(p, writable=writable, field=f"{field}[{i}]") for p in (b if isinstance(b, (list, tuple)) else [b])]
+        for i, b in enumerate(buffers)
+    ]
+
+
+def joined(pieces: list[memoryview]) -> memoryview:
+    """One byte view a read that cannot fill ``pieces`` directly lands in: the one piece itself, or a scratch buffer
+    of their size that :func:`scatter` then copies into them."""
+    if len(pieces) == 1:
+        return pieces[0]
+    return byte_view(np.empty(sum(p.nbytes for p in pieces), dtype=np.uint8), writable=True)
 
 
 def scatter(view: memoryview, pieces: list[memoryview]) -> None:

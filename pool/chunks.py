@@ -3,6 +3,7 @@ under which codec, whose it is, a change to publish.  (A writer's room and the o
 :mod:`kvpool.pool.protocol`.)"""
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Annotated
@@ -25,7 +26,29 @@ def checksum(data: Buffer) -> int:
     return int(crc32c.crc32c(data))
 
 
+def checksum_of(pieces: Sequence[Buffer]) -> int:
+    """:func:`checksum` of the bytes of ``pieces`` taken in order, as if they were one buffer."""
+    value = 0
+    for piece in pieces:
+        value = crc32c.crc32c(piece, value)
+    return int(value)
+
+
 COPY_BLOCK = 256 << 10  #: bytes :func:`copy_checked` copies before it checksums them (they are still in cache then)
+
+
+def gather_checked(pieces: Sequence[memoryview], dest: memoryview) -> int:
+    """Copy ``pieces`` (in order) into ``dest`` and return the checksum of what landed there, as :func:`copy_checked`
+    does: one pass over memory."""
+    value, at = 0, 0
+    for piece in pieces:
+        for start in range(0, piece.nbytes, COPY_BLOCK):
+            n = min(COPY_BLOCK, piece.nbytes - start)
+            block = dest[at : at + n]
+            block[:] = piece[start : start + n]
+            value = crc32c.crc32c(block, value)
+            at += n
+    return int(value)
 
 
 def copy_checked(src: memoryview, pieces: list[memoryview]) -> int:

@@ -45,8 +45,8 @@ from kvpool.metadata.lookup import PrefixLookup
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.advisor import AccessLog
-from kvpool.pool.buffers import byte_view, destinations, scatter, tensor_bytes
-from kvpool.pool.chunks import Fingerprint, Origin, checksum, short
+from kvpool.pool.buffers import joined, pieces_of, scatter, tensor_bytes
+from kvpool.pool.chunks import Fingerprint, Origin
 from kvpool.pool.client.args import Counts, GraceS, MaybeOnDone, NodeId, NodeIds, NodeTier, ReplicaCount, Tensors
 from kvpool.pool.client.device_reads import DeviceReads
 from kvpool.pool.client.peers import Peers, node_record
@@ -54,7 +54,7 @@ from kvpool.pool.client.prefetch import Prefetched, plan
 from kvpool.pool.client.reads import NodeReads, at, settle
 from kvpool.pool.client.replicas import Replicas
 from kvpool.pool.client.s3_reads import S3Reads
-from kvpool.pool.client.writes import Item, Rooms, Summary, put_local, put_peer, targets
+from kvpool.pool.client.writes import Item, Rooms, put_local, put_peer, targets
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.metrics import SOURCES, StatsReporter
 from kvpool.pool.protocol import NodeHandle, NodeHandles, NodeInfo, Settled
@@ -147,41 +147,46 @@ class PoolClient:
     ) -> None:
         """Store each ``(key, data)`` on ``replicas`` distinct nodes: this node first when it has a pool
         node, then those with the most free space; or exactly on ``nodes`` when given.  Keys name
-        content: a key already held by a target is not written again.  A chunk given as a float tensor
-        carries its format, so tiers with a codec can encode it; bytes are stored raw everywhere.  ``tenant``: whose
+        content: a key already held by a target is not written again.  A chunk's data may be a list of buffers: its bytes
+        spread over several regions, in order (a run of KV blocks), gathered as they are written.  A chunk given as a
+        float tensor (or a list of them, one dtype, one shape but the first dimension) carries its format, so tiers
+        with a codec can encode it; bytes are stored raw everywhere.  ``tenant``: whose
         chunks they are (its quota, its metrics; ``Scope.tenant`` of the keys' chain); ``identity``: the fingerprint of
         the cache identity the keys were made under (:meth:`register_identity` returns it), which the placements and
         the chunk events carry ("": none)."""
         origin = Origin(tenant, identity)
-        views = [(k, byte_view(d, field=f"data of {short(k)}")) for k, d in items]
+        data = pieces_of([d for _, d in items], writable=False, field="items' data")
+        views = [(k, pieces) for (k, _), pieces in zip(items, data, strict=True)]
         live = {n.node_id for n in self.cache.nodes()}
         if unknown := [n for n in nodes if n not in live]:
             raise NodeUnreachable(f"no live pool node {', '.join(u[:12] for u in unknown)}: pick from kvpool status")
         here = self.node_id if self._segment is not None else None
         chosen = list(dict.fromkeys(nodes)) or targets(self.cache.nodes(), here, replicas)
-        sums = [(checksum(v), TensorFormat.of(d)) for (_, v), (_, d) in zip(views, items, strict=True)]
+        formats = [TensorFormat.of_pieces(d) for _, d in items]
         replicated = len(chosen) > 1
         segment = self._segment if self.node_id in chosen else None
         with ThreadPoolExecutor(1, thread_name_prefix="kvpool-put") as pool:  # this node's copy beside the peers'
             mine = None
             if segment is not None and self._local is not None:
                 mine = pool.submit(
-                    put_local, self._local, self.node_id, self.rooms, segment, views, sums, replicated, origin
+                    put_local, self._local, self.node_id, self.rooms, segment, views, formats, replicated, origin
                 )
             revision = 0
             for node_id in chosen:
                 if node_id != self.node_id or segment is None:  # peers one at a time: they share the staging buffer
-                    revision = max(revision, self._put_peer(node_id, views, sums, replicated, origin))
+                    revision = max(revision, self._put_peer(node_id, views, formats, replicated, origin))
             if mine is not None:
                 revision = max(revision, mine.result())
         self._caught_up(revision)
 
-    def _put_peer(self, node_id: str, views: list[Item], sums: list[Summary], replicated: bool, origin: Origin) -> int:
+    def _put_peer(
+        self, node_id: str, views: list[Item], formats: list[TensorFormat | None], replicated: bool, origin: Origin
+    ) -> int:
         record = node_record(self.cache, node_id)
         if record is None:  # it left the pool since the put chose it
             raise NodeUnreachable(f"pool node {node_id[:12]} left the pool during the put; put again")
         dram = record.capacity(Tier.DRAM)
-        return put_peer(self.nodes[node_id], node_id, self.rooms, self.peers, dram, views, sums, replicated, origin)
+        return put_peer(self.nodes[node_id], node_id, self.rooms, self.peers, dram, views, formats, replicated, origin)
 
     def register_buffer(self, buffer: Any) -> None:
         """Register a buffer the caller will ``get_into`` again and again (a KV cache, a pinned pool):
@@ -221,40 +226,43 @@ class PoolClient:
         if len(keys) != len(buffers):
             raise ConfigError(f"{len(keys)} keys but {len(buffers)} buffers: pass one buffer per key")
         started = time.perf_counter()
-        dests, pieces = destinations(buffers)
+        pieces = pieces_of(buffers)
         nearest = [r[0] for r in self.replicas.of(keys)]
         done = [False] * len(keys)
         for i in self.reads.unpinned(nearest, pieces, on_done):
             done[i] = True
-
-        def landed(i: int) -> None:  # read into dests[i] by the paths below: now into its pieces
-            scatter(dests[i], pieces[i])
-            if on_done is not None:
-                on_done(i)
-
         in_s3 = [i for i, p in enumerate(nearest) if not done[i] and p.tier is Tier.REMOTE]
         by_node: dict[str, list[int]] = {}
         for i, p in enumerate(nearest):
             if not done[i] and p.tier is not Tier.REMOTE:
                 by_node.setdefault(p.node, []).append(i)
-        if in_s3:
-            settle(in_s3, self.s3.read([nearest[i] for i in in_s3], [dests[i] for i in in_s3]), done, landed)
+        if in_s3:  # objects come whole: into each chunk's one buffer, or a scratch one scattered into its pieces
+            flat = {i: joined(pieces[i]) for i in in_s3}
+            got = self.s3.read([nearest[i] for i in in_s3], [flat[i] for i in in_s3])
+            settle(in_s3, got, done, lambda i: self._landed(flat[i], pieces[i], i, on_done))
         for node_id, idx in by_node.items():
             with contextlib.suppress(NodeUnreachable):  # the holder is gone: get_into tries the next replica
-                got = self.reads.pinned(
-                    node_id, [keys[i] for i in idx], [dests[i] for i in idx], partial(at, landed, idx)
-                )
-                settle(idx, got, done, None)
+                called = partial(at, on_done, idx) if on_done is not None else None
+                settle(idx, self.reads.pinned(node_id, [keys[i] for i in idx], [pieces[i] for i in idx], called), done)
         for i, key in enumerate(keys):
             if not done[i]:
-                self.replicas.read_any(key, dests[i])
-                landed(i)
+                one = joined(pieces[i])
+                self.replicas.read_any(key, one)
+                self._landed(one, pieces[i], i, on_done)
+        sizes = [sum(p.nbytes for p in ps) for ps in pieces]
         by_source = dict.fromkeys(SOURCES, 0)
-        for d, p in zip(dests, nearest, strict=True):
-            by_source[self.replicas.source(p)] += d.nbytes
+        for size, p in zip(sizes, nearest, strict=True):
+            by_source[self.replicas.source(p)] += size
         self._stats.seen.get(time.perf_counter() - started, by_source)
         self._stats.report()
-        return [d.nbytes for d in dests]
+        return sizes
+
+    @staticmethod
+    def _landed(one: memoryview, pieces: list[memoryview], i: int, on_done: MaybeOnDone) -> None:
+        """Chunk ``i``, read whole into ``one``: scattered into its pieces, then told."""
+        scatter(one, pieces)
+        if on_done is not None:
+            on_done(i)
 
     @checked
     def get_into_device(self, keys: Sequence[ChunkKey], tensors: Tensors) -> list[int]:

@@ -86,15 +86,17 @@ class Peers:
         if self._registered.pop(name, None) is not None:
             self.transport.deregister(name)
 
-    def registered_address(self, dest: memoryview) -> int | None:
-        """The address of ``dest`` if it lies inside a registered buffer."""
-        if not self._registered:
-            return None
-        address = np.frombuffer(dest, dtype=np.uint8).ctypes.data
-        for start, length in self._registered.values():
-            if start <= address and address + dest.nbytes <= start + length:
-                return int(address)
-        return None
+    def registered_addresses(self, pieces: list[memoryview]) -> list[int] | None:
+        """The addresses of ``pieces`` if every one lies inside a registered buffer (None if any does not)."""
+        out = []
+        for piece in pieces:
+            address = np.frombuffer(piece, dtype=np.uint8).ctypes.data
+            if not any(
+                start <= address and address + piece.nbytes <= start + n for start, n in self._registered.values()
+            ):
+                return None
+            out.append(int(address))
+        return out
 
     def staging(self, nbytes: int) -> np.ndarray:
         """A buffer registered with the transport, at least ``nbytes`` long (grown on demand)."""

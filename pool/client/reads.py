@@ -15,7 +15,7 @@ from typing import Any
 from kvpool.core.types import Placement, Tier
 from kvpool.errors import ChunkNotFound, UndecodableChunk
 from kvpool.pool.buffers import byte_view
-from kvpool.pool.chunks import SEGMENT_NAMES, StoredChunk, checksum, copy_checked, short
+from kvpool.pool.chunks import SEGMENT_NAMES, StoredChunk, checksum, checksum_of, copy_checked, short
 from kvpool.pool.client.peers import STAGING_BYTES, Peers, rounds
 from kvpool.pool.protocol import NodeHandle, NodeHandles, NodeInfo
 from kvpool.pool.segment import DramSegment, NvmeSegment
@@ -26,7 +26,7 @@ from kvpool.transport.base import Op
 Outcome = bool | None  #: per chunk: True intact, False failed its checksum, None not read (moved, gone, unreachable)
 
 
-def settle(idx: list[int], got: list[Outcome], done: list[bool], on_done: Callable[[int], None] | None) -> None:
+def settle(idx: list[int], got: list[Outcome], done: list[bool], on_done: Callable[[int], None] | None = None) -> None:
     """Mark ``done[idx[j]]`` for each intact ``got[j]`` (and tell ``on_done``): a batch of reads' outcomes, in place."""
     for i, intact in zip(idx, got, strict=True):
         done[i] = intact is True
@@ -39,13 +39,16 @@ def at(fn: Callable[[int], None], index: list[int], j: int) -> None:
     fn(index[j])
 
 
-def fill(dest: memoryview, data: Any, codec: str, expected: int, key: bytes = b"", keys: Keyring | None = None) -> bool:
-    """Put a chunk's stored bytes (encoded with ``codec``) into ``dest`` if they match their checksum and
-    decode to exactly ``dest``'s size; whether they did.  Sealed bytes (``codec`` ends in ``+aes256gcm``) are opened
-    with ``keys`` for chunk ``key`` first: ``UndecryptableChunk`` (a ``ChunkNotFound``) if they cannot be."""
+def fill(
+    pieces: list[memoryview], data: Any, codec: str, expected: int, key: bytes = b"", keys: Keyring | None = None
+) -> bool:
+    """Put a chunk's stored bytes (encoded with ``codec``) into ``pieces`` (its bytes in order, piece after piece) if
+    they match their checksum and decode to exactly their size; whether they did.  Sealed bytes (``codec`` ends in
+    ``+aes256gcm``) are opened with ``keys`` for chunk ``key`` first: ``UndecryptableChunk`` (a ``ChunkNotFound``) if
+    they cannot be."""
     if codec == "raw":
-        dest[:] = data
-        return checksum(dest) == expected
+        raw = byte_view(data)
+        return raw.nbytes == sum(p.nbytes for p in pieces) and copy_checked(raw, pieces) == expected
     if checksum(data) != expected:
         return False
     data, codec = unseal(data, codec, key, keys)
@@ -53,9 +56,9 @@ def fill(dest: memoryview, data: Any, codec: str, expected: int, key: bytes = b"
         flat = byte_view(decode(data)) if codec != "raw" else memoryview(data)
     except UndecodableChunk:
         return False
-    if flat.nbytes != dest.nbytes:
+    if flat.nbytes != sum(p.nbytes for p in pieces):
         return False
-    dest[:] = flat
+    copy_checked(flat, pieces)
     return True
 
 
@@ -107,10 +110,15 @@ class NodeReads:
         return read
 
     def pinned(
-        self, node_id: str, keys: list[bytes], dests: list[memoryview], on_done: Callable[[int], None] | None = None
+        self,
+        node_id: str,
+        keys: list[bytes],
+        pieces: list[list[memoryview]],
+        on_done: Callable[[int], None] | None = None,
     ) -> list[Outcome]:
-        """Pin ``keys`` on ``node_id``, move their bytes into ``dests``, release them; an :data:`Outcome` per key
-        (``NodeUnreachable`` if the node is gone).  ``on_done(j)`` as soon as ``keys[j]`` is in place, intact."""
+        """Pin ``keys`` on ``node_id``, move their bytes into ``pieces`` (per key, the buffers its bytes fill in
+        order), release them; an :data:`Outcome` per key (``NodeUnreachable`` if the node is gone).  ``on_done(j)`` as
+        soon as ``keys[j]`` is in place, intact."""
         local = node_id == self.node_id and self.segment is not None and self.local is not None
         node = self.local if local and self.local is not None else self.handles[node_id]
         loaded = node.prepare_load(keys, copy_nvme=not local)  # a peer's NVMe chunks come back with this one call
@@ -123,33 +131,37 @@ class NodeReads:
                 on_done(j)
 
         try:
-            usable = [(j, c) for j, c in enumerate(chunks) if c is not None and c.size == dests[j].nbytes]
+            usable = [
+                (j, c) for j, c in enumerate(chunks) if c is not None and c.size == sum(p.nbytes for p in pieces[j])
+            ]
             if local:
                 for j, c in usable:
                     with contextlib.suppress(ChunkNotFound):
-                        mark(j, self._copy_local(c, dests[j]))
+                        mark(j, self._copy_local(c, pieces[j]))
             else:
-                self._from_peer(node_id, usable, loaded.copies, dests, mark)
+                self._from_peer(node_id, usable, loaded.copies, pieces, mark)
             return result
         finally:
             node.complete_load(keys)
 
-    def _copy_local(self, chunk: StoredChunk, dest: memoryview) -> bool:
-        """Copy a pinned chunk of this node into ``dest``; whether it came out intact.  One left on NVMe (not
+    def _copy_local(self, chunk: StoredChunk, pieces: list[memoryview]) -> bool:
+        """Copy a pinned chunk of this node into ``pieces``; whether it came out intact.  One left on NVMe (not
         promoted: promote_on_hit off, or DRAM full) is read from the segment file, no byte through the node."""
         assert self.segment is not None
         if chunk.tier is Tier.DRAM:
             with self.segment.view(chunk.offset, chunk.stored) as src:
-                return copy_checked(src, [dest]) == chunk.checksum
+                return copy_checked(src, pieces) == chunk.checksum
         if self._nvme is None and self._nvme_file is not None:
             self._nvme = NvmeSegment.attach(*self._nvme_file)
         if self._nvme is None:
             raise ChunkNotFound(f"chunk {short(chunk.key)} is on an NVMe segment this client cannot open")
         if chunk.codec == "raw":
-            self._nvme.read_into(chunk.offset, dest)
-            return checksum(dest) == chunk.checksum
+            at = chunk.offset
+            for piece in pieces:
+                at += self._nvme.read_into(at, piece)
+            return checksum_of(pieces) == chunk.checksum
         return fill(
-            dest, self._nvme.read(chunk.offset, chunk.stored), chunk.codec, chunk.checksum, chunk.key, self.keys
+            pieces, self._nvme.read(chunk.offset, chunk.stored), chunk.codec, chunk.checksum, chunk.key, self.keys
         )
 
     def _from_peer(
@@ -157,26 +169,32 @@ class NodeReads:
         node_id: str,
         usable: list[tuple[int, StoredChunk]],
         copies: list[bytes | None],
-        dests: list[memoryview],
+        pieces: list[list[memoryview]],
         mark: Callable[[int, bool], None],
     ) -> None:
         """Chunks left on the peer's NVMe came back with ``prepare_load`` (``copies``: the transport reaches DRAM
-        only); DRAM chunks by READs straight into the caller's registered buffers, the rest through the staging
-        buffer."""
+        only); DRAM chunks by READs straight into the caller's registered buffers (a READ per piece), the rest
+        through the staging buffer and one checked copy into their pieces."""
         for j, c in usable:
             if c.tier is not Tier.DRAM and (data := copies[j]) is not None:
                 with contextlib.suppress(ChunkNotFound):  # sealed, and this process cannot open it: a miss
-                    mark(j, fill(dests[j], data, c.codec, c.checksum, c.key, self.keys))
+                    mark(j, fill(pieces[j], data, c.codec, c.checksum, c.key, self.keys))
         in_dram = [(j, c) for j, c in usable if c.tier is Tier.DRAM]
-        addresses = {j: self.peers.registered_address(dests[j]) for j, _ in in_dram}
-        direct = [(j, c, a) for j, c in in_dram if (a := addresses[j]) is not None]
+        addresses = {j: a for j, _ in in_dram if (a := self.peers.registered_addresses(pieces[j])) is not None}
+        direct = [(j, c) for j, c in in_dram if j in addresses]
         if direct:  # no staging, no copy
-            ops = [Op(SEGMENT_NAMES[Tier.DRAM], c.offset, a, c.stored) for _, c, a in direct]
+            ops = []
+            for j, c in direct:
+                at = c.offset
+                for piece, address in zip(pieces[j], addresses[j], strict=True):
+                    if piece.nbytes:
+                        ops.append(Op(SEGMENT_NAMES[Tier.DRAM], at, address, piece.nbytes))
+                    at += piece.nbytes
             if not self.peers.read(node_id, ops):
                 return
-            for j, c, _ in direct:
-                mark(j, checksum(dests[j]) == c.checksum)
-        staged = [(j, c) for j, c in in_dram if addresses[j] is None]
+            for j, c in direct:
+                mark(j, checksum_of(pieces[j]) == c.checksum)
+        staged = [(j, c) for j, c in in_dram if j not in addresses]
         for r in rounds([c.stored for _, c in staged], STAGING_BYTES):
             staging = self.peers.staging(sum(c.stored for _, c in staged[r]))
             ops, at = [], 0
@@ -187,6 +205,5 @@ class NodeReads:
                 return
             at = 0
             for j, c in staged[r]:
-                dests[j][:] = staging[at : at + c.stored].data
-                mark(j, checksum(dests[j]) == c.checksum)
+                mark(j, copy_checked(staging[at : at + c.stored].data, pieces[j]) == c.checksum)
                 at += c.stored

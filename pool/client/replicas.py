@@ -72,7 +72,7 @@ class Replicas:
                 if replica.tier is Tier.REMOTE:
                     [intact] = self.s3.read([replica], [dest])
                 else:
-                    [intact] = self.reads.pinned(replica.node, [key], [dest])
+                    [intact] = self.reads.pinned(replica.node, [key], [[dest]])
             except (NodeUnreachable, ChunkNotFound):
                 continue  # that node is gone, or the chunk left it
             if intact is None:

@@ -97,7 +97,7 @@ class S3Reads:
         """``fill`` for an object, opened first if sealed: whether it came out intact (None: this client cannot open
         it), and its bytes and codec below the seal."""
         if not split(p.codec)[1]:
-            return fill(dest, data, p.codec, p.checksum), data, p.codec
+            return fill([dest], data, p.codec, p.checksum), data, p.codec
         if checksum(data) != p.checksum:
             return False, data, p.codec
         try:
@@ -107,7 +107,7 @@ class S3Reads:
         except (UndecryptableChunk, ConfigError) as exc:  # ConfigError: this process cannot load the keys
             log.warning("chunk %s in the remote tier cannot be opened here, a miss: %s", short(p.key), exc)
             return None, data, p.codec
-        return fill(dest, plain, codec, checksum(plain)), plain, codec
+        return fill([dest], plain, codec, checksum(plain)), plain, codec
 
     def drop(self, replicas: Sequence[Placement], *, delete_objects: bool = True) -> None:
         """Delete S3 copies: their objects, then their placements (a placement left behind by a failure names a

@@ -19,15 +19,21 @@ from collections.abc import Callable, Sequence
 
 from kvpool.core.types import NodeRecord, Tier
 from kvpool.errors import ChunkNotFound, PoolFull
-from kvpool.pool.chunks import SEGMENT_NAMES, Origin
+from kvpool.pool.chunks import SEGMENT_NAMES, Origin, gather_checked
 from kvpool.pool.client.peers import STAGING_BYTES, Peers, rounds
 from kvpool.pool.protocol import Filled, NodeHandle, Room
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.transport.base import Op
 
-Item = tuple[bytes, memoryview]  #: a chunk to write: its key and its bytes
-Summary = tuple[int, TensorFormat | None]  #: what a commit says of a chunk: its checksum and its tensor format
+Item = tuple[bytes, list[memoryview]]  #: a chunk to write: its key and its bytes, in order over one or more regions
+Write = Callable[[list[int]], list[int]]  #: writes a round's chunks at these offsets of a room; their checksums
+
+
+def nbytes(item: Item) -> int:
+    return sum(p.nbytes for p in item[1])
+
+
 PAGE = 4096  #: the alignment a room is expected to have before the first one is seen
 
 
@@ -105,22 +111,25 @@ def _put_round(
     node_id: str,
     node: NodeHandle,
     items: Sequence[Item],
-    sums: Sequence[Summary],
+    formats: Sequence[TensorFormat | None],
     replicated: bool,
-    write: Callable[[list[int]], None],
+    write: Write,
     origin: Origin,
 ) -> int:
-    """One round: a room for ``items``, ``write(offsets)`` of their bytes into it, the fill; the etcd revision that
-    shows them.  A room the node no longer has (reclaimed after its TTL, or the node restarted) is written again
-    into a new one, once."""
+    """One round: a room for ``items``, ``write(offsets)`` of their bytes into it (checksummed as they land), the
+    fill; the etcd revision that shows them.  A room the node no longer has (reclaimed after its TTL, or the node
+    restarted) is written again into a new one, once."""
     for attempt in range(2):
-        room, offsets = rooms.take(node_id, node, [v.nbytes for _, v in items])
+        room, offsets = rooms.take(node_id, node, [nbytes(i) for i in items])
         try:
-            write(offsets)
+            sums = write(offsets)
         except BaseException:
             node.abort_store(room.id)
             raise
-        chunks = [Filled(k, o, v.nbytes, *s) for o, (k, v), s in zip(offsets, items, sums, strict=True)]
+        chunks = [
+            Filled(k, o, nbytes((k, v)), crc, fmt)
+            for o, (k, v), crc, fmt in zip(offsets, items, sums, formats, strict=True)
+        ]
         try:
             return rooms.fill(node_id, node, room, chunks, replicated, origin)
         except ChunkNotFound:
@@ -135,20 +144,23 @@ def put_local(
     rooms: Rooms,
     segment: DramSegment,
     items: Sequence[Item],
-    sums: Sequence[Summary],
+    formats: Sequence[TensorFormat | None],
     replicated: bool,
     origin: Origin,
 ) -> int:
-    """Write ``items`` into this node (``segment``: its mapped DRAM); the etcd revision that
-    shows them."""
+    """Write ``items`` into this node (``segment``: its mapped DRAM), each gathered and checksummed in one pass; the
+    etcd revision that shows them."""
     revision = 0
-    for r in rounds([v.nbytes for _, v in items], max(1, segment.capacity // 4)):
+    for r in rounds([nbytes(i) for i in items], max(1, segment.capacity // 4)):
 
-        def write(offsets: list[int], batch: Sequence[Item] = items[r]) -> None:
-            for offset, (_, view) in zip(offsets, batch, strict=True):
-                segment.write(offset, view)
+        def write(offsets: list[int], batch: Sequence[Item] = items[r]) -> list[int]:
+            sums = []
+            for offset, item in zip(offsets, batch, strict=True):
+                with segment.view(offset, nbytes(item)) as dest:
+                    sums.append(gather_checked(item[1], dest))
+            return sums
 
-        revision = max(revision, _put_round(rooms, node_id, node, items[r], sums[r], replicated, write, origin))
+        revision = max(revision, _put_round(rooms, node_id, node, items[r], formats[r], replicated, write, origin))
     return revision
 
 
@@ -159,23 +171,26 @@ def put_peer(
     peers: Peers,
     dram_bytes: int,
     items: Sequence[Item],
-    sums: Sequence[Summary],
+    formats: Sequence[TensorFormat | None],
     replicated: bool,
     origin: Origin,
 ) -> int:
-    """Write ``items`` into the peer ``node_id`` (``dram_bytes``: its DRAM capacity) from
-    the staging buffer, one batched one-sided WRITE a round; the etcd revision that shows them."""
+    """Write ``items`` into the peer ``node_id`` (``dram_bytes``: its DRAM capacity) from the staging buffer (each
+    gathered and checksummed there in one pass), one batched one-sided WRITE a round; the etcd revision that shows
+    them."""
     revision = 0
-    for r in rounds([v.nbytes for _, v in items], min(max(dram_bytes // 4, 1), STAGING_BYTES)):
+    for r in rounds([nbytes(i) for i in items], min(max(dram_bytes // 4, 1), STAGING_BYTES)):
 
-        def write(offsets: list[int], batch: Sequence[Item] = items[r]) -> None:
-            staging = peers.staging(sum(v.nbytes for _, v in batch))
-            ops, at = [], 0
-            for offset, (_, view) in zip(offsets, batch, strict=True):
-                staging[at : at + view.nbytes] = view
-                ops.append(Op(SEGMENT_NAMES[Tier.DRAM], offset, staging.ctypes.data + at, view.nbytes))
-                at += view.nbytes
+        def write(offsets: list[int], batch: Sequence[Item] = items[r]) -> list[int]:
+            staging = peers.staging(sum(nbytes(i) for i in batch))
+            ops, sums, at = [], [], 0
+            for offset, item in zip(offsets, batch, strict=True):
+                n = nbytes(item)
+                sums.append(gather_checked(item[1], staging[at : at + n].data))
+                ops.append(Op(SEGMENT_NAMES[Tier.DRAM], offset, staging.ctypes.data + at, n))
+                at += n
             peers.write(node_id, ops)
+            return sums
 
-        revision = max(revision, _put_round(rooms, node_id, node, items[r], sums[r], replicated, write, origin))
+        revision = max(revision, _put_round(rooms, node_id, node, items[r], formats[r], replicated, write, origin))
     return revision

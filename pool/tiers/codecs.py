@@ -203,6 +203,17 @@ class TensorFormat(Config, frozen=True):
         return cls(_dtype_name(data), tuple(data.shape))
 
     @classmethod
+    def of_pieces(cls, data: object) -> TensorFormat | None:
+        """:meth:`of` of a chunk given as one tensor, or as a list of tensors of one dtype and one shape but their
+        first dimension (runs of blocks): the format of their concatenation along it."""
+        if not isinstance(data, (list, tuple)):
+            return cls.of(data)
+        known = [f for p in data if (f := cls.of(p)) is not None]
+        if not known or len(known) != len(data) or len({(f.dtype, f.shape[1:]) for f in known}) != 1:
+            return None
+        return cls(known[0].dtype, (sum(f.shape[0] for f in known), *known[0].shape[1:]))
+
+    @classmethod
     def of_encoded(cls, data: Buffer) -> TensorFormat:
         """The format of the chunk that encoded bytes hold (from their header; ``UndecodableChunk`` if none)."""
         header = read_header(data)

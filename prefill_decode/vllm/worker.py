@@ -5,6 +5,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,40 @@ class _Layer:
         """The first ``blocks`` blocks' worth of a flat uint8 ``buffer``, as ``[blocks, *one block]`` of our dtype."""
         return buffer[: blocks * self.block_bytes].view(self.kv.dtype).view(blocks, *self.block_shape)
 
+    @property
+    def direct(self) -> bool:
+        """Whether a chunk's bytes can land straight in the blocks: each block one contiguous run of host memory."""
+        return self.block_dim == 0 and self.kv.device.type == "cpu" and self.kv.is_contiguous()
+
+    def pieces(
+        self, targets: Sequence[Sequence[int | None]], sink: torch.Tensor | None = None
+    ) -> list[list[torch.Tensor]]:
+        """Per chunk, the regions its bytes land in (or, for a save, come from), in order: runs of consecutive blocks
+        of ``kv`` for the blocks ``targets`` names, and for those it does not (``None``: vLLM's own, or the null
+        block) a region of ``sink`` (a flat uint8 buffer of their bytes, each such block a place of its own, so what
+        lands can be verified)."""
+        out: list[list[torch.Tensor]] = []
+        at = 0
+        for blocks in targets:
+            runs: list[tuple[int | None, int]] = []  #: (first block or None for the sink, blocks)
+            for b in blocks:
+                if runs:
+                    first, n = runs[-1]
+                    if (first is None and b is None) or (first is not None and b is not None and b == first + n):
+                        runs[-1] = (first, n + 1)
+                        continue
+                runs.append((b, 1))
+            regions = []
+            for first, n in runs:
+                if first is None:
+                    assert sink is not None, "blocks to skip need a sink"
+                    regions.append(sink[at : at + n * self.block_bytes])
+                    at += n * self.block_bytes
+                else:
+                    regions.append(self.kv[first : first + n])
+            out.append(regions)
+        return out
+
     def write(self, ids: list[int], data: torch.Tensor) -> None:
         """Put block-major ``data`` (as :meth:`blocks` gives it) into blocks ``ids``."""
         index = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
@@ -108,6 +143,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._errors_lock = threading.Lock()
         self._load_staging, self._save_staging = HostStaging(), HostStaging()  #: reused host buffers
+        self._kv_registered: list[torch.Tensor] = []  #: vLLM's KV memory, registered with the client's transport
         #: layers to save, taken together by the next _put, with their blocks if already copied out
         self._queued: list[tuple[_Layer, Transfer, torch.Tensor | None]] = []
         self._whole_ended: set[str] = set()  #: whole-request loads done or failed since :meth:`loaded`
@@ -213,36 +249,64 @@ class WorkerSide:
         return failed
 
     def _load_layer(self, client: Any, layer: _Layer, t: Transfer, keys: list[bytes], bad: set[int]) -> int:
-        """Load one layer of ``t``'s chunks (of a sliding window's, those inside the window of ``t``'s end) into a
-        reused staging buffer, then into the paged blocks (never the null block); the indices of chunks that did
-        not come are added to ``bad``."""
+        """Load one layer of ``t``'s chunks (of a sliding window's, those inside the window of ``t``'s end) into the
+        paged blocks from ``write_from`` on (never vLLM's own blocks before it, never the null block); the indices of
+        chunks that did not come are added to ``bad`` (what landed of them in their blocks is reported with them, as
+        load errors).  On the CPU the bytes land in the blocks themselves; else through a reused staging buffer."""
         chunks = range(max(t.first, self.groups.first_chunk(layer.plan, t.end)), t.end)
-        tail = layer.tail
-        # registered once the client has a transport (it read from a peer): reads from other nodes then land in it
-        nbytes = len(chunks) * tail * layer.block_bytes
-        staging = layer.view(
-            self._load_staging.get(client, nbytes, register=client.registrations > 0), len(chunks) * tail
-        )
-        views = [staging[i * tail : (i + 1) * tail] for i in range(len(chunks))]
+        ids = t.block_ids[layer.plan.group]
+        targets: list[list[int | None]] = [
+            [ids[p] if t.write_from <= p < len(ids) and ids[p] != NULL_BLOCK else None for p in layer.positions(c)]
+            for c in chunks
+        ]
+        register = client.registrations > 0  # the client has a transport: reads from other nodes land in place
         lkeys = [layer_key(keys[c - t.first], layer.index) for c in chunks]
+        if layer.direct:
+            self._register_kv(client, register)
+            sink_blocks = sum(b is None for blocks in targets for b in blocks)
+            sink = self._load_staging.get(
+                client, sink_blocks * layer.block_bytes, register=register and sink_blocks > 0
+            )
+            self._fetch(client, chunks, lkeys, layer.pieces(targets, sink), bad)
+        else:
+            staging = layer.view(
+                self._load_staging.get(client, len(chunks) * layer.tail * layer.block_bytes, register=register),
+                len(chunks) * layer.tail,
+            )
+            views = [staging[i * layer.tail : (i + 1) * layer.tail] for i in range(len(chunks))]
+            self._fetch(client, chunks, lkeys, views, bad)
+            rows = [
+                i * layer.tail + j
+                for i, c in enumerate(chunks)
+                if c not in bad
+                for j, b in enumerate(targets[i])
+                if b is not None
+            ]
+            if rows:
+                dest = [b for i, c in enumerate(chunks) if c not in bad for b in targets[i] if b is not None]
+                layer.write(dest, staging if len(rows) == len(staging) else staging[rows])
+        return sum(b is not None for i, c in enumerate(chunks) if c not in bad for b in targets[i]) * layer.block_bytes
+
+    @staticmethod
+    def _fetch(client: Any, chunks: range, lkeys: list[bytes], buffers: list[Any], bad: set[int]) -> None:
+        """``get_into_batch``; if it failed, each chunk on its own to find which did not come (added to ``bad``)."""
         try:
-            client.get_into_batch(lkeys, views)
-        except KvPoolError:  # find out which: each on its own
-            for c, k, v in zip(chunks, lkeys, views, strict=True):
+            client.get_into_batch(lkeys, buffers)
+        except KvPoolError:
+            for c, k, b in zip(chunks, lkeys, buffers, strict=True):
                 try:
-                    client.get_into(k, v)
+                    client.get_into(k, b)
                 except KvPoolError:
                     bad.add(c)
-        ids = t.block_ids[layer.plan.group]
-        rows, dest = [], []
-        for i, c in enumerate(chunks):
-            for j, p in enumerate(layer.positions(c)):
-                if c not in bad and p >= t.write_from and p < len(ids) and ids[p] != NULL_BLOCK:
-                    rows.append(i * tail + j)
-                    dest.append(ids[p])
-        if rows:
-            layer.write(dest, staging if len(rows) == len(staging) else staging[rows])
-        return len(rows) * layer.block_bytes
+
+    def _register_kv(self, client: Any, register: bool) -> None:
+        """The KV tensors' memory registered with the client's transport, once (reads from peers land in blocks)."""
+        if not register or self._kv_registered:
+            return
+        for kv in {layer.kv.untyped_storage().data_ptr(): layer.kv for layer in self.layers.values()}.values():
+            flat = torch.empty(0, dtype=torch.uint8).set_(kv.untyped_storage())
+            client.register_buffer(flat)
+            self._kv_registered.append(flat)
 
     def _blocks_of(self, t: Transfer, bad: set[int]) -> list[int]:
         bpc = self.bpc
@@ -295,18 +359,21 @@ class WorkerSide:
             if client is None:
                 self.counts.add(save_errors=len(batch))
                 return
-            gathered = sum((t.end - t.first) * layer.tail * layer.block_bytes for layer, t, d in batch if d is None)
-            buf = self._save_staging.get(client, gathered)
-            items: dict[str, list[tuple[bytes, torch.Tensor]]] = {}  #: per tenant: its quota, its chain
+            staged = [(layer, t) for layer, t, d in batch if d is None and not layer.direct]
+            buf = self._save_staging.get(client, sum((t.end - t.first) * x.tail * x.block_bytes for x, t in staged))
+            items: dict[str, list[tuple[bytes, Any]]] = {}  #: per tenant: its quota, its chain
             at = saved = 0
             for layer, t, copied in batch:
-                data = layer.blocks(self._save_ids(layer, t), buf[at:]) if copied is None else copied
-                at += 0 if copied is not None else data.numel() * data.element_size()
-                saved += data.numel() * data.element_size()
-                tail, mine = layer.tail, items.setdefault(t.tenant, [])
-                mine += [
-                    (layer_key(k, layer.index), data[i * tail : (i + 1) * tail]) for i, k in enumerate(self._keys(t))
-                ]
+                ids, tail, keys = self._save_ids(layer, t), layer.tail, self._keys(t)
+                saved += len(ids) * layer.block_bytes
+                if copied is None and layer.direct:  # the blocks themselves, gathered as they are written
+                    chunks: list[Any] = layer.pieces([ids[i * tail : (i + 1) * tail] for i in range(len(keys))])
+                else:
+                    data = layer.blocks(ids, buf[at:]) if copied is None else copied
+                    at += 0 if copied is not None else len(ids) * layer.block_bytes
+                    chunks = [data[i * tail : (i + 1) * tail] for i in range(len(keys))]
+                mine = items.setdefault(t.tenant, [])
+                mine += [(layer_key(k, layer.index), c) for k, c in zip(keys, chunks, strict=True)]
             try:
                 for tenant, chunk_layers in items.items():
                     client.put_batch(
@@ -389,4 +456,6 @@ class WorkerSide:
             self._report()
             self._load_staging.close(self.client)
             self._save_staging.close(self.client)
+            for flat in self._kv_registered:
+                self.client.unregister_buffer(flat)
         self.connection.close()

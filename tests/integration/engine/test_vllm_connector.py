@@ -25,7 +25,7 @@ from kvpool.pool.protocol import actor_name
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.tenants import Tenants
 from kvpool.prefill_decode.vllm.config import ConnectorConfig
-from kvpool.prefill_decode.vllm.groups import KvGroups, PoolLayer
+from kvpool.prefill_decode.vllm.groups import NULL_BLOCK, KvGroups, PoolLayer
 from kvpool.prefill_decode.vllm.scheduler import KvPoolMetadata, Transfer
 from kvpool.prefill_decode.vllm.worker import WorkerSide
 
@@ -155,15 +155,29 @@ def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: 
     loader = WorkerSide(config, identity, groups, blocks)
     loader.register(dst)
     # chunk 0 is a prefix-cache hit of the engine (blocks 1, 3); chunks 1-2 come from the pool
-    load = KvPoolMetadata(loads=[Transfer("r2", tokens[:192], 1, 3, [[1, 3, 4, 6, 8, 10]], write_from=2)])
+    load = KvPoolMetadata(loads=[Transfer("r2", tokens[:192], 1, 3, [[1, 3, 4, 5, 8, 9]], write_from=2)])
     loader.start_step(load)
     for name in dst:
         loader.wait_layer(name)
     loader.end_step(load)
     assert loader.take_load_errors() == set()
     for name in src:
-        assert torch.equal(dst[name][[4, 6, 8, 10]], src[name][[9, 11, 0, 7]])
+        assert torch.equal(dst[name][[4, 5, 8, 9]], src[name][[9, 11, 0, 7]])
         assert not dst[name][[1, 3]].any()  # never written
+    # the engine's own blocks reach into chunk 1 (block 12), and a block is the null block: both left alone
+    dst2 = {name: torch.zeros_like(t) for name, t in src.items()}
+    other = WorkerSide(config, identity, groups, blocks)
+    other.register(dst2)
+    mid = KvPoolMetadata(loads=[Transfer("r3", tokens[:192], 1, 3, [[1, 3, 12, 13, NULL_BLOCK, 14]], write_from=3)])
+    other.start_step(mid)
+    for name in dst2:
+        other.wait_layer(name)
+    other.end_step(mid)
+    assert other.take_load_errors() == set()
+    for name in src:
+        assert torch.equal(dst2[name][[13, 14]], src[name][[11, 7]])
+        assert not dst2[name][[NULL_BLOCK, 12]].any()
+    other.close()
 
     client = saver.client
     assert client is not None
@@ -174,7 +188,7 @@ def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: 
     for name in dst:
         loader.wait_layer(name)
     loader.end_step(load)
-    assert loader.take_load_errors() == {8, 10} and loader.counts.totals["load_errors"] == 2
+    assert loader.take_load_errors() == {8, 9} and loader.counts.totals["load_errors"] == 2
     saver.close()
     loader.close()
 

@@ -84,7 +84,15 @@ def test_put_on_one_node_get_on_another(pool: PoolConfig, client: PoolClient, ra
     parts = [kv[i * len(blob(0)) : (i + 1) * len(blob(0))] for i in range(3)]
     client.get_into_batch(keys[:3], parts)
     assert [p.tobytes() for p in parts] == [blob(i) for i in range(3)]
+    # a chunk spread over regions (its bytes in order): a READ per region when registered, else one checked copy
+    half = len(blob(0)) // 2
+    kv[:] = 0
+    client.get_into_batch(keys[:1], [[kv[2 * half : 3 * half], kv[:half]]])
+    assert kv[2 * half : 3 * half].tobytes() + kv[:half].tobytes() == blob(0) and not kv[half : 2 * half].any()
     client.unregister_buffer(kv)
+    loose = [np.zeros(half, dtype=np.uint8), np.zeros(len(blob(1)) - half, dtype=np.uint8)]
+    client.get_into_batch(keys[1:2], [loose])
+    assert b"".join(p.tobytes() for p in loose) == blob(1)
     client.put(keys[3], blob(3))
     assert ray.get(other.call.remote("get", keys[3])) == blob(3)
     client.put_batch([(keys[4], blob(4))], nodes=[ray_cluster[1]])  # a cross-node put: NIXL WRITE
