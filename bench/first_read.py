@@ -6,8 +6,9 @@ buffer, the peer's descriptor, and the transport's own wire-up on the first tran
 does all of it when an engine starts.  Here, on a 2-node local cluster (embedded etcd, ``LocalRayCluster`` on
 127.0.0.2-3, a pool node on each): chunks are put on the first node, then per repeat a fresh client in an actor on the
 second node reads them in batches of ``--batch`` chunks — cold (its first read pays for the connections) and warm
-(``connect_peers`` first, timed on its own).  Beside them: the same client's later reads (steady state) and the
-floor, the batch's bytes at this machine's memcpy speed.
+(``connect_peers`` first, timed on its own).  Beside them: the same client's later reads (``get_batch``: new buffers
+each time), its reads into memory registered with the transport once (``get_into_batch``, as an engine reads into
+its KV cache: the P/D steady state), and the floor, the batch's bytes at this machine's memcpy speed.
 
     python bench/first_read.py [--repeat 3] [--batch 30] [--chunk-kib 192] [--json bench/results/first_read.json]
 """
@@ -55,10 +56,22 @@ class Reader:
                 client.get_batch(keys)
                 gets.append(time.perf_counter() - started)
             out["first_s"], out["later_s"] = gets[0], statistics.median(gets[1:])
+            # then as an engine reads: into its KV memory, registered with the transport once, again and again
+            size = len(client.get(batches[0][0]))
+            kv = np.empty(len(batches[0]) * size, dtype=np.uint8)
+            client.register_buffer(kv)
+            steady = []
+            for _ in range(STEADY_ROUNDS):
+                for keys in batches:
+                    started = time.perf_counter()
+                    client.get_into_batch(keys, [kv[i * size : (i + 1) * size] for i in range(len(keys))])
+                    steady.append(time.perf_counter() - started)
+            out["steady_s"] = statistics.median(steady)
             return out
 
 
 READER: Any = ray.remote(num_cpus=0)(Reader)
+STEADY_ROUNDS = 5  #: passes over the batches into registered memory, after the timed first and later reads
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -95,7 +108,8 @@ def show(results: dict[str, Any]) -> None:
     args = results["settings"]
     mib = args["batch"] * args["chunk_kib"] / 1024
     table = Table(title=f"first read of a fresh client from another node: {args['batch']} chunks, {mib:.1f} MiB")
-    for col in ("client", "connect_peers ms", "first read ms", "later reads ms (median)", "memcpy floor ms"):
+    cols = ("connect_peers ms", "first read ms", "later reads ms (median)", "into registered memory ms (median)")
+    for col in ("client", *cols, "memcpy floor ms"):
         table.add_column(col, justify="left" if col == "client" else "right")
     for warm in (False, True):
         rows = [r for r in results["rows"] if r["warm"] is warm]
@@ -109,6 +123,7 @@ def show(results: dict[str, Any]) -> None:
             span("connect_s") if warm else "-",
             span("first_s"),
             span("later_s"),
+            span("steady_s"),
             f"{results['memcpy_floor_s'] * 1e3:.1f}",
         )
     console.print(table)

@@ -1,19 +1,20 @@
 """The read path from pool nodes: chunks out of this node's mapped DRAM, or out of a peer's by one-sided READs.
 
-Per holder, one call pins the chunks (``prepare_load``: promoting NVMe hits to DRAM; a peer sends those left on NVMe
-along), one copy or one batched READ moves them, one call (``complete_load``, not waited for) releases them.  Chunks in this node's DRAM are first copied with no call at all, at the
-offsets their placements give; a copy whose checksum does not match (the chunk moved meanwhile) goes the pinned
-way.  Every chunk is verified against its checksum before it counts: the caller never gets wrong bytes.  A chunk
-left on an encrypted NVMe tier is opened with ``keys`` (the client's ``PoolConfig.encryption``); one this process
-cannot open is a miss, not a corrupt replica.
+Chunks in DRAM — this node's or a peer's — are first read with no call at all, at the offsets their placements give:
+copied out of the mapped segment, or one batched READ per peer.  One that fails its checksum (it moved, was evicted or
+overwritten meanwhile) goes the pinned way: per holder, one call pins the chunks (``prepare_load``: promoting NVMe
+hits to DRAM; a peer sends those left on NVMe along), one copy or one batched READ moves them, one call
+(``complete_load``, not waited for) releases them.  Every chunk is verified against its checksum before it counts:
+the caller never gets wrong bytes.  A chunk left on an encrypted NVMe tier is opened with ``keys`` (the client's
+``PoolConfig.encryption``); one this process cannot open is a miss, not a corrupt replica.
 """
 
 import contextlib
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from kvpool.core.types import Placement, Tier
-from kvpool.errors import ChunkNotFound, UndecodableChunk
+from kvpool.errors import ChunkNotFound, NodeUnreachable, UndecodableChunk
 from kvpool.pool.buffers import byte_view
 from kvpool.pool.chunks import SEGMENT_NAMES, StoredChunk, checksum, checksum_of, copy_checked, short
 from kvpool.pool.client.peers import STAGING_BYTES, Peers, rounds
@@ -22,6 +23,20 @@ from kvpool.pool.segment import DramSegment, NvmeSegment
 from kvpool.pool.tiers.codecs import decode
 from kvpool.pool.tiers.crypto import Keyring, unseal
 from kvpool.transport.base import Op
+
+
+class Located(Protocol):
+    """Where a chunk lies in a node's DRAM segment: a placement, or the pinned chunk its node handed out."""
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def stored(self) -> int: ...
+
+    @property
+    def checksum(self) -> int: ...
+
 
 Outcome = bool | None  #: per chunk: True intact, False failed its checksum, None not read (moved, gone, unreachable)
 
@@ -88,25 +103,38 @@ class NodeReads:
     def unpinned(
         self, nearest: list[Placement], pieces: list[list[memoryview]], on_done: Callable[[int], None] | None
     ) -> set[int]:
-        """Copy the chunks held in this node's DRAM straight out of the mapped segment into their ``pieces`` (each
-        checksummed as it lands: :func:`copy_checked`), with no call to the node; the indexes that came out intact.
-        The node is told of the hits afterwards (LRU order, counters), without waiting."""
-        if self.segment is None:
-            return set()
+        """Read the chunks held in DRAM where their placements say, with no call to their node: this node's copied
+        straight out of the mapped segment into their ``pieces`` (each checksummed as it lands:
+        :func:`copy_checked`), a peer's by one batched READ per peer; the indexes that came out intact.  A chunk
+        moved, evicted or overwritten meanwhile fails its checksum, and the caller reads it the pinned way.  The
+        nodes are told of the hits afterwards (LRU order, counters), without waiting."""
         read: set[int] = set()
-        for i, p in enumerate(nearest):
-            if p.node != self.node_id or p.tier is not Tier.DRAM or p.stored != sum(d.nbytes for d in pieces[i]):
-                continue
-            if p.offset + p.stored > self.segment.capacity:
-                continue
-            with self.segment.view(p.offset, p.stored) as src:
-                intact = copy_checked(src, pieces[i]) == p.checksum
+
+        def mark(i: int, intact: bool) -> None:
             if intact:
                 read.add(i)
                 if on_done is not None:
                     on_done(i)
-        if read and self.local is not None:
-            self.local.touch([nearest[i].key for i in read])
+
+        by_peer: dict[str, list[tuple[int, Placement]]] = {}
+        for i, p in enumerate(nearest):
+            if p.tier is not Tier.DRAM or p.stored != sum(d.nbytes for d in pieces[i]):
+                continue
+            if p.node != self.node_id:
+                by_peer.setdefault(p.node, []).append((i, p))
+            elif self.segment is not None and p.offset + p.stored <= self.segment.capacity:
+                with self.segment.view(p.offset, p.stored) as src:
+                    mark(i, copy_checked(src, pieces[i]) == p.checksum)
+        for node_id, located in by_peer.items():
+            self._read_dram(node_id, located, pieces, mark)
+        hits: dict[str, list[bytes]] = {}
+        for i in read:
+            hits.setdefault(nearest[i].node, []).append(nearest[i].key)
+        for node_id, keys in hits.items():
+            with contextlib.suppress(NodeUnreachable):
+                (self.local if node_id == self.node_id and self.local is not None else self.handles[node_id]).touch(
+                    keys
+                )
         return read
 
     def pinned(
@@ -179,9 +207,21 @@ class NodeReads:
             if c.tier is not Tier.DRAM and (data := copies[j]) is not None:
                 with contextlib.suppress(ChunkNotFound):  # sealed, and this process cannot open it: a miss
                     mark(j, fill(pieces[j], data, c.codec, c.checksum, c.key, self.keys))
-        in_dram = [(j, c) for j, c in usable if c.tier is Tier.DRAM]
-        addresses = {j: a for j, _ in in_dram if (a := self.peers.registered_addresses(pieces[j])) is not None}
-        direct = [(j, c) for j, c in in_dram if j in addresses]
+        self._read_dram(node_id, [(j, c) for j, c in usable if c.tier is Tier.DRAM], pieces, mark)
+
+    def _read_dram(
+        self,
+        node_id: str,
+        located: Sequence[tuple[int, Located]],
+        pieces: list[list[memoryview]],
+        mark: Callable[[int, bool], None],
+    ) -> None:
+        """READ chunks out of the DRAM segment of the peer ``node_id`` (``located``: each one's index and where it
+        lies there) into their ``pieces``, each ``mark``-ed with whether it came out intact: one READ per piece,
+        straight into it, where every piece lies in a registered buffer; the rest through the staging buffer and one
+        checked copy into their pieces.  Nothing is marked if the transfer failed."""
+        addresses = {j: a for j, _ in located if (a := self.peers.registered_addresses(pieces[j])) is not None}
+        direct = [(j, c) for j, c in located if j in addresses]
         if direct:  # no staging, no copy
             ops = []
             for j, c in direct:
@@ -194,7 +234,7 @@ class NodeReads:
                 return
             for j, c in direct:
                 mark(j, checksum_of(pieces[j]) == c.checksum)
-        staged = [(j, c) for j, c in in_dram if j not in addresses]
+        staged = [(j, c) for j, c in located if j not in addresses]
         for r in rounds([c.stored for _, c in staged], STAGING_BYTES):
             staging = self.peers.staging(sum(c.stored for _, c in staged[r]))
             ops, at = [], 0
