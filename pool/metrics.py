@@ -14,6 +14,12 @@ from kvpool.pool.protocol import NodeHandle
 MISS_PREFIX = "miss_"  #: an engine's count named ``miss_<cause>`` is a short lookup or failed load: kvpool_misses_total
 GET_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 SOURCES = ("local", "peer", "remote_tier")  #: this node, another node, the remote tier
+#: an engine's prefetches (``prefetch_<result>``): started, failed, late (its request stopped waiting for it first),
+#: bad_hint (a request's hint was malformed: none started)
+PREFETCH_RESULTS = ("started", "failed", "late", "bad_hint")
+#: objects an engine's prefetches brought into its node's DRAM (``prefetch_<how>``): from the node's NVMe, or copied
+#: from another node or the remote tier
+PREFETCH_MOVES = ("promoted", "copied")
 
 
 @dataclass
@@ -31,7 +37,7 @@ class ClientStats:
     get_buckets: list[int] = field(default_factory=lambda: [0] * (len(GET_SECONDS_BUCKETS) + 1))
     get_seconds: float = 0.0
     #: what an inference engine's connector on this node did (``prefill_decode/vllm_connector.py``): tokens looked
-    #: up / hit / loaded / saved, bytes loaded / saved, seconds spent loading / saving, load / save errors
+    #: up / hit / loaded / saved, bytes loaded / saved, seconds spent loading / saving, load / save errors, prefetches
     engine: dict[str, float] = field(default_factory=dict)
 
     def lookup(self, asked: int, held: int) -> None:
@@ -132,7 +138,21 @@ class ClientStats:
             moved.add_metric([node_id, direction], self.engine.get(f"{past}_bytes", 0))
             seconds.add_metric([node_id, direction], self.engine.get(f"{direction}_seconds", 0))
             errors.add_metric([node_id, direction], self.engine.get(f"{direction}_errors", 0))
-        yield from (tokens, moved, seconds, errors)
+        prefetches = CounterMetricFamily(
+            "kvpool_engine_prefetches",
+            "Prefetches requests asked an engine's connector on this node for, by result",
+            labels=["node", "result"],
+        )
+        for result in PREFETCH_RESULTS:
+            prefetches.add_metric([node_id, result], self.engine.get(f"prefetch_{result}", 0))
+        prefetched = CounterMetricFamily(
+            "kvpool_engine_prefetched_objects",
+            "Objects an engine's prefetches brought into this node's DRAM: promoted from its NVMe, or copied",
+            labels=["node", "how"],
+        )
+        for how in PREFETCH_MOVES:
+            prefetched.add_metric([node_id, how], self.engine.get(f"prefetch_{how}", 0))
+        yield from (tokens, moved, seconds, errors, prefetches, prefetched)
 
 
 class StatsReporter:

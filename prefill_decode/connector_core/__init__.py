@@ -5,7 +5,8 @@ one tenant scope
 (:class:`~.tenancy.TenantScope`: which tenant a request is for, and the chain its keys are in) and one place that
 counts what the engine moved (:class:`~.counts.EngineCounts`: ``kvpool_engine_*`` and ``kvpool_misses_total``); and
 where an engine finds the pool (:class:`~.settings.PoolSettings`, from its engine's config) and its one client
-(:class:`~.connection.PoolConnection`: made on first use, tried again while the pool is down).
+(:class:`~.connection.PoolConnection`: made on first use, tried again while the pool is down); and the prefetches
+requests wait for (:class:`~.prefetch.RequestPrefetches`: a held prefix brought into the engine's node's DRAM first).
 
 The reference engine's ``PoolConnector``, vLLM's ``KvPoolConnector`` and SGLang's ``KvPoolStorage`` sit on it.
 Nothing here imports an engine (vLLM, SGLang, transformers); the pool client is reached through the small protocols

@@ -1,6 +1,7 @@
-"""An engine process's one pool client: made when first needed, on the thread that will use it, and tried again
+"""A pool client of an engine process: made when first needed, on the thread that will use it, and tried again
 later while the pool cannot be reached (an engine keeps serving without it).  Made, it reaches every pool node at
-once (:meth:`PoolClient.connect_peers`): engines make it at start, so their first request pays for no connection."""
+once (:meth:`PoolClient.connect_peers`): engines make their workers' at start, so their first request pays for no
+connection (a scheduler's prefetch client is made on the first prefetch a request asks for)."""
 
 import logging
 import time
@@ -17,7 +18,7 @@ RETRY_S = 5.0  #: a pool that could not be reached is tried again after this (me
 class PoolConnection:
     """The :class:`~kvpool.pool.client.PoolClient` of an engine process, attached to the pool of ``settings``
     (``ray.init`` first where the process is not a Ray driver yet).  Not thread-safe, as the client is not: one
-    thread (the connector's I/O thread) calls :meth:`client` and uses what it returns."""
+    thread (a connector's I/O thread, or its prefetch thread) calls :meth:`client` and uses what it returns."""
 
     def __init__(self, settings: PoolSettings, clock: Any = time.monotonic) -> None:
         self.settings = settings

@@ -16,7 +16,9 @@ class EngineSink(Protocol):
 
 class EngineCounts:
     """Counts by name (thread-safe): ``{lookup,hit,loaded,saved}_tokens``, ``{loaded,saved}_bytes``,
-    ``{load,save}_seconds``, ``{load,save}_errors`` and ``miss_<cause>`` (a short lookup or a failed load).
+    ``{load,save}_seconds``, ``{load,save}_errors``, ``miss_<cause>`` (a short lookup or a failed load) and
+    ``prefetch_<what>`` (:data:`~kvpool.pool.metrics.PREFETCH_RESULTS` and ``PREFETCH_MOVES``: the prefetches
+    requests asked for, :mod:`.prefetch`).
 
     ``totals`` keeps every count since the start.  Each of ``readers`` takes what it has not yet taken: ``"pool"``,
     what waits for :meth:`report` (a pool client is used by one thread: the engine reports from the thread that owns

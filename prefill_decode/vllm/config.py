@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from kvpool.core.config import Positive, validated
+from kvpool.core.config import Positive, Seconds, validated
 from kvpool.core.keys import DEFAULT_CHUNK_SIZE
 from kvpool.prefill_decode.connector_core.settings import PoolSettings
 
@@ -30,6 +30,8 @@ class ConnectorConfig(PoolSettings, frozen=True):
     chunk_size: Positive = DEFAULT_CHUNK_SIZE  #: tokens per chunk: a multiple of vLLM's block size
     #: vLLM's kv_load_failure_policy under this connector ("fail" to keep vLLM's)
     load_failure: Annotated[Literal["recompute", "fail"], Meta(description="'recompute' or 'fail'")] = "recompute"
+    #: the longest a request whose ``kv_transfer_params`` ask for a prefetch waits for it (:mod:`.hint`)
+    prefetch_wait_s: Seconds = 2.0
 
     @classmethod
     def from_extra(cls, extra: Any, where: str = _WHERE) -> "ConnectorConfig":

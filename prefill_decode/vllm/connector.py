@@ -116,8 +116,8 @@ class KvPoolConnector(KVConnectorBase_V1, SupportsHMA):
     # scheduler side ------------------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        n = self._scheduler.matched(request, num_computed_tokens)
-        return n, n > 0 and self._scheduler.async_loads
+        n = self._scheduler.matched(request, num_computed_tokens)  # None: vLLM asks again later (a prefetch runs)
+        return n, n is not None and n > 0 and self._scheduler.async_loads
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler.allocated(request, num_external_tokens, blocks.get_block_ids())

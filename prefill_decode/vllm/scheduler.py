@@ -11,7 +11,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvpool.core.keys import CacheIdentity, chunk_keys, layer_key
-from kvpool.errors import KvPoolError
+from kvpool.errors import ConfigError, KvPoolError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.identities import register as register_identity
@@ -19,11 +19,14 @@ from kvpool.metadata.lookup import Hit, PrefixLookup
 from kvpool.metadata.misses import miss_cause
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.advisor import AccessLog
+from kvpool.prefill_decode.connector_core.connection import PoolConnection
 from kvpool.prefill_decode.connector_core.counts import EngineCounts
+from kvpool.prefill_decode.connector_core.prefetch import RequestPrefetches
 from kvpool.prefill_decode.connector_core.tenancy import TenantScope
 from kvpool.prefill_decode.vllm.config import ConnectorConfig
 from kvpool.prefill_decode.vllm.events import PoolEvents
 from kvpool.prefill_decode.vllm.groups import KvGroups, PoolLayer
+from kvpool.prefill_decode.vllm.hint import pool_hint
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,8 @@ class RequestTracker:
     """One request on the scheduler side, from its lookup to its end."""
 
     tenant: str | None  #: whose chain its chunks are in ("": none); None: refused, the pool is not used for it
+    #: its ``kv_transfer_params`` ask for its held prefix in this engine's node's DRAM before it is loaded (:mod:`.hint`)
+    prefetch: bool = False
     computed: int = 0  #: tokens vLLM had computed itself when the pool was asked
     held: int = 0  #: leading chunks the pool held then
     load: tuple[int, int] | None = None  #: tokens ``[from, to)`` to load this step, once vLLM allocated their blocks
@@ -109,6 +114,8 @@ class SchedulerSide:
         self.tenants = TenantScope.load(config.tenants)
         self.lookup = PrefixLookup(AccessLog.from_env())  #: sampled lookups for kvpool advise (KVPOOL_ACCESS_LOG)
         self.counts = EngineCounts()  #: handed to the workers with each step's plan
+        #: prefetches hinted requests wait for, with a pool client of their own (made on the first)
+        self.prefetches = RequestPrefetches(PoolConnection(config), self.counts, config.prefetch_wait_s)
         self._connect()
 
     def _connect(self) -> None:
@@ -144,8 +151,7 @@ class SchedulerSide:
         if cache is None:
             self._connect()
             return Hit(limit, 0)
-        scope = self.tenants.scope(tenant)
-        ranks = [chunk_keys(identity, tokens[: limit * self.chunk], scope) for identity in self.identities]
+        ranks = self._chain(tokens, limit, tenant)
         full = [layer.index for layer in self.groups.layers if not layer.window]
         hit = self.lookup(cache, [[layer_key(keys[c], x) for keys in ranks for x in full] for c in range(limit)])
         windowed = [layer for layer in self.groups.layers if layer.window]
@@ -155,6 +161,22 @@ class SchedulerSide:
         if held == hit.held:
             return hit
         return Hit(hit.asked, held, miss_cause(cache, self._window_keys(ranks, windowed, held + 1))[0])
+
+    def _chain(self, tokens: list[int], chunks: int, tenant: str) -> list[list[bytes]]:
+        """Each TP rank's chain keys of the first ``chunks`` chunks of ``tokens``, in ``tenant``'s chain."""
+        scope = self.tenants.scope(tenant)
+        return [chunk_keys(identity, tokens[: chunks * self.chunk], scope) for identity in self.identities]
+
+    def _load_objects(self, tokens: list[int], first: int, end: int, tenant: str) -> list[bytes]:
+        """The pool objects a load of chunks ``[first, end)`` reads: each full-attention layer's, and the
+        sliding-window layers' inside the window of ``end``."""
+        if end <= first:
+            return []
+        ranks = self._chain(tokens, end, tenant)
+        full = [layer.index for layer in self.groups.layers if not layer.window]
+        windowed = [layer for layer in self.groups.layers if layer.window]
+        objects = [layer_key(keys[c], x) for c in range(first, end) for keys in ranks for x in full]
+        return objects + self._window_keys(ranks, windowed, end)
 
     def _window_keys(self, ranks: list[list[bytes]], windowed: list[PoolLayer], end: int) -> list[bytes]:
         """The objects of sliding-window layers a prefix of ``end`` chunks needs."""
@@ -166,17 +188,23 @@ class SchedulerSide:
             for c in range(first(layer, end), end)
         ]
 
-    def matched(self, request: Any, num_computed: int) -> int:
+    def matched(self, request: Any, num_computed: int) -> int | None:
+        """The prompt tokens beyond ``num_computed`` the pool supplies; None while the request waits for its
+        prefetch (vLLM asks again at a later step)."""
         tokens = list(request.prompt_token_ids or [])
         tenant = self.tenants.tenant_of(getattr(request, "cache_salt", None))
         if self.groups.unserved:
             tenant = None  # the pool serves this model nothing (KvGroups.unserved says why, once, at start)
-        req = self._requests.setdefault(request.request_id, RequestTracker(tenant))
+        req = self._requests.get(request.request_id)
+        if req is None:
+            req = self._requests[request.request_id] = RequestTracker(tenant, self.loads_kv and self._hinted(request))
         req.tenant, req.computed, req.held = tenant, num_computed, 0
         if tenant is None or req.whole_loaded:
             return 0
-        req.hashes = self.events.hashes(request) if self.events is not None and self.saves_kv else []
         hit = self.held_chunks(tokens, len(tokens) // self.chunk, tenant)
+        if req.prefetch and self._prefetching(request.request_id, tokens, num_computed, hit.held, tenant):
+            return None
+        req.hashes = self.events.hashes(request) if self.events is not None and self.saves_kv else []
         self.counts.lookup(hit, len(tokens), self.chunk)
         req.held = hit.held
         if not self.loads_kv:
@@ -184,6 +212,26 @@ class SchedulerSide:
         # vLLM computes at least the last prompt token itself: a prompt whose every chunk is held loads them all
         # and has vLLM compute its last token again (its KV slot is then written twice, with the same values)
         return max(min(hit.held * self.chunk, len(tokens) - 1) - num_computed, 0)
+
+    def _hinted(self, request: Any) -> bool:
+        """Whether the request's ``kv_transfer_params`` ask for a prefetch; a malformed hint is logged and counted
+        (``prefetch_bad_hint``) and asks for nothing."""
+        try:
+            return pool_hint(getattr(request, "kv_transfer_params", None)).prefetch
+        except ConfigError as exc:
+            self.counts.add(prefetch_bad_hint=1)
+            log.warning("kvpool: request %s: %s; it is served without the hint", request.request_id, exc)
+            return False
+
+    def _prefetching(self, req_id: str, tokens: list[int], computed: int, held: int, tenant: str) -> bool:
+        """Whether a hinted request waits for the prefetch of the held chunks vLLM has not computed, started at its
+        first lookup where some of them are not in this engine's node's DRAM."""
+        if self.cache is not None and not self.prefetches.started(req_id):
+            keys = self._load_objects(tokens, computed // self.chunk, held, tenant)
+            if not self.prefetches.needed(keys, self.cache):
+                return False
+            self.prefetches.start(req_id, keys, tenant)
+        return self.prefetches.waiting(req_id)
 
     def allocated(self, request: Any, num_external_tokens: int, block_ids: Sequence[Sequence[int]] = ()) -> None:
         """vLLM gave the request its blocks (``block_ids``: per KV-cache group), for ``num_external_tokens`` to load."""
@@ -265,9 +313,11 @@ class SchedulerSide:
     def finished(self, req_id: str) -> bool:
         """Whether vLLM must keep the request's blocks until the workers report its saves done."""
         req = self._requests.pop(req_id, None)
+        self.prefetches.forget(req_id)
         return req is not None and req.saving
 
     def close(self) -> None:
+        self.prefetches.close()
         self.lookup.close()
         if self.cache is not None:
             self.cache.close()

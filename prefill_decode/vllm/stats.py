@@ -14,7 +14,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvpool.pool.metrics import MISS_PREFIX
+from kvpool.pool.metrics import MISS_PREFIX, PREFETCH_MOVES, PREFETCH_RESULTS
 
 TOKEN_KINDS = ("lookup", "hit", "loaded", "saved")
 DIRECTIONS = (("load", "loaded"), ("save", "saved"))
@@ -48,8 +48,9 @@ class KvPoolStats(KVConnectorStats):
 
 class KvPoolPromMetrics(KVConnectorPromMetrics):
     """``vllm:kvpool_tokens{kind}``, ``vllm:kvpool_bytes{direction}``, ``vllm:kvpool_seconds{direction}``,
-    ``vllm:kvpool_errors{direction}`` and ``vllm:kvpool_misses{cause}``: counters, per engine, as the pool node's
-    ``kvpool_engine_*`` and ``kvpool_misses_total`` count them."""
+    ``vllm:kvpool_errors{direction}``, ``vllm:kvpool_misses{cause}``, ``vllm:kvpool_prefetches{result}`` and
+    ``vllm:kvpool_prefetched_objects{how}``: counters, per engine, as the pool node's ``kvpool_engine_*`` and
+    ``kvpool_misses_total`` count them."""
 
     def __init__(
         self,
@@ -70,6 +71,10 @@ class KvPoolPromMetrics(KVConnectorPromMetrics):
             "errors", "Chunks kvpool could not load (recomputed) or save batches it dropped", "direction"
         )
         self.misses = counter("misses", "Prompt chunks kvpool did not serve, by cause (kvpool explain)", "cause")
+        self.prefetches = counter("prefetches", "Prefetches requests asked kvpool's connector for, by result", "result")
+        self.prefetched = counter(
+            "prefetched_objects", "Objects kvpool's prefetches brought into the node's DRAM, by how", "how"
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = self.per_engine_labelvalues[engine_idx]
@@ -85,6 +90,10 @@ class KvPoolPromMetrics(KVConnectorPromMetrics):
             inc(self.bytes, direction, data.get(f"{past}_bytes", 0))
             inc(self.seconds, direction, data.get(f"{direction}_seconds", 0))
             inc(self.errors, direction, data.get(f"{direction}_errors", 0))
+        for result in PREFETCH_RESULTS:
+            inc(self.prefetches, result, data.get(f"prefetch_{result}", 0))
+        for how in PREFETCH_MOVES:
+            inc(self.prefetched, how, data.get(f"prefetch_{how}", 0))
         for name, n in data.items():
             if name.startswith(MISS_PREFIX):
                 inc(self.misses, name.removeprefix(MISS_PREFIX), n)

@@ -21,3 +21,14 @@ def test_miss_causes_add_up_and_are_served() -> None:
     assert got[("kvpool_misses_total", (("cause", "evicted"), ("node", "n1")))] == 2
     assert got[("kvpool_misses_total", (("cause", "read_failed"), ("node", "n1")))] == 3
     assert bool(ClientStats()) is False and bool(b) is True
+
+
+def test_an_engines_prefetches_are_served_by_result_and_objects_by_how() -> None:
+    stats = ClientStats()
+    stats.add_engine({"prefetch_started": 2, "prefetch_late": 1, "prefetch_promoted": 16, "prefetch_copied": 4})
+    got = _samples(stats)
+    assert got[("kvpool_engine_prefetches_total", (("node", "n1"), ("result", "started")))] == 2
+    assert got[("kvpool_engine_prefetches_total", (("node", "n1"), ("result", "late")))] == 1
+    assert got[("kvpool_engine_prefetches_total", (("node", "n1"), ("result", "failed")))] == 0
+    assert got[("kvpool_engine_prefetched_objects_total", (("how", "promoted"), ("node", "n1")))] == 16
+    assert got[("kvpool_engine_prefetched_objects_total", (("how", "copied"), ("node", "n1")))] == 4

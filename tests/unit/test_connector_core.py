@@ -21,10 +21,12 @@ def placement(key: bytes, node: str = "n1", tier: Tier = Tier.DRAM) -> Placement
 
 
 class FakeCache:
-    """What the core reads of a MetadataCache: replicas and tombstones by key."""
+    """What the core reads of a MetadataCache: replicas (on node n1, in ``tier``) and tombstones by key."""
 
-    def __init__(self, held: set[bytes], stones: dict[bytes, list[Tombstone]] | None = None) -> None:
-        self.held, self.stones = held, stones or {}
+    def __init__(
+        self, held: set[bytes], stones: dict[bytes, list[Tombstone]] | None = None, tier: Tier = Tier.DRAM
+    ) -> None:
+        self.held, self.stones, self.tier = held, stones or {}, tier
 
     def lookup_prefix(self, keys: list[bytes]) -> int:
         n = 0
@@ -33,7 +35,7 @@ class FakeCache:
         return n
 
     def replicas(self, key: bytes) -> list[Placement]:
-        return [placement(key)] if key in self.held else []
+        return [placement(key, tier=self.tier)] if key in self.held else []
 
     def size_of(self, key: bytes) -> int:
         return 10 if key in self.held else 0

@@ -8,8 +8,11 @@ from typing import Any
 import pytest
 from engine_needed import vllm_module
 from test_connector_core import FakeCache
+from test_request_prefetches import FakeConnection
 
 from kvpool.core.keys import CacheIdentity, chunk_keys, layer_key
+from kvpool.core.types import Tier
+from kvpool.prefill_decode.connector_core.prefetch import RequestPrefetches
 from kvpool.prefill_decode.vllm.config import ConnectorConfig
 from kvpool.prefill_decode.vllm.groups import KvGroups, PoolLayer
 
@@ -110,3 +113,42 @@ def test_a_sliding_window_layer_needs_only_the_chunks_inside_the_window_of_the_h
         module.Transfer("w1", tokens[:24], 2, 3, [full[:6], window[:6]])
     ]
     assert side.matched(request, 0) == 0  # asked again: the load failed, vLLM computes it all
+
+
+def test_a_hinted_request_waits_for_its_prefetch_then_is_looked_up_as_any(scheduler: Any) -> None:
+    """``kv_transfer_params={"kvpool": {"prefetch": true}}`` with the held prefix on the node's NVMe: vLLM is told to
+    ask again (None) until the prefetch of the chunks it has not computed ended, then the lookup is answered and
+    counted as without the hint.  Held in the node's DRAM, computed by vLLM already, or without the hint: at once;
+    a malformed hint is counted and served as none."""
+    _, side = scheduler
+    tokens = list(range(400, 426))  # 3 full chunks and 2 tokens; the pool holds the first 2, on n1's NVMe
+    objects = [layer_key(k, layer) for k in chunk_keys(IDENTITY, tokens)[:2] for layer in range(LAYERS)]
+    side.cache = FakeCache(set(objects), tier=Tier.NVME)
+    connection = FakeConnection()
+    connection.client()  # the side's prefetch client, made: on n1
+    side.prefetches = RequestPrefetches(connection, side.counts, wait_s=60.0)
+
+    def request(req_id: str, params: Any = None) -> Any:
+        return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, kv_transfer_params=params)
+
+    hinted = request("h1", {"kvpool": {"prefetch": True}})
+    assert side.matched(hinted, 0) is None and side.matched(hinted, 0) is None  # vLLM asks again later
+    assert side.build(step()).counts == {"prefetch_started": 1}  # no lookup counted before it is answered
+    connection.release.set()
+    side.prefetches.close()  # the prefetch ended
+    assert side.matched(hinted, 0) == 2 * CHUNK and connection.asked == [(objects, "", "")]
+    assert side.build(step()).counts == {
+        "prefetch_promoted": 2,  # FakeConnection's answer: 4 objects, 1 already there, 1 copied
+        "prefetch_copied": 1,
+        "lookup_tokens": 26,
+        "hit_tokens": 16,
+        "miss_never_stored": 1,
+    }
+    assert side.matched(request("h2", {"kvpool": {"prefetch": True}}), 2 * CHUNK) == 0  # vLLM has them: no prefetch
+    assert side.matched(request("plain"), 0) == 2 * CHUNK
+    assert side.matched(request("bad", {"kvpool": {"prefetch": 1}}), 0) == 2 * CHUNK
+    side.cache = FakeCache(set(objects))  # in n1's DRAM
+    assert side.matched(request("h3", {"kvpool": {"prefetch": True}}), 0) == 2 * CHUNK
+    assert side.build(step()).counts["prefetch_bad_hint"] == 1 and len(connection.asked) == 1
+    side.finished("h1")
+    assert not side.prefetches.started("h1")
