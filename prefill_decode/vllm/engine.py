@@ -8,7 +8,8 @@ each JSON line on stdin with a line ``RESULT <json>``:
   "cached", "seconds"}``: greedy tokens, their log-probabilities, vLLM's ``num_cached_tokens`` and the wall time of
   the whole call (with ``max_tokens`` 1, the time to first token).  ``reset`` first drops vLLM's own prefix cache,
   so a repeated prompt is served by the connector, not by the engine; ``"salts": ["key", ...]`` gives each prompt
-  a ``cache_salt`` (with the connector's ``tenants``: a tenant's API key);
+  a ``cache_salt`` (with the connector's ``tenants``: a tenant's API key); ``"kv_transfer_params": {...}`` gives
+  every prompt those (e.g. kvpool's prefetch hint, :mod:`~kvpool.prefill_decode.vllm.hint`);
 - ``{"connector": true}`` → kvpool's worker-side connector: its running ``totals``, its cache ``identity``, its
   ``layers`` and the pool ``node`` its client is on ("" until it has connected);
 - ``{"quit": true}`` → ends the process (queued saves finish first).
@@ -80,16 +81,22 @@ def start_engine(settings: dict[str, Any]) -> Any:
 
 
 def generate(
-    llm: Any, prompts: list[list[int]], max_tokens: int = 8, reset: bool = False, salts: list[str] | None = None
+    llm: Any,
+    prompts: list[list[int]],
+    max_tokens: int = 8,
+    reset: bool = False,
+    salts: list[str] | None = None,
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Greedy completions of token-id prompts (see the module's docstring); ``salts``: each prompt's ``cache_salt``
-    ("" for none)."""
+    ("" for none); ``kv_transfer_params``: every request's (as the OpenAI server passes a request body's)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     if reset:
         llm.reset_prefix_cache()
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, detokenize=False, logprobs=0)
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, detokenize=False, logprobs=0, extra_args=extra)
     started = time.perf_counter()
     asked = [
         TokensPrompt(prompt_token_ids=p, cache_salt=s) if s else TokensPrompt(prompt_token_ids=p)
@@ -160,9 +167,16 @@ class EngineProcess:
         return answer
 
     def generate(
-        self, prompts: list[list[int]], reset: bool = False, max_tokens: int = 8, salts: list[str] | None = None
+        self,
+        prompts: list[list[int]],
+        reset: bool = False,
+        max_tokens: int = 8,
+        salts: list[str] | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
-        return self.ask(generate=prompts, reset=reset, max_tokens=max_tokens, salts=salts)
+        return self.ask(
+            generate=prompts, reset=reset, max_tokens=max_tokens, salts=salts, kv_transfer_params=kv_transfer_params
+        )
 
     def close(self) -> None:
         if self.proc.poll() is None and self.proc.stdin is not None:
@@ -195,9 +209,8 @@ def main() -> None:
             if cmd.get("connector"):
                 answer: Any = connector_state()
             else:
-                answer = generate(
-                    llm, cmd["generate"], cmd.get("max_tokens", 8), cmd.get("reset", False), cmd.get("salts")
-                )
+                args = (cmd.get("max_tokens", 8), cmd.get("reset", False), cmd.get("salts"))
+                answer = generate(llm, cmd["generate"], *args, cmd.get("kv_transfer_params"))
         except Exception as exc:  # a bad prompt (too long, a token outside the vocabulary): say so, go on
             kind = "input" if isinstance(exc, bad_input) else "engine"
             answer = {"error": f"{type(exc).__name__}: {exc}"[:2000], "kind": kind}

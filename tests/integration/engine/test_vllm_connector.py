@@ -124,6 +124,24 @@ def check_pool_events(a: Any, events: KvEvents, client: PoolClient, identity: di
     drive_until(a, events, lambda: len(events.stored(chunks[3])) == 2)
 
 
+def check_prefetch_hint(b: Any, client: PoolClient, keys: list[list[bytes]], want: dict[str, Any]) -> None:
+    """P's chunks moved to the NVMe of engine B's node, then P asked for with kvpool's prefetch hint: B's scheduler
+    has them promoted into its node's DRAM (on the thread of a pool client of its own, made now: B's first hint
+    always starts one, whatever its watch shows yet) before vLLM schedules the request, which then loads them all
+    and answers as cold.  A malformed hint is counted and the request served as without one."""
+    flat = [k for chunk in keys for k in chunk]
+    client.move(flat, Tier.NVME)
+    assert all({p.tier for p in client.cache.replicas(k)} == {Tier.NVME} for k in flat)
+    [hinted] = b.generate([P], reset=True, kv_transfer_params={"kvpool": {"prefetch": True}})
+    assert hinted["cached"] == 2 * CHUNK and same_answer(hinted, want)
+    assert client.cache.wait_until(lambda c: all(Tier.DRAM in {p.tier for p in c.replicas(k)} for k in flat), 10)
+    [plain] = b.generate([P], reset=True, kv_transfer_params={"kvpool": {"prefetch": "yes"}})
+    assert plain["cached"] == 2 * CHUNK and same_answer(plain, want)
+    totals = b.ask(connector=True)["totals"]
+    got = {name: n for name, n in totals.items() if name.startswith("prefetch_")}
+    assert got == {"prefetch_started": 1, "prefetch_promoted": len(flat), "prefetch_copied": 0, "prefetch_bad_hint": 1}
+
+
 # -- without an engine: the worker side's byte moves, and the extra config ----------------------------------------
 
 
@@ -218,9 +236,11 @@ def test_a_fresh_engine_answers_from_the_pool_as_if_it_had_computed(
 ) -> None:
     """Engine A computes and saves; a fresh engine B (another process, started once A's saves are in, another
     PYTHONHASHSEED, which never computed these prompts) is given the full chunks by the pool and answers exactly as without the
-    connector (also for a prompt that ends on a chunk).  KV altered in the pool changes B's answer (so the check can
-    fail); a corrupt chunk is a miss that B recomputes, right answer."""
-    settings = {"model": model_dir, "connector": extra_config(engine_pool)}
+    connector (also for a prompt that ends on a chunk), also when a request's hint has the chunks brought from NVMe
+    first.  KV altered in the pool changes B's answer (so the check can fail); a corrupt chunk is a miss that B
+    recomputes, right answer."""
+    # a hinted request waits up to 60 s for its prefetch (the default 2 s is short for a loaded 2-core machine)
+    settings = {"model": model_dir, "connector": extra_config(engine_pool, prefetch_wait_s=60.0)}
     with PoolClient(engine_pool) as client, KvEvents() as events:
         # A publishes vLLM's KV events: its own blocks', and the pool's chunks it saved (check_pool_events)
         with engine({**settings, "kv_events": {"endpoint": events.endpoint}}, tmp_path / "a.log", hash_seed=1) as a:
@@ -244,6 +264,7 @@ def test_a_fresh_engine_answers_from_the_pool_as_if_it_had_computed(
             assert whole["cached"] == 2 * CHUNK - 1 and same_answer(whole, baseline["S"])
             totals = b.ask(connector=True)["totals"]
             assert totals["loaded_tokens"] >= 2 * CHUNK and totals["load_errors"] == 0
+            check_prefetch_hint(b, client, p_keys, baseline["P"])
 
             # different KV under P's keys: B now answers differently, from what the pool gave it
             flat = [k for chunk in p_keys for k in chunk]
