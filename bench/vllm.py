@@ -8,8 +8,9 @@ wall time of a 1-token generation (= TTFT):
 - vLLM prefix-cache hit: the same prompt again in the same engine (the upper bound: nothing to move);
 - kvpool, cold + save: engine A with the connector (kv_both) computing and saving the prompt;
 - kvpool, restart: a fresh engine B on the same node answers the prompt from the pool (same-node DRAM);
-- kvpool, NVMe-resident prefix: engine B's prompt moved to its node's NVMe, then asked again, as it is and after
-  ``PoolClient.prefetch`` promoted it to DRAM (what the engine front does while a request waits for its engine);
+- kvpool, NVMe-resident prefix: engine B's prompt moved to its node's NVMe, then asked again, as it is, after
+  ``PoolClient.prefetch`` promoted it to DRAM (what the engine front does while a request waits for its engine), and
+  with kvpool's prefetch hint in the request's ``kv_transfer_params`` (B's scheduler promotes it, the request waits);
 - kvpool, P/D: a producer engine on the other node prefills, engine B answers from that node's DRAM (one-sided);
 - model families beyond one full-attention group (tiny random-weight models, ``--families``): a sliding-window hybrid
   (Gemma3) and MLA (DeepSeek-V2), each cold + save in one engine and from the pool in a fresh one, beside the
@@ -82,11 +83,14 @@ def prompt(seed: int, n: int, vocab: int = 4000) -> list[int]:
     return [(seed * 7919 + i * 104729) % vocab + 1 for i in range(n)]
 
 
-def ttft(engine: EngineProcess, prompts: list[list[int]], reset: bool = False) -> tuple[float, int]:
-    """Median seconds to the first token over ``prompts`` (one generate each), and the tokens the last had cached."""
+def ttft(
+    engine: EngineProcess, prompts: list[list[int]], reset: bool = False, params: dict[str, Any] | None = None
+) -> tuple[float, int]:
+    """Median seconds to the first token over ``prompts`` (one generate each, with ``kv_transfer_params``
+    ``params``), and the tokens the last had cached."""
     seconds, cached = [], 0
     for p in prompts:
-        [out] = engine.generate([p], reset=reset, max_tokens=1)
+        [out] = engine.generate([p], reset=reset, max_tokens=1, kv_transfer_params=params)
         seconds.append(out["seconds"])
         cached = out["cached"]
     return statistics.median(seconds), cached
@@ -189,14 +193,16 @@ def kvpool_cases(
 
 
 def nvme_cases(engine: EngineProcess, pool: PoolConfig, node: str, cases: Cases) -> None:
-    """A prefix the pool holds on the NVMe of the engine's node: loaded as it is (the engine's read promotes it), or
-    promoted to DRAM by ``PoolClient.prefetch`` before the request (what a router does while the request waits)."""
+    """A prefix the pool holds on the NVMe of the engine's node: loaded as it is (the engine's read promotes it),
+    promoted to DRAM by ``PoolClient.prefetch`` before the request (what a router does while the request waits), or
+    asked for with kvpool's prefetch hint (the engine's scheduler promotes it while the request waits)."""
     from kvpool.pool.client import PoolClient
 
     state = engine.ask(connector=True)
     identity, layers = CacheIdentity(**state["identity"]), state["layers"]
+    hint = {"kvpool": {"prefetch": True}}
     with PoolClient(pool) as client:
-        for ahead in (False, True):
+        for how in ("", "client", "hint"):
             prompts = cases.fresh()
             saved = engine.ask(connector=True)["totals"].get("saved_tokens", 0)
             ttft(engine, prompts)  # computed and saved
@@ -204,14 +210,23 @@ def nvme_cases(engine: EngineProcess, pool: PoolConfig, node: str, cases: Cases)
             keys = [k for ks in per_prompt for k in ks]
             wait_saved(engine, saved + len(keys) // layers * identity.chunk_size)
             client.cache.sync()
+            if how == "hint":  # its first hint makes the scheduler's prefetch client: on a prompt held in DRAM
+                ttft(engine, prompts[:1], reset=True, params=hint)
             client.move(keys, Tier.NVME)
-            note = "the engine's load promotes it"
-            if ahead:
+            note, name = "the engine's load promotes it", "kvpool: NVMe-resident prefix"
+            if how == "client":
                 started = time.perf_counter()
                 promoted = sum(client.prefetch(ks, node).promoted for ks in per_prompt)  # each prompt's own chain
                 note = f"prefetch promoted {promoted} objects in {time.perf_counter() - started:.2f} s before"
-            name = "kvpool: NVMe-resident prefix" + (", prefetched to DRAM" if ahead else "")
-            cases.add(name, *ttft(engine, prompts, reset=True), note=note)
+                name += ", prefetched to DRAM"
+            if how != "hint":
+                cases.add(name, *ttft(engine, prompts, reset=True), note=note)
+                continue
+            before = engine.ask(connector=True)["totals"].get("prefetch_promoted", 0)
+            seconds, cached = ttft(engine, prompts, reset=True, params=hint)
+            promoted = engine.ask(connector=True)["totals"].get("prefetch_promoted", 0) - before
+            note = f"its scheduler promoted {promoted:.0f} objects first, the request waiting"
+            cases.add(name + ", request's prefetch hint", seconds, cached, note=note)
 
 
 def family_cases(families: list[str], extra: dict[str, Any], work: Path, cases: Cases) -> None:
