@@ -6,6 +6,7 @@ buffers registered so that READs land in them directly.
 """
 
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,6 +24,10 @@ log = logging.getLogger(__name__)
 
 STAGING_BYTES = 64 << 20  #: transfers through the staging buffer move at most this much per round
 TRANSFER_TIMEOUT_S = 30.0
+#: a READ with no pin (at a placement's offset) gives up after this plus a second per 100 MB: its failure costs only
+#: the pinned read after it, whose call finds a dead holder at once, where the transport would wait for it
+UNPINNED_TIMEOUT_S = 2.0
+SUSPECT_S = 30.0  #: a peer a transfer failed with is read the pinned way only, for this long
 
 
 def rounds(sizes: Sequence[int], budget: int) -> Iterator[slice]:
@@ -57,6 +62,7 @@ class Peers:
         self._stage: np.ndarray | None = None
         self._connected: dict[str, str] = {}  #: node id -> the transport's peer name
         self._registered: dict[str, tuple[int, int]] = {}  #: caller buffers: region name -> (address, nbytes)
+        self._failed: dict[str, float] = {}  #: node id -> when a transfer with it last failed
 
     @property
     def transport(self) -> NixlTransport:
@@ -134,12 +140,20 @@ class Peers:
         """One batched one-sided WRITE to ``node_id``; ``TransferError`` if it failed."""
         self.transport.write(self._peer(node_id), ops, timeout_s=self.timeout_s)
 
-    def read(self, node_id: str, ops: list[Op]) -> bool:
-        """One batched one-sided READ from ``node_id``; False (logged) if the transfer failed."""
+    def read(self, node_id: str, ops: list[Op], pinned: bool = True) -> bool:
+        """One batched one-sided READ from ``node_id``; False (logged) if the transfer failed.  A READ of chunks not
+        pinned on the holder (``pinned`` False) has a short deadline (:data:`UNPINNED_TIMEOUT_S`)."""
+        timeout_s = self.timeout_s if pinned else UNPINNED_TIMEOUT_S + sum(o.length for o in ops) / 1e8
         try:
-            self.transport.read(self._peer(node_id), ops, timeout_s=self.timeout_s)
+            self.transport.read(self._peer(node_id), ops, timeout_s=timeout_s)
         except TransferError as exc:  # NodeUnreachable included
             log.warning("reading from %s failed: %s", node_id[:12], exc)
             self._connected.pop(node_id, None)
+            self._failed[node_id] = time.monotonic()
             return False
+        self._failed.pop(node_id, None)
         return True
+
+    def trusted(self, node_id: str) -> bool:
+        """Whether no transfer with ``node_id`` failed in the last :data:`SUSPECT_S` (else: read it pinned only)."""
+        return time.monotonic() - self._failed.get(node_id, -SUSPECT_S) >= SUSPECT_S

@@ -1,8 +1,9 @@
 """The read path from pool nodes: chunks out of this node's mapped DRAM, or out of a peer's by one-sided READs.
 
 Chunks in DRAM — this node's or a peer's — are first read with no call at all, at the offsets their placements give:
-copied out of the mapped segment, or one batched READ per peer.  One that fails its checksum (it moved, was evicted or
-overwritten meanwhile) goes the pinned way: per holder, one call pins the chunks (``prepare_load``: promoting NVMe
+copied out of the mapped segment, or one batched READ per peer (with a short deadline; a peer a transfer failed with
+is left out for a while: a dead holder is found at once by the pinned way's call, where the transport waits for it).
+One that fails its checksum (it moved, was evicted or overwritten meanwhile) goes the pinned way: per holder, one call pins the chunks (``prepare_load``: promoting NVMe
 hits to DRAM; a peer sends those left on NVMe along), one copy or one batched READ moves them, one call
 (``complete_load``, not waited for) releases them.  Every chunk is verified against its checksum before it counts:
 the caller never gets wrong bytes.  A chunk left on an encrypted NVMe tier is opened with ``keys`` (the client's
@@ -121,12 +122,13 @@ class NodeReads:
             if p.tier is not Tier.DRAM or p.stored != sum(d.nbytes for d in pieces[i]):
                 continue
             if p.node != self.node_id:
-                by_peer.setdefault(p.node, []).append((i, p))
+                if self.peers.trusted(p.node):
+                    by_peer.setdefault(p.node, []).append((i, p))
             elif self.segment is not None and p.offset + p.stored <= self.segment.capacity:
                 with self.segment.view(p.offset, p.stored) as src:
                     mark(i, copy_checked(src, pieces[i]) == p.checksum)
         for node_id, located in by_peer.items():
-            self._read_dram(node_id, located, pieces, mark)
+            self._read_dram(node_id, located, pieces, mark, pinned=False)
         hits: dict[str, list[bytes]] = {}
         for i in read:
             hits.setdefault(nearest[i].node, []).append(nearest[i].key)
@@ -215,11 +217,13 @@ class NodeReads:
         located: Sequence[tuple[int, Located]],
         pieces: list[list[memoryview]],
         mark: Callable[[int, bool], None],
+        pinned: bool = True,
     ) -> None:
         """READ chunks out of the DRAM segment of the peer ``node_id`` (``located``: each one's index and where it
-        lies there) into their ``pieces``, each ``mark``-ed with whether it came out intact: one READ per piece,
-        straight into it, where every piece lies in a registered buffer; the rest through the staging buffer and one
-        checked copy into their pieces.  Nothing is marked if the transfer failed."""
+        lies there; ``pinned`` there, or not) into their ``pieces``, each ``mark``-ed with whether it came out
+        intact: one READ per piece, straight into it, where every piece lies in a registered buffer; the rest
+        through the staging buffer and one checked copy into their pieces.  Nothing is marked if the transfer
+        failed."""
         addresses = {j: a for j, _ in located if (a := self.peers.registered_addresses(pieces[j])) is not None}
         direct = [(j, c) for j, c in located if j in addresses]
         if direct:  # no staging, no copy
@@ -230,7 +234,7 @@ class NodeReads:
                     if piece.nbytes:
                         ops.append(Op(SEGMENT_NAMES[Tier.DRAM], at, address, piece.nbytes))
                     at += piece.nbytes
-            if not self.peers.read(node_id, ops):
+            if not self.peers.read(node_id, ops, pinned):
                 return
             for j, c in direct:
                 mark(j, checksum_of(pieces[j]) == c.checksum)
@@ -241,7 +245,7 @@ class NodeReads:
             for _, c in staged[r]:
                 ops.append(Op(SEGMENT_NAMES[Tier.DRAM], c.offset, staging.ctypes.data + at, c.stored))
                 at += c.stored
-            if not self.peers.read(node_id, ops):
+            if not self.peers.read(node_id, ops, pinned):
                 return
             at = 0
             for j, c in staged[r]:
