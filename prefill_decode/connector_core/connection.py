@@ -13,6 +13,9 @@ from kvpool.prefill_decode.connector_core.settings import PoolSettings
 log = logging.getLogger(__name__)
 
 RETRY_S = 5.0  #: a pool that could not be reached is tried again after this (meanwhile: misses, no saves)
+#: the longest an engine's start waits for its connection to the pool; past it the engine starts without (misses, no
+#: saves) and connects in the background.  Its first request then no longer pays for the connection.
+START_WAIT_S = 60.0
 
 
 class PoolConnection:

@@ -19,7 +19,7 @@ from kvpool.metadata.lookup import Hit, PrefixLookup
 from kvpool.metadata.misses import miss_cause
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.advisor import AccessLog
-from kvpool.prefill_decode.connector_core.connection import PoolConnection
+from kvpool.prefill_decode.connector_core.connection import START_WAIT_S, PoolConnection
 from kvpool.prefill_decode.connector_core.counts import EngineCounts
 from kvpool.prefill_decode.connector_core.prefetch import RequestPrefetches
 from kvpool.prefill_decode.connector_core.tenancy import TenantScope
@@ -116,12 +116,14 @@ class SchedulerSide:
         self.counts = EngineCounts()  #: handed to the workers with each step's plan
         #: prefetches hinted requests wait for, with a pool client of their own (made on the first)
         self.prefetches = RequestPrefetches(PoolConnection(config), self.counts, config.prefetch_wait_s)
-        self._connect()
+        if (connecting := self._connect()) is not None:
+            connecting.join(START_WAIT_S)  # the engine starts with its lookups ready (or without, after this)
 
-    def _connect(self) -> None:
-        """Start the watch cache on a thread (etcd may be down: until it answers, every lookup is 0 hits)."""
+    def _connect(self) -> threading.Thread | None:
+        """Start the watch cache on a thread (etcd may be down: until it answers, every lookup is 0 hits); the thread,
+        or None if one runs already or the last attempt was too recent."""
         if self.cache is not None or time.monotonic() < self._next_try or not self._connecting.acquire(blocking=False):
-            return
+            return None
         self._next_try = time.monotonic() + RETRY_S
 
         def connect() -> None:
@@ -142,7 +144,9 @@ class SchedulerSide:
             finally:
                 self._connecting.release()
 
-        threading.Thread(target=connect, name="kvpool-connector-etcd", daemon=True).start()
+        thread = threading.Thread(target=connect, name="kvpool-connector-etcd", daemon=True)
+        thread.start()
+        return thread
 
     def held_chunks(self, tokens: list[int], limit: int, tenant: str = "") -> Hit:
         """Leading chunks of ``tokens`` (at most ``limit``) whose every layer, on every TP rank, the pool holds (in

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ from kvpool.core.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.metadata.identities import fingerprint
 from kvpool.metadata.misses import MissCause
-from kvpool.prefill_decode.connector_core.connection import PoolConnection
+from kvpool.prefill_decode.connector_core.connection import START_WAIT_S, PoolConnection
 from kvpool.prefill_decode.connector_core.counts import EngineCounts
 from kvpool.prefill_decode.connector_core.staging import HostStaging
 from kvpool.prefill_decode.connector_core.tenancy import TenantScope
@@ -168,8 +169,9 @@ class WorkerSide:
                     f"{self.num_blocks} blocks; this attention backend's layout is not supported"
                 )
             self.layers[plan.name] = _Layer(plan, kv, dims[0], self.groups.tail(plan), self.bpc)
-        # connect now (Ray, etcd, the transport), not in the first request's step
-        self._io.submit(self.connection.client)
+        # connect now (Ray, etcd, the transport), not in the first request's step: the engine starts connected
+        with contextlib.suppress(FutureTimeout):
+            self._io.submit(self.connection.client).result(timeout=START_WAIT_S)
 
     @property
     def client(self) -> Any:

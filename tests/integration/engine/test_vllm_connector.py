@@ -393,8 +393,9 @@ def test_prefill_on_one_node_decode_on_another_and_the_holder_dying(
 ) -> None:
     """The producer (kv_producer, 127.0.0.3) prefills; its step ends with the chunks in its node's DRAM.  The
     consumer (kv_consumer, 127.0.0.4) reads them one-sided from there — no KV byte through Ray — and answers as
-    without the connector.  Then the holder's pool node is killed: the consumer still sees the placements (their
-    lease has not expired), its load fails, vLLM recomputes, right answer, and the engine keeps serving."""
+    without the connector.  Then the holder's pool node is killed, its memory with it: the consumer still sees the
+    placements (their lease has not expired), its load fails (a READ of the chunks where they were finds other bytes,
+    the pinned read a dead node), vLLM recomputes, right answer, and the engine keeps serving."""
     producer_node, consumer_node = ray_cluster[1], ray_cluster[2]
     model = {"model": model_dir}
     producer = engine_actor(
@@ -415,7 +416,15 @@ def test_prefill_on_one_node_decode_on_another_and_the_holder_dying(
             assert all(s["bytes_via_ray"] == 0 for s in client.stats()["nodes"].values())
             assert ray.get(consumer.totals.remote())["loaded_bytes"] > 0
 
-            ray.kill(ray.get_actor(actor_name(producer_node), namespace=engine_pool.namespace))
+            holder = ray.get_actor(actor_name(producer_node), namespace=engine_pool.namespace)
+            dram = ray.get(holder.info.remote()).dram_path
+            ray.kill(holder)
+            # a dead host's memory is gone; here its shared-memory file outlives the process (and a READ of it
+            # would still find the chunks): their bytes go with it
+            with open(dram, "r+b") as segment:
+                for p in held:
+                    segment.seek(p.offset)
+                    segment.write(bytes(p.stored))
             assert all(client.exists(p.key) for p in held)  # the lease (30 s) keeps them listed
             [recomputed] = ray.get(consumer.generate.remote([P], True))
             assert same_answer(recomputed, baseline["P"])
