@@ -9,8 +9,9 @@ an MLA host pool (``MLATokenToKVPoolHost``) holds one latent row a token and lay
 wide); its pool object is ``[layers, page_size, kv_cache_dim]`` (held here as ``[1, layers, page_size, 1, dim]``: the
 MHA shape with one half and one head, so that both kinds take the same views and copies).  Each layout's page is a
 strided view of the host buffer (:meth:`PageLayout.view`), checked once against the pointers SGLang's own zero-copy
-backends use (``get_page_buffer_meta``): a page moves with one copy each way between the host pool and a staging
-buffer, never through a flat page tensor.
+backends use (``get_page_buffer_meta``).  Where that view lies in long runs of host memory (:meth:`PageLayout.runs`)
+a page moves straight between them and the pool; else with one copy each way between the host pool and a staging
+buffer; never through a flat page tensor.
 
 Keys: SGLang names a page by a SHA-256 chain value over its tokens (:func:`sglang.srt.mem_cache.utils.get_hash_str`,
 64 hex digits; no model, rank or tenant in it).  Its pool key is ``SHA-256(root || "sglang-page" || that value)``,
@@ -20,6 +21,7 @@ of one model and shard share pages, and nothing else does."""
 
 import hashlib
 import math
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -47,6 +49,10 @@ REFUSED = {
     "so no zero-copy backend can read its pages",
 }
 _PAGE_TAG = b"sglang-page"
+#: a page moves straight between the pool and its host slots only where its bytes lie in runs at least this long
+#: (shorter runs cost more per run in Python than the staging copy they save: page_first's and page_head's are one
+#: token's layer or one head)
+MIN_RUN = 16 << 10
 
 
 class PageLayout:
@@ -87,6 +93,33 @@ class PageLayout:
         else:
             page = self.kv[:, start // self.page]
         return page.permute(self.perm)
+
+    @cached_property
+    def host_bytes(self) -> memoryview:
+        """The host buffer's bytes (a view; the buffer is contiguous where :meth:`runs` gives any)."""
+        return self.kv.reshape(-1).view(torch.uint8).numpy().data
+
+    def runs(self, page: torch.Tensor, flat: torch.Tensor | None = None) -> list[memoryview] | None:
+        """The page ``page`` (a :meth:`view` of the host buffer, or a :meth:`canonical` view of the flat page
+        ``flat``) as the contiguous runs of memory its bytes lie in, in its order (no copy); None where they are
+        shorter than ``MIN_RUN`` (``page_first``, ``page_head``, small pages: the staging copy is quicker then).
+        ``page_first_direct``: its K and its V, 2 runs; ``layer_first``: K and V of each layer, 2 x layers."""
+        whole = self.kv if flat is None else flat
+        if not whole.is_contiguous() or whole.device.type != "cpu":
+            return None
+        shape, strides, lead, run = page.shape, page.stride(), page.dim(), 1
+        while lead > 0 and strides[lead - 1] == run:  # the trailing dimensions that are contiguous
+            lead -= 1
+            run *= shape[lead]
+        size = page.element_size()
+        if run * size < MIN_RUN:
+            return None
+        data = self.host_bytes if flat is None else flat.reshape(-1).view(torch.uint8).numpy().data
+        base = (page.storage_offset() - whole.storage_offset()) * size
+        starts = [base]
+        for dim in range(lead):  # the leading dimensions, outermost first: the runs' starts in order
+            starts = [s + i * strides[dim] * size for s in starts for i in range(shape[dim])]
+        return [data[s : s + run * size] for s in starts]
 
     def canonical(self, flat: torch.Tensor) -> torch.Tensor:
         """A flat data page in the host's order (``get_data_page(i, flat=True)``, the generic path's pages) as a

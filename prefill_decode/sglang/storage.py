@@ -34,7 +34,6 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvpool.core.keys import CacheIdentity
-from kvpool.core.types import Tier
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.metadata.identities import fingerprint
 from kvpool.metadata.lookup import PrefixLookup
@@ -49,9 +48,6 @@ from kvpool.prefill_decode.sglang.pages import PageLayout, page_key
 log = logging.getLogger(__name__)
 _METRICS = ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth")  #: StorageMetrics' fields
 CONNECT_S = 60.0  #: how long attaching the backend waits for the pool (Ray, etcd, the watch cache)
-#: a page is read straight into its host slots only where its bytes lie in runs at least this long (shorter runs cost
-#: more per run in Python than the staging copy they save: page_first's and page_head's are a head or a layer of a token)
-MIN_RUN = 16 << 10
 
 
 class KvPoolStorage(HiCacheStorage):
@@ -78,7 +74,7 @@ class KvPoolStorage(HiCacheStorage):
         self._batches: dict[str, list[float]] = {k: [] for k in _METRICS}
         self._batches_lock = threading.Lock()
         self._staging = HostStaging()
-        self._host_bytes: memoryview | None = None  #: the host buffer's bytes (for pages read straight into it)
+        self._host_registered = False  #: the host buffer is registered with the client's transport
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvpool-hicache-io")
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -198,10 +194,12 @@ class KvPoolStorage(HiCacheStorage):
         return client
 
     def _load(self, keys: list[str], host_indices: torch.Tensor | None, flats: list[Any] | None) -> list[bool]:
-        """Pages ``keys`` from the pool into the host slots (``host_indices``) or flat pages (``flats``).  A page in
-        this node's DRAM is copied from the node's mapped segment straight into its host slots (the contiguous runs
-        the slots' view lies in), checksummed as it lands; any other through the staging buffer: one copy out of the
-        pool, one into the host pool's strided page."""
+        """Pages ``keys`` from the pool into the host slots (``host_indices``) or flat pages (``flats``).  A page whose
+        bytes lie in runs of at least ``MIN_RUN`` is read straight into them, wherever the pool holds it: from this
+        node's segment, one copy checksummed as it lands; from a peer, one-sided READs into the host buffer itself
+        (registered with the client's transport once it has one; until then, one checked copy out of the client's
+        staging buffer); from NVMe or S3, into the runs too.  A page in shorter runs goes through the staging
+        buffer: one copy out of the pool, one into the host pool's strided page."""
         started = time.perf_counter()
         pages, client = self.pages, self._client()
         if client is None or pages is None:
@@ -209,11 +207,13 @@ class KvPoolStorage(HiCacheStorage):
             return [False] * len(keys)
         pool_keys = self.keys(keys)
         dests = self._dests(pages, keys, host_indices, flats)
-        here = [flats is None and _in_dram_here(client, k) for k in pool_keys]
-        runs = [self._runs(d) if h else None for d, h in zip(dests, here, strict=True)]
+        runs = [pages.runs(d, f) for d, f in zip(dests, flats or [None] * len(dests), strict=True)]
+        register = client.registrations > 0  # the client has a transport: reads from peers land in place
+        if register and flats is None:
+            self._register_host(client)
         staged_at = {i: j for j, i in enumerate(i for i, r in enumerate(runs) if r is None)}
-        staged = self._staged(client, len(staged_at), register=client.registrations > 0)
-        buffers = [r if r is not None else staged[staged_at[i]].view(torch.uint8).view(-1) for i, r in enumerate(runs)]
+        staged = self._staged(client, len(staged_at), register=register)
+        buffers = [r if r is not None else _flat(staged[staged_at[i]]) for i, r in enumerate(runs)]
         ok = _read(client, pool_keys, buffers)
         for i, j in staged_at.items():
             if ok[i]:
@@ -229,7 +229,10 @@ class KvPoolStorage(HiCacheStorage):
 
     def _save(self, keys: list[str], host_indices: torch.Tensor | None, flats: list[Any] | None) -> list[bool]:
         """Pages from the host slots (``host_indices``) or flat pages (``flats``) into the pool as ``keys``; a page
-        the pool holds already is not written again."""
+        the pool holds already is not written again.  A page whose bytes lie in runs of at least ``MIN_RUN`` is
+        gathered from them into the pool and checksummed as it lands (one pass over its bytes); one in shorter runs
+        is copied into the staging buffer first.  The pages carry no tensor format: a tier with a codec keeps them
+        raw."""
         if not self.storage_config.is_storage_writer:  # MLA: one rank writes what every rank reads
             return [True] * len(keys)
         started = time.perf_counter()
@@ -240,10 +243,12 @@ class KvPoolStorage(HiCacheStorage):
         pool_keys = self.keys(keys)
         new = [i for i, k in enumerate(pool_keys) if not client.cache.replicas(k)]
         sources = self._dests(pages, keys, host_indices, flats)
-        staged = self._staged(client, len(new))
-        for j, i in enumerate(new):
+        runs = {i: pages.runs(sources[i], None if flats is None else flats[i]) for i in new}
+        staged_at = {i: j for j, i in enumerate(i for i in new if runs[i] is None)}
+        staged = self._staged(client, len(staged_at))
+        for i, j in staged_at.items():
             staged[j].copy_(sources[i])
-        items = [(pool_keys[i], staged[j].view(torch.uint8).view(-1)) for j, i in enumerate(new)]
+        items = [(pool_keys[i], _flat(staged[staged_at[i]]) if runs[i] is None else runs[i]) for i in new]
         try:
             if items:
                 client.put_batch(
@@ -267,29 +272,17 @@ class KvPoolStorage(HiCacheStorage):
         """``pages`` pool objects' room in the reused staging buffer, as ``[pages, 2, layers, page, heads, dim]``."""
         layout = self.pages
         assert layout is not None
+        if not pages:  # nothing to stage: the buffer is neither made nor registered
+            return torch.empty((0, *layout.shape), dtype=layout.dtype)
         buffer = self._staging.get(client, pages * layout.nbytes, register=register)
         return buffer[: pages * layout.nbytes].view(layout.dtype).view(pages, *layout.shape)
 
-    def _runs(self, page: torch.Tensor) -> list[memoryview] | None:
-        """The host page ``page`` (a strided view of the host buffer) as the contiguous runs of host memory its bytes
-        lie in, in its order; None where they are shorter than ``MIN_RUN`` (the staging copy is quicker then)."""
-        kv = self.pages.kv if self.pages is not None else None
-        if kv is None or not kv.is_contiguous():
-            return None
-        if self._host_bytes is None:
-            self._host_bytes = kv.view(-1).view(torch.uint8).numpy().data
-        shape, strides, lead, run = page.shape, page.stride(), page.dim(), 1
-        while lead > 0 and strides[lead - 1] == run:  # the trailing dimensions that are contiguous
-            lead -= 1
-            run *= shape[lead]
-        size = page.element_size()
-        if run * size < MIN_RUN:
-            return None
-        base = (page.storage_offset() - kv.storage_offset()) * size
-        starts = [base]
-        for dim in range(lead):  # the leading dimensions, outermost first: the runs' starts in order
-            starts = [s + i * strides[dim] * size for s in starts for i in range(shape[dim])]
-        return [self._host_bytes[s : s + run * size] for s in starts]
+    def _register_host(self, client: Any) -> None:
+        """The host buffer registered with the client's transport, once: pages read from peers then land in their
+        host slots without a staging copy (SGLang's host pool lives as long as the server)."""
+        if not self._host_registered and self.pages is not None and self.pages.kv.is_contiguous():
+            client.register_buffer(self.pages.host_bytes)
+            self._host_registered = True
 
     def _dests(
         self, pages: PageLayout, keys: list[str], host_indices: torch.Tensor | None, flats: list[Any] | None
@@ -339,12 +332,15 @@ class KvPoolStorage(HiCacheStorage):
         if client is not None:
             self.counts.report(client)
             self._staging.close(client)
+            if self._host_registered and self.pages is not None:
+                client.unregister_buffer(self.pages.host_bytes)
+                self._host_registered = False
         self.connection.close()
 
 
-def _in_dram_here(client: Any, key: bytes) -> bool:
-    """Whether this node's pool node holds ``key`` in DRAM (the watch cache's view: the read checks it again)."""
-    return any(p.node == client.node_id and p.tier is Tier.DRAM for p in client.cache.replicas(key))
+def _flat(page: torch.Tensor) -> torch.Tensor:
+    """A staged page as flat bytes (a put of them carries no tensor format, as a put of the runs does not)."""
+    return page.view(torch.uint8).view(-1)
 
 
 def _read(client: Any, keys: list[bytes], buffers: list[Any]) -> list[bool]:

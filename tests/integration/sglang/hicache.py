@@ -122,17 +122,17 @@ def storage_config(
 
 @contextlib.contextmanager
 def attached(
-    group: Any, extra: dict[str, Any], layout: str = "page_first", *, mla: bool = False
+    group: Any, extra: dict[str, Any], layout: str = "page_first", *, mla: bool = False, **dims: int
 ) -> Iterator[HiCacheController]:
-    """A controller over its own MHA (``mla``: MLA) host pool in ``layout`` with the pool as its L3 (``interface_v1``:
-    the zero-copy calls), detached and its backend closed on leaving."""
+    """A controller over its own MHA (``mla``: MLA) host pool in ``layout`` (``dims``: as :func:`pools` takes them)
+    with the pool as its L3 (``interface_v1``: the zero-copy calls), detached and its backend closed on leaving."""
     import threading
 
     import torch
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
-    dev, host = mla_pools(layout) if mla else pools(layout)
+    dev, host = mla_pools(layout, **dims) if mla else pools(layout, **dims)
     allocator = PagedTokenToKVPoolAllocator(dev.size, PAGE, torch.bfloat16, "cpu", dev, need_sort=False)
     ctrl = HiCacheController(
         allocator,

@@ -1,7 +1,9 @@
 """Two SGLang instances on two Ray nodes, each a real ``HiCacheController`` with its own host pool and
 ``KvPoolStorage`` in its own process: the pages one instance's backup thread saves, the other's prefetch threads find
 and load from the pool over the transfer engine (one-sided reads from the first node's pool node; no KV byte through
-Ray), bytes equal."""
+Ray), bytes equal.  The writer's ``page_first`` pages go through its staging buffer (their runs are short); the
+reader's ``page_first_direct`` pages land in their host slots themselves: the first prefetch through the client's
+staging buffer and one checked copy, the next (the host buffer registered by then) by READs into the slots."""
 
 import contextlib
 import hashlib
@@ -23,6 +25,9 @@ sglang_module("sglang.srt.mem_cache.hicache_storage")  # a skip where SGLang is 
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
 TOKENS = list(range(300, 300 + 8 * PAGE))
+#: heads and head size of both instances' host pools: page_first_direct pages of PAGE tokens lie in runs of 24 KiB
+#: (at least MIN_RUN), so the reader's move straight into its host slots
+DIMS = {"heads": 8, "dim": 128}
 
 
 def digests(pages: list[torch.Tensor]) -> list[str]:
@@ -39,7 +44,7 @@ class Instance:
         sglang_module("sglang.srt.mem_cache.hicache_storage")  # this worker's torchvision, as the driver's
         self.node = ray.get_runtime_context().get_node_id()
         self.stack = contextlib.ExitStack()
-        self.ctrl = self.stack.enter_context(attached(tp_group(), extra, layout))
+        self.ctrl = self.stack.enter_context(attached(tp_group(), extra, layout, **DIMS))
 
     def back_up(self, tokens: list[int]) -> tuple[int, list[str], set[str], str]:
         """Back ``tokens`` up through the backup thread: the tokens it saved, the pages' digests, the nodes that hold
@@ -50,9 +55,15 @@ class Instance:
         held = {p.node for k in keys for p in store.connection.connected.cache.replicas(k)}
         return done, digests(saved), held, self.node
 
-    def prefetch(self, tokens: list[int]) -> tuple[list[str], str]:
+    def prefetch(self, tokens: list[int], req: str) -> tuple[list[str], str]:
         """Prefetch ``tokens`` through the prefetch threads: the digests of the pages that came, and this node's id."""
-        return digests(prefetch(self.ctrl, tokens, "req-1")), self.node
+        return digests(prefetch(self.ctrl, tokens, req)), self.node
+
+    def staged(self) -> tuple[bool, bool]:
+        """Whether the backend made its staging buffer, and whether its host buffer is registered with the
+        transport."""
+        store = self.ctrl.storage_backend
+        return store._staging._buffer is not None, store._host_registered
 
     def close(self) -> None:
         self.stack.close()
@@ -69,13 +80,17 @@ def test_one_instance_backs_up_another_prefetches_on_another_node(
         Instance.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False), runtime_env={"env_vars": env}
         ).remote(extra, layout)
-        for node, layout in ((a, "page_first"), (b, "page_head"))
+        for node, layout in ((a, "page_first"), (b, "page_first_direct"))
     )
     try:
         done, saved, held, node = ray.get(writer.back_up.remote(TOKENS), timeout=180)
         assert node == a and done == len(TOKENS) and held == {a}  # saved on the writer's node only
-        got, node = ray.get(reader.prefetch.remote(TOKENS), timeout=180)
+        assert ray.get(writer.staged.remote(), timeout=60)[0]  # page_first's runs are short: staged
+        got, node = ray.get(reader.prefetch.remote(TOKENS, "req-1"), timeout=180)
         assert node == b and got == saved
+        got, _ = ray.get(reader.prefetch.remote(TOKENS, "req-2"), timeout=180)  # READs into the registered host pool
+        assert got == saved
+        assert ray.get(reader.staged.remote(), timeout=60) == (False, True)  # no page through the staging copy
     finally:
         ray.get([writer.close.remote(), reader.close.remote()], timeout=60)
         ray.kill(writer)
