@@ -74,7 +74,8 @@ class KvPoolStorage(HiCacheStorage):
         self._batches: dict[str, list[float]] = {k: [] for k in _METRICS}
         self._batches_lock = threading.Lock()
         self._staging = HostStaging()
-        self._host_registered = False  #: the host buffer is registered with the client's transport
+        #: the host buffer registered with the client's transport (None: not tried yet; False: that failed)
+        self._host_registered: bool | None = None
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvpool-hicache-io")
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -209,7 +210,7 @@ class KvPoolStorage(HiCacheStorage):
         dests = self._dests(pages, keys, host_indices, flats)
         runs = [pages.runs(d, f) for d, f in zip(dests, flats or [None] * len(dests), strict=True)]
         register = client.registrations > 0  # the client has a transport: reads from peers land in place
-        if register and flats is None:
+        if register and flats is None and any(r is not None for r in runs):
             self._register_host(client)
         staged_at = {i: j for j, i in enumerate(i for i, r in enumerate(runs) if r is None)}
         staged = self._staged(client, len(staged_at), register=register)
@@ -280,9 +281,14 @@ class KvPoolStorage(HiCacheStorage):
     def _register_host(self, client: Any) -> None:
         """The host buffer registered with the client's transport, once: pages read from peers then land in their
         host slots without a staging copy (SGLang's host pool lives as long as the server)."""
-        if not self._host_registered and self.pages is not None and self.pages.kv.is_contiguous():
+        if self._host_registered is not None or self.pages is None:
+            return
+        try:
             client.register_buffer(self.pages.host_bytes)
             self._host_registered = True
+        except KvPoolError as exc:  # not tried again: peer reads land in the client's staging, one checked copy on
+            log.warning("kvpool: host KV buffer not registered with the transport (%s); peer reads go via staging", exc)
+            self._host_registered = False
 
     def _dests(
         self, pages: PageLayout, keys: list[str], host_indices: torch.Tensor | None, flats: list[Any] | None
@@ -334,7 +340,7 @@ class KvPoolStorage(HiCacheStorage):
             self._staging.close(client)
             if self._host_registered and self.pages is not None:
                 client.unregister_buffer(self.pages.host_bytes)
-                self._host_registered = False
+            self._host_registered = None
         self.connection.close()
 
 
