@@ -112,47 +112,50 @@ class ClientStats:
         yield from self._engine_metrics(node_id)
 
     def _engine_metrics(self, node_id: str) -> Iterator[Metric]:
-        tokens = CounterMetricFamily(
-            "kvpool_engine_tokens",
-            "Prompt tokens an engine's KV connector on this node looked up, hit, loaded or saved",
-            labels=["node", "kind"],
-        )
-        for kind in ("lookup", "hit", "loaded", "saved"):
-            tokens.add_metric([node_id, kind], self.engine.get(f"{kind}_tokens", 0))
-        moved = CounterMetricFamily(
-            "kvpool_engine_bytes",
-            "KV bytes an engine's connector moved into or out of its paged cache",
-            labels=["node", "direction"],
-        )
-        seconds = CounterMetricFamily(
-            "kvpool_engine_seconds",
-            "Seconds an engine's connector spent loading or saving (its I/O thread)",
-            labels=["node", "direction"],
-        )
-        errors = CounterMetricFamily(
-            "kvpool_engine_errors",
-            "Chunks an engine's connector could not load (recomputed) or save batches it dropped",
-            labels=["node", "direction"],
-        )
-        for direction, past in (("load", "loaded"), ("save", "saved")):
-            moved.add_metric([node_id, direction], self.engine.get(f"{past}_bytes", 0))
-            seconds.add_metric([node_id, direction], self.engine.get(f"{direction}_seconds", 0))
-            errors.add_metric([node_id, direction], self.engine.get(f"{direction}_errors", 0))
-        prefetches = CounterMetricFamily(
-            "kvpool_engine_prefetches",
-            "Prefetches requests asked an engine's connector on this node for, by result",
-            labels=["node", "result"],
-        )
-        for result in PREFETCH_RESULTS:
-            prefetches.add_metric([node_id, result], self.engine.get(f"prefetch_{result}", 0))
-        prefetched = CounterMetricFamily(
-            "kvpool_engine_prefetched_objects",
-            "Objects an engine's prefetches brought into this node's DRAM: promoted from its NVMe, or copied",
-            labels=["node", "how"],
-        )
-        for how in PREFETCH_MOVES:
-            prefetched.add_metric([node_id, how], self.engine.get(f"prefetch_{how}", 0))
-        yield from (tokens, moved, seconds, errors, prefetches, prefetched)
+        directions = (("load", "loaded"), ("save", "saved"))
+        families = [  # (name, help, label, (label value, the engine count it shows) ...)
+            (
+                "kvpool_engine_tokens",
+                "Prompt tokens an engine's KV connector on this node looked up, hit, loaded or saved",
+                "kind",
+                [(kind, f"{kind}_tokens") for kind in ("lookup", "hit", "loaded", "saved")],
+            ),
+            (
+                "kvpool_engine_bytes",
+                "KV bytes an engine's connector moved into or out of its paged cache",
+                "direction",
+                [(d, f"{past}_bytes") for d, past in directions],
+            ),
+            (
+                "kvpool_engine_seconds",
+                "Seconds an engine's connector spent loading or saving (its I/O thread)",
+                "direction",
+                [(d, f"{d}_seconds") for d, _ in directions],
+            ),
+            (
+                "kvpool_engine_errors",
+                "Chunks an engine's connector could not load (recomputed) or save batches it dropped",
+                "direction",
+                [(d, f"{d}_errors") for d, _ in directions],
+            ),
+            (
+                "kvpool_engine_prefetches",
+                "Prefetches requests asked an engine's connector on this node for, by result",
+                "result",
+                [(r, f"prefetch_{r}") for r in PREFETCH_RESULTS],
+            ),
+            (
+                "kvpool_engine_prefetched_objects",
+                "Objects an engine's prefetches brought into this node's DRAM: promoted from its NVMe, or copied",
+                "how",
+                [(how, f"prefetch_{how}") for how in PREFETCH_MOVES],
+            ),
+        ]
+        for name, doc, label, values in families:
+            family = CounterMetricFamily(name, doc, labels=["node", label])
+            for value, count in values:
+                family.add_metric([node_id, value], self.engine.get(count, 0))
+            yield family
 
 
 class StatsReporter:

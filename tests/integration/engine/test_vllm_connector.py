@@ -145,6 +145,15 @@ def check_prefetch_hint(b: Any, client: PoolClient, keys: list[list[bytes]], wan
 # -- without an engine: the worker side's byte moves, and the extra config ----------------------------------------
 
 
+def step_loads(side: WorkerSide, meta: KvPoolMetadata) -> set[int]:
+    """One step of ``meta``'s loads through the worker side, every layer waited for; the blocks that failed to load."""
+    side.start_step(meta)
+    for name in side.layers:
+        side.wait_layer(name)
+    side.end_step(meta)
+    return side.take_load_errors()
+
+
 def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: PoolConfig) -> None:
     """Save three chunks of paged KV (vLLM's CPU layout, blocks scattered) and load them into other blocks of
     another cache: byte-exact, layer by layer; blocks of vLLM's own prefix hits are left alone; a chunk missing
@@ -174,11 +183,7 @@ def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: 
     loader.register(dst)
     # chunk 0 is a prefix-cache hit of the engine (blocks 1, 3); chunks 1-2 come from the pool
     load = KvPoolMetadata(loads=[Transfer("r2", tokens[:192], 1, 3, [[1, 3, 4, 5, 8, 9]], write_from=2)])
-    loader.start_step(load)
-    for name in dst:
-        loader.wait_layer(name)
-    loader.end_step(load)
-    assert loader.take_load_errors() == set()
+    assert step_loads(loader, load) == set()
     for name in src:
         assert torch.equal(dst[name][[4, 5, 8, 9]], src[name][[9, 11, 0, 7]])
         assert not dst[name][[1, 3]].any()  # never written
@@ -187,11 +192,7 @@ def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: 
     other = WorkerSide(config, identity, groups, blocks)
     other.register(dst2)
     mid = KvPoolMetadata(loads=[Transfer("r3", tokens[:192], 1, 3, [[1, 3, 12, 13, NULL_BLOCK, 14]], write_from=3)])
-    other.start_step(mid)
-    for name in dst2:
-        other.wait_layer(name)
-    other.end_step(mid)
-    assert other.take_load_errors() == set()
+    assert step_loads(other, mid) == set()
     for name in src:
         assert torch.equal(dst2[name][[13, 14]], src[name][[11, 7]])
         assert not dst2[name][[NULL_BLOCK, 12]].any()
@@ -202,11 +203,7 @@ def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: 
     saved = [layer_key(k, layer) for k in chunk_keys(identity, tokens) for layer in range(len(src))]
     assert {p.identity for k in saved for p in client.cache.replicas(k)} == {fingerprint(identity)}  # for events
     client.remove(layer_key(chunk_keys(identity, tokens)[2], 1))  # chunk 2 of layer 1 is gone
-    loader.start_step(load)
-    for name in dst:
-        loader.wait_layer(name)
-    loader.end_step(load)
-    assert loader.take_load_errors() == {8, 9} and loader.counts.totals["load_errors"] == 2
+    assert step_loads(loader, load) == {8, 9} and loader.counts.totals["load_errors"] == 2
     saver.close()
     loader.close()
 
