@@ -222,7 +222,8 @@ class PoolClient:
         one call releases them.  Anything that does not come back intact goes through :meth:`get_into`
         (next replica, corrupt replicas dropped).  ``on_done(i)`` is called as soon as ``keys[i]`` is in
         its buffer, verified — same-node copies stream, so a caller can start on the first chunks early.  A buffer may
-        be a list of buffers, one chunk spread over them in order: a same-node copy lands there directly."""
+        be a list of buffers, one chunk spread over them in order (a run of KV blocks): a same-node copy lands there
+        directly, and so do READs from a peer into buffers registered with :meth:`register_buffer`."""
         if len(keys) != len(buffers):
             raise ConfigError(f"{len(keys)} keys but {len(buffers)} buffers: pass one buffer per key")
         started = time.perf_counter()
