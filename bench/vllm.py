@@ -97,6 +97,15 @@ def ttft(
     return statistics.median(seconds), cached
 
 
+def from_pool(engine: EngineProcess, prompts: list[list[int]]) -> tuple[float, int, str]:
+    """:func:`ttft` of ``prompts`` after ``reset_prefix_cache`` (so the connector loads them), and a note of the
+    connector's own load time per prompt (its I/O thread's, from its counts): the rest of a TTFT is the engine's."""
+    before = engine.ask(connector=True)["totals"].get("load_seconds", 0.0)
+    seconds, cached = ttft(engine, prompts, reset=True)
+    spent = (engine.ask(connector=True)["totals"].get("load_seconds", 0.0) - before) / len(prompts)
+    return seconds, cached, f"the connector's load: {spent * 1e3:.0f} ms"
+
+
 @dataclass
 class Cases:
     """The rows of one run, and fresh prompts (never seen by any engine) for each case."""
@@ -181,7 +190,7 @@ def kvpool_cases(
         wait_saved(a, len(warm) * (cases.tokens // extra["chunk_size"]) * extra["chunk_size"])  # then B is fresh
     with EngineProcess({**settings, "connector": {**extra, "node_ip": "127.0.0.2"}}, work / "b.log") as b:
         ttft(b, [prompt(997, 64)])
-        cases.add("kvpool: restart, same node", *ttft(b, warm, reset=True))
+        cases.add("kvpool: restart, same node", *from_pool(b, warm))
         nvme_cases(b, pool, ids[0], cases)
         pd = cases.fresh()
         producer = {**settings, "role": "kv_producer", "connector": {**extra, "node_ip": "127.0.0.3"}}
@@ -190,9 +199,9 @@ def kvpool_cases(
             cases.add("kvpool: P/D producer, cold + save (kv_producer)", *ttft(p, pd))
         # B's first read from the producer's node, then the steady state
         where = f"prefill {ids[1][:8]}, decode {ids[0][:8]}"
-        cases.add(f"kvpool: P/D first request ({where})", *ttft(b, pd[:1], reset=True))
+        cases.add(f"kvpool: P/D first request ({where})", *from_pool(b, pd[:1]))
         if pd[1:]:
-            cases.add("kvpool: P/D, later requests", *ttft(b, pd[1:], reset=True))
+            cases.add("kvpool: P/D, later requests", *from_pool(b, pd[1:]))
         totals = b.ask(connector=True)["totals"]
         if totals.get("load_errors"):
             console.print(f"[yellow]  {int(totals['load_errors'])} blocks failed to load and were recomputed[/]")
@@ -255,12 +264,7 @@ def family_cases(families: list[str], extra: dict[str, Any], work: Path, cases: 
             wait_saved(a, len(prompts) * (tokens // extra["chunk_size"]) * extra["chunk_size"])
         with EngineProcess({**settings, "connector": connector}, work / f"{name}-b.log") as b:
             ttft(b, [prompt(994, 64)])
-            before = b.ask(connector=True)["totals"].get("load_seconds", 0.0)
-            seconds, cached = ttft(b, prompts, reset=True)
-            spent = (b.ask(connector=True)["totals"].get("load_seconds", 0.0) - before) / len(prompts)
-            cases.add(
-                f"{name}: restart, same node", seconds, cached, note=f"the connector's load: {spent * 1e3:.0f} ms"
-            )
+            cases.add(f"{name}: restart, same node", *from_pool(b, prompts))
 
 
 def vllm_cases(settings: dict[str, Any], connectors: dict[str, dict[str, Any]], work: Path, cases: Cases) -> None:
