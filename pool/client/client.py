@@ -45,13 +45,13 @@ from kvpool.metadata.lookup import PrefixLookup
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.advisor import AccessLog
-from kvpool.pool.buffers import joined, pieces_of, scatter, tensor_bytes
+from kvpool.pool.buffers import joined, pieces_of, tensor_bytes
 from kvpool.pool.chunks import Fingerprint, Origin
 from kvpool.pool.client.args import Counts, GraceS, MaybeOnDone, NodeId, NodeIds, NodeTier, ReplicaCount, Tensors
 from kvpool.pool.client.device_reads import DeviceReads
 from kvpool.pool.client.peers import Peers, node_record
 from kvpool.pool.client.prefetch import Prefetched, plan
-from kvpool.pool.client.reads import NodeReads, at, settle
+from kvpool.pool.client.reads import NodeReads, at, landed, settle
 from kvpool.pool.client.replicas import Replicas
 from kvpool.pool.client.s3_reads import S3Reads
 from kvpool.pool.client.writes import Item, Rooms, put_local, put_peer, targets
@@ -240,7 +240,7 @@ class PoolClient:
         if in_s3:  # objects come whole: into each chunk's one buffer, or a scratch one scattered into its pieces
             flat = {i: joined(pieces[i]) for i in in_s3}
             got = self.s3.read([nearest[i] for i in in_s3], [flat[i] for i in in_s3])
-            settle(in_s3, got, done, lambda i: self._landed(flat[i], pieces[i], i, on_done))
+            settle(in_s3, got, done, lambda i: landed(flat[i], pieces[i], i, on_done))
         for node_id, idx in by_node.items():
             with contextlib.suppress(NodeUnreachable):  # the holder is gone: get_into tries the next replica
                 called = partial(at, on_done, idx) if on_done is not None else None
@@ -249,7 +249,7 @@ class PoolClient:
             if not done[i]:
                 one = joined(pieces[i])
                 self.replicas.read_any(key, one)
-                self._landed(one, pieces[i], i, on_done)
+                landed(one, pieces[i], i, on_done)
         sizes = [sum(p.nbytes for p in ps) for ps in pieces]
         by_source = dict.fromkeys(SOURCES, 0)
         for size, p in zip(sizes, nearest, strict=True):
@@ -257,13 +257,6 @@ class PoolClient:
         self._stats.seen.get(time.perf_counter() - started, by_source)
         self._stats.report()
         return sizes
-
-    @staticmethod
-    def _landed(one: memoryview, pieces: list[memoryview], i: int, on_done: MaybeOnDone) -> None:
-        """Chunk ``i``, read whole into ``one``: scattered into its pieces, then told."""
-        scatter(one, pieces)
-        if on_done is not None:
-            on_done(i)
 
     @checked
     def get_into_device(self, keys: Sequence[ChunkKey], tensors: Tensors) -> list[int]:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from kvpool.core.types import Placement, Tier
 from kvpool.errors import ChunkNotFound, NodeUnreachable, UndecodableChunk
-from kvpool.pool.buffers import byte_view
+from kvpool.pool.buffers import byte_view, scatter
 from kvpool.pool.chunks import SEGMENT_NAMES, StoredChunk, checksum, checksum_of, copy_checked, short
 from kvpool.pool.client.peers import STAGING_BYTES, Peers, rounds
 from kvpool.pool.protocol import NodeHandle, NodeHandles, NodeInfo
@@ -48,6 +48,13 @@ def settle(idx: list[int], got: list[Outcome], done: list[bool], on_done: Callab
         done[i] = intact is True
         if done[i] and on_done is not None:
             on_done(i)
+
+
+def landed(one: memoryview, pieces: list[memoryview], i: int, on_done: Callable[[int], None] | None) -> None:
+    """Chunk ``i``, read whole into ``one``: scattered into its ``pieces``, then ``on_done`` told."""
+    scatter(one, pieces)
+    if on_done is not None:
+        on_done(i)
 
 
 def at(fn: Callable[[int], None], index: list[int], j: int) -> None:

@@ -5,10 +5,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,101 +19,14 @@ from kvpool.prefill_decode.connector_core.connection import START_WAIT_S, PoolCo
 from kvpool.prefill_decode.connector_core.counts import EngineCounts
 from kvpool.prefill_decode.connector_core.staging import HostStaging
 from kvpool.prefill_decode.connector_core.tenancy import TenantScope
+from kvpool.prefill_decode.vllm.blocks import PagedLayer
 from kvpool.prefill_decode.vllm.config import ConnectorConfig
 from kvpool.prefill_decode.vllm.events import SavedChunks
-from kvpool.prefill_decode.vllm.groups import NULL_BLOCK, KvGroups, PoolLayer
+from kvpool.prefill_decode.vllm.groups import NULL_BLOCK, KvGroups
 from kvpool.prefill_decode.vllm.scheduler import KvPoolMetadata, Transfer
 from kvpool.prefill_decode.vllm.stats import KvPoolStats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Layer:
-    plan: PoolLayer
-    kv: torch.Tensor
-    block_dim: int  #: the dimension of ``kv`` that indexes blocks
-    tail: int  #: blocks of a chunk its objects hold: a chunk's last ``tail`` blocks
-    bpc: int  #: blocks per chunk
-
-    @property
-    def name(self) -> str:
-        return self.plan.name
-
-    @property
-    def index(self) -> int:
-        return self.plan.index
-
-    def positions(self, chunk: int) -> range:
-        """The positions (in a request's block list) of the blocks of ``chunk`` that this layer stores."""
-        return range((chunk + 1) * self.bpc - self.tail, (chunk + 1) * self.bpc)
-
-    def gather(self, ids: list[int]) -> torch.Tensor:
-        """Blocks ``ids`` copied now into a tensor of their own, block-major."""
-        index = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
-        return self.kv.index_select(self.block_dim, index).movedim(self.block_dim, 0).to("cpu").contiguous()
-
-    def blocks(self, ids: list[int], out: torch.Tensor) -> torch.Tensor:
-        """Blocks ``ids`` copied into ``out`` (a host buffer of at least their bytes), block-major:
-        ``[len(ids), *one block]``."""
-        index = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
-        dest = self.view(out, len(ids))
-        if self.block_dim == 0 and self.kv.device == dest.device:
-            torch.index_select(self.kv, 0, index, out=dest)
-        else:
-            dest.copy_(self.kv.index_select(self.block_dim, index).movedim(self.block_dim, 0))
-        return dest
-
-    def view(self, buffer: torch.Tensor, blocks: int) -> torch.Tensor:
-        """The first ``blocks`` blocks' worth of a flat uint8 ``buffer``, as ``[blocks, *one block]`` of our dtype."""
-        return buffer[: blocks * self.block_bytes].view(self.kv.dtype).view(blocks, *self.block_shape)
-
-    @property
-    def direct(self) -> bool:
-        """Whether a chunk's bytes can land straight in the blocks: each block one contiguous run of host memory."""
-        return self.block_dim == 0 and self.kv.device.type == "cpu" and self.kv.is_contiguous()
-
-    def pieces(
-        self, targets: Sequence[Sequence[int | None]], sink: torch.Tensor | None = None
-    ) -> list[list[torch.Tensor]]:
-        """Per chunk, the regions its bytes land in (or, for a save, come from), in order: runs of consecutive blocks
-        of ``kv`` for the blocks ``targets`` names, and for those it does not (``None``: vLLM's own, or the null
-        block) a region of ``sink`` (a flat uint8 buffer of their bytes, each such block a place of its own, so what
-        lands can be verified)."""
-        out: list[list[torch.Tensor]] = []
-        at = 0
-        for blocks in targets:
-            runs: list[tuple[int | None, int]] = []  #: (first block or None for the sink, blocks)
-            for b in blocks:
-                if runs:
-                    first, n = runs[-1]
-                    if (first is None and b is None) or (first is not None and b is not None and b == first + n):
-                        runs[-1] = (first, n + 1)
-                        continue
-                runs.append((b, 1))
-            regions = []
-            for first, n in runs:
-                if first is None:
-                    assert sink is not None, "blocks to skip need a sink"
-                    regions.append(sink[at : at + n * self.block_bytes])
-                    at += n * self.block_bytes
-                else:
-                    regions.append(self.kv[first : first + n])
-            out.append(regions)
-        return out
-
-    def write(self, ids: list[int], data: torch.Tensor) -> None:
-        """Put block-major ``data`` (as :meth:`blocks` gives it) into blocks ``ids``."""
-        index = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
-        self.kv.index_copy_(self.block_dim, index, data.to(self.kv.device).movedim(0, self.block_dim))
-
-    @property
-    def block_shape(self) -> list[int]:
-        return [n for d, n in enumerate(self.kv.shape) if d != self.block_dim]
-
-    @property
-    def block_bytes(self) -> int:
-        return self.kv.numel() // self.kv.shape[self.block_dim] * self.kv.element_size()
 
 
 class WorkerSide:
@@ -136,7 +47,7 @@ class WorkerSide:
         self.writes = writes  #: False: another rank writes this rank's KV (MLA's, the same on every rank)
         self.tenants = TenantScope.load(config.tenants)
         self.bpc = groups.blocks_per_chunk
-        self.layers: dict[str, _Layer] = {}
+        self.layers: dict[str, PagedLayer] = {}
         self.connection = PoolConnection(config)  #: the pool client, made on the I/O thread when first needed
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvpool-connector-io")
         self._layer_ready: dict[str, threading.Event] = {}
@@ -146,7 +57,7 @@ class WorkerSide:
         self._load_staging, self._save_staging = HostStaging(), HostStaging()  #: reused host buffers
         self._kv_registered: list[torch.Tensor] = []  #: vLLM's KV memory, registered with the client's transport
         #: layers to save, taken together by the next _put, with their blocks if already copied out
-        self._queued: list[tuple[_Layer, Transfer, torch.Tensor | None]] = []
+        self._queued: list[tuple[PagedLayer, Transfer, torch.Tensor | None]] = []
         self._whole_ended: set[str] = set()  #: whole-request loads done or failed since :meth:`loaded`
         self._whole_failed: set[str] = set()
         self._unsaved: dict[str, int] = {}  #: per request, queued layer saves not yet put
@@ -168,7 +79,7 @@ class WorkerSide:
                     f"KvPoolConnector: layer {plan.name}'s KV tensor {tuple(kv.shape)} has no dimension of "
                     f"{self.num_blocks} blocks; this attention backend's layout is not supported"
                 )
-            self.layers[plan.name] = _Layer(plan, kv, dims[0], self.groups.tail(plan), self.bpc)
+            self.layers[plan.name] = PagedLayer(plan, kv, dims[0], self.groups.tail(plan), self.bpc)
         # connect now (Ray, etcd, the transport), not in the first request's step: the engine starts connected
         with contextlib.suppress(FutureTimeout):
             self._io.submit(self.connection.client).result(timeout=START_WAIT_S)
@@ -250,7 +161,7 @@ class WorkerSide:
             self.counts.miss(MissCause.READ_FAILED, sum(1 for bad in failed if bad))
         return failed
 
-    def _load_layer(self, client: Any, layer: _Layer, t: Transfer, keys: list[bytes], bad: set[int]) -> int:
+    def _load_layer(self, client: Any, layer: PagedLayer, t: Transfer, keys: list[bytes], bad: set[int]) -> int:
         """Load one layer of ``t``'s chunks (of a sliding window's, those inside the window of ``t``'s end) into the
         paged blocks from ``write_from`` on (never vLLM's own blocks before it, never the null block); the indices of
         chunks that did not come are added to ``bad`` (what landed of them in their blocks is reported with them, as
@@ -345,7 +256,7 @@ class WorkerSide:
                     self._unsaved[t.req_id] += 1
                     self.saved.queued(t)
 
-    def _save_ids(self, layer: _Layer, t: Transfer) -> list[int]:
+    def _save_ids(self, layer: PagedLayer, t: Transfer) -> list[int]:
         """The blocks ``layer`` stores of ``t``'s chunks, chunk after chunk."""
         ids = t.block_ids[layer.plan.group]
         return [ids[p] for c in range(t.first, t.end) for p in layer.positions(c)]
