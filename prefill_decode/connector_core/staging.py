@@ -36,6 +36,11 @@ class HostStaging:
             self._registered = True
         return buffer
 
+    @property
+    def nbytes(self) -> int:
+        """The buffer's size now (0 before the first :meth:`get`, or if nothing ever needed staging)."""
+        return 0 if self._buffer is None else self._buffer.numel()
+
     def close(self, client: Registrar) -> None:
         """Unregister and drop the buffer (the next :meth:`get` makes a new one)."""
         if self._buffer is not None and self._registered:
