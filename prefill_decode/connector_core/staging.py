@@ -1,8 +1,14 @@
 """One reusable host staging buffer: KV bytes pass through it between an engine's cache and the pool."""
 
+import logging
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
+
+from kvpool.errors import KvPoolError
+
+log = logging.getLogger(__name__)
 
 
 class Registrar(Protocol):
@@ -46,3 +52,36 @@ class HostStaging:
         if self._buffer is not None and self._registered:
             client.unregister_buffer(self._buffer)
         self._buffer, self._registered = None, False
+
+
+class EngineMemory:
+    """An engine's own KV memory (vLLM's KV tensors, SGLang's host pool) registered with a pool client's transport,
+    once: reads from other nodes then land in it with no staging copy.  A registration that fails is logged and not
+    tried again (those reads go through the client's staging buffer, one checked copy on)."""
+
+    def __init__(self) -> None:
+        self._buffers: list[Any] | None = None  #: None: not tried yet
+
+    def register(self, client: Registrar, buffers: Callable[[], Iterable[Any]]) -> None:
+        """Register ``buffers()`` with ``client`` unless this was tried before."""
+        if self._buffers is not None:
+            return
+        self._buffers = []
+        try:
+            for buffer in buffers():
+                client.register_buffer(buffer)
+                self._buffers.append(buffer)
+        except KvPoolError as exc:
+            log.warning(
+                "kvpool: engine KV memory not registered with the transport (%s); peer reads go via staging", exc
+            )
+
+    @property
+    def registered(self) -> bool:
+        return bool(self._buffers)
+
+    def close(self, client: Registrar) -> None:
+        """Unregister what was registered (a later :meth:`register` registers again)."""
+        for buffer in self._buffers or []:
+            client.unregister_buffer(buffer)
+        self._buffers = None

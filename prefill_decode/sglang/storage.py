@@ -40,7 +40,7 @@ from kvpool.metadata.lookup import PrefixLookup
 from kvpool.metadata.misses import MissCause
 from kvpool.prefill_decode.connector_core.connection import PoolConnection
 from kvpool.prefill_decode.connector_core.counts import EngineCounts
-from kvpool.prefill_decode.connector_core.staging import HostStaging
+from kvpool.prefill_decode.connector_core.staging import EngineMemory, HostStaging
 from kvpool.prefill_decode.connector_core.tenancy import TenantScope
 from kvpool.prefill_decode.sglang.config import StorageConfig
 from kvpool.prefill_decode.sglang.pages import PageLayout, page_key
@@ -75,7 +75,7 @@ class KvPoolStorage(HiCacheStorage):
         self._batches_lock = threading.Lock()
         self._staging = HostStaging()
         #: the host buffer registered with the client's transport (None: not tried yet; False: that failed)
-        self._host_registered: bool | None = None
+        self._host = EngineMemory()  #: the host buffer, registered with the client's transport (pages land in slots)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvpool-hicache-io")
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -211,7 +211,7 @@ class KvPoolStorage(HiCacheStorage):
         runs = [pages.runs(d, f) for d, f in zip(dests, flats or [None] * len(dests), strict=True)]
         register = client.registrations > 0  # the client has a transport: reads from peers land in place
         if register and flats is None and any(r is not None for r in runs):
-            self._register_host(client)
+            self._host.register(client, lambda: [] if self.pages is None else [self.pages.host_bytes])
         staged_at = {i: j for j, i in enumerate(i for i, r in enumerate(runs) if r is None)}
         staged = self._staged(client, len(staged_at), register=register)
         buffers = [r if r is not None else _flat(staged[staged_at[i]]) for i, r in enumerate(runs)]
@@ -278,18 +278,6 @@ class KvPoolStorage(HiCacheStorage):
         buffer = self._staging.get(client, pages * layout.nbytes, register=register)
         return buffer[: pages * layout.nbytes].view(layout.dtype).view(pages, *layout.shape)
 
-    def _register_host(self, client: Any) -> None:
-        """The host buffer registered with the client's transport, once: pages read from peers then land in their
-        host slots without a staging copy (SGLang's host pool lives as long as the server)."""
-        if self._host_registered is not None or self.pages is None:
-            return
-        try:
-            client.register_buffer(self.pages.host_bytes)
-            self._host_registered = True
-        except KvPoolError as exc:  # not tried again: peer reads land in the client's staging, one checked copy on
-            log.warning("kvpool: host KV buffer not registered with the transport (%s); peer reads go via staging", exc)
-            self._host_registered = False
-
     def _dests(
         self, pages: PageLayout, keys: list[str], host_indices: torch.Tensor | None, flats: list[Any] | None
     ) -> list[torch.Tensor]:
@@ -338,9 +326,7 @@ class KvPoolStorage(HiCacheStorage):
         if client is not None:
             self.counts.report(client)
             self._staging.close(client)
-            if self._host_registered and self.pages is not None:
-                client.unregister_buffer(self.pages.host_bytes)
-            self._host_registered = None
+            self._host.close(client)
         self.connection.close()
 
 

@@ -17,7 +17,7 @@ from kvpool.metadata.identities import fingerprint
 from kvpool.metadata.misses import MissCause
 from kvpool.prefill_decode.connector_core.connection import START_WAIT_S, PoolConnection
 from kvpool.prefill_decode.connector_core.counts import EngineCounts
-from kvpool.prefill_decode.connector_core.staging import HostStaging
+from kvpool.prefill_decode.connector_core.staging import EngineMemory, HostStaging
 from kvpool.prefill_decode.connector_core.tenancy import TenantScope
 from kvpool.prefill_decode.vllm.blocks import PagedLayer
 from kvpool.prefill_decode.vllm.config import ConnectorConfig
@@ -55,7 +55,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._errors_lock = threading.Lock()
         self._load_staging, self._save_staging = HostStaging(), HostStaging()  #: reused host buffers
-        self._kv_registered: list[torch.Tensor] = []  #: vLLM's KV memory, registered with the client's transport
+        self._kv = EngineMemory()  #: vLLM's KV memory, registered with the client's transport
         #: layers to save, taken together by the next _put, with their blocks if already copied out
         self._queued: list[tuple[PagedLayer, Transfer, torch.Tensor | None]] = []
         self._whole_ended: set[str] = set()  #: whole-request loads done or failed since :meth:`loaded`
@@ -175,7 +175,8 @@ class WorkerSide:
         register = client.registrations > 0  # the client has a transport: reads from other nodes land in place
         lkeys = [layer_key(keys[c - t.first], layer.index) for c in chunks]
         if layer.direct:
-            self._register_kv(client, register)
+            if register:
+                self._kv.register(client, self._kv_memory)
             sink_blocks = sum(b is None for blocks in targets for b in blocks)
             sink = self._load_staging.get(
                 client, sink_blocks * layer.block_bytes, register=register and sink_blocks > 0
@@ -212,14 +213,10 @@ class WorkerSide:
                 except KvPoolError:
                     bad.add(c)
 
-    def _register_kv(self, client: Any, register: bool) -> None:
-        """The KV tensors' memory registered with the client's transport, once (reads from peers land in blocks)."""
-        if not register or self._kv_registered:
-            return
-        for kv in {layer.kv.untyped_storage().data_ptr(): layer.kv for layer in self.layers.values()}.values():
-            flat = torch.empty(0, dtype=torch.uint8).set_(kv.untyped_storage())
-            client.register_buffer(flat)
-            self._kv_registered.append(flat)
+    def _kv_memory(self) -> list[torch.Tensor]:
+        """vLLM's KV memory as flat byte tensors, one per storage (layers of several groups may share one)."""
+        storages = {layer.kv.untyped_storage().data_ptr(): layer.kv for layer in self.layers.values()}
+        return [torch.empty(0, dtype=torch.uint8).set_(kv.untyped_storage()) for kv in storages.values()]
 
     def _blocks_of(self, t: Transfer, bad: set[int]) -> list[int]:
         bpc = self.bpc
@@ -369,6 +366,5 @@ class WorkerSide:
             self._report()
             self._load_staging.close(self.client)
             self._save_staging.close(self.client)
-            for flat in self._kv_registered:
-                self.client.unregister_buffer(flat)
+            self._kv.close(self.client)
         self.connection.close()

@@ -6,13 +6,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kvpool.core.types import DropCause, Placement, Tier, Tombstone, nearest
+from kvpool.errors import TransferError
 from kvpool.metadata.lookup import Hit, PrefixLookup
 from kvpool.metadata.misses import MissCause
 from kvpool.pool.tenants import new_secret
 from kvpool.prefill_decode.connector_core.counts import EngineCounts
-from kvpool.prefill_decode.connector_core.staging import HostStaging
+from kvpool.prefill_decode.connector_core.staging import EngineMemory, HostStaging
 from kvpool.prefill_decode.connector_core.tenancy import TenantScope
 
 
@@ -105,6 +107,23 @@ def test_staging_grows_by_doubling_and_registers_once_per_buffer() -> None:
     assert staging.get(client, 500).numel() == 500 and client.registered == []  # grown past double: what is asked
     staging.close(client)
     assert client.registered == []
+
+
+def test_engine_memory_is_registered_once_and_a_failed_registration_is_not_tried_again() -> None:
+    client, memory, kv = FakeClient(), EngineMemory(), torch.zeros(64, dtype=torch.uint8)
+    memory.register(client, lambda: [kv])
+    memory.register(client, lambda: [kv])
+    assert client.registered == [kv.data_ptr()] and memory.registered
+    memory.close(client)
+    assert client.registered == [] and not memory.registered
+
+    def refused() -> list[torch.Tensor]:
+        raise TransferError("the transport cannot register this memory")
+
+    failed = EngineMemory()
+    failed.register(client, refused)
+    failed.register(client, lambda: [kv])  # not tried again: peer reads go through the client's staging
+    assert client.registered == [] and not failed.registered
 
 
 def test_a_tenant_scope_names_the_tenant_and_its_chain(tmp_path: Path) -> None:

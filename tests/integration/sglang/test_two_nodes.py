@@ -63,7 +63,7 @@ class Instance:
         """Whether the backend made its staging buffer, and whether its host buffer is registered with the
         transport."""
         store = self.ctrl.storage_backend
-        return store._staging._buffer is not None, store._host_registered
+        return store._staging._buffer is not None, store._host.registered
 
     def close(self) -> None:
         self.stack.close()
