@@ -17,12 +17,13 @@ from kvpool.metadata.identities import fingerprint
 from kvpool.metadata.misses import MissCause
 from kvpool.prefill_decode.connector_core.connection import START_WAIT_S, PoolConnection
 from kvpool.prefill_decode.connector_core.counts import EngineCounts
-from kvpool.prefill_decode.connector_core.staging import EngineMemory, HostStaging
+from kvpool.prefill_decode.connector_core.staging import HostStaging
 from kvpool.prefill_decode.connector_core.tenancy import TenantScope
 from kvpool.prefill_decode.vllm.blocks import PagedLayer
 from kvpool.prefill_decode.vllm.config import ConnectorConfig
 from kvpool.prefill_decode.vllm.events import SavedChunks
 from kvpool.prefill_decode.vllm.groups import NULL_BLOCK, KvGroups
+from kvpool.prefill_decode.vllm.loads import BlockLoads
 from kvpool.prefill_decode.vllm.scheduler import KvPoolMetadata, Transfer
 from kvpool.prefill_decode.vllm.stats import KvPoolStats
 
@@ -54,8 +55,8 @@ class WorkerSide:
         self._load: Future[None] | None = None
         self._load_errors: set[int] = set()
         self._errors_lock = threading.Lock()
-        self._load_staging, self._save_staging = HostStaging(), HostStaging()  #: reused host buffers
-        self._kv = EngineMemory()  #: vLLM's KV memory, registered with the client's transport
+        self._save_staging = HostStaging()  #: a reused host buffer (off the CPU: blocks are gathered into it)
+        self.blocks = BlockLoads(groups, self.layers)  #: loads into the blocks (and vLLM's KV memory registered)
         #: layers to save, taken together by the next _put, with their blocks if already copied out
         self._queued: list[tuple[PagedLayer, Transfer, torch.Tensor | None]] = []
         self._whole_ended: set[str] = set()  #: whole-request loads done or failed since :meth:`loaded`
@@ -115,7 +116,8 @@ class WorkerSide:
         """Load ``loads`` layer by layer, each layer's event set once it is in; blocks of chunks that did not come
         are reported by :meth:`take_load_errors` (vLLM recomputes from there)."""
         try:
-            failed = self._load_layers(loads, lambda layer: self._layer_ready[layer.name].set())
+            whole = any(t.whole_before_forward for t in loads)  # the forward waits for all of it
+            failed = self._load_layers(loads, lambda layer: self._layer_ready[layer.name].set(), at_once=whole)
             errors = {b for t, bad in zip(loads, failed, strict=True) for b in self._blocks_of(t, bad)}
             with self._errors_lock:
                 self._load_errors |= errors
@@ -130,7 +132,7 @@ class WorkerSide:
         computes the request from its start)."""
         failed: list[set[int]] = [set(range(t.first, t.end)) for t in loads]
         try:
-            failed = self._load_layers(loads, lambda layer: None)
+            failed = self._load_layers(loads, lambda layer: None, at_once=True)
             self.counts.add(load_errors=sum(len(self._blocks_of(t, bad)) for t, bad in zip(loads, failed, strict=True)))
         finally:
             with self._errors_lock:
@@ -138,19 +140,28 @@ class WorkerSide:
                 self._whole_failed |= {t.req_id for t, bad in zip(loads, failed, strict=True) if bad}
             self._report()
 
-    def _load_layers(self, loads: list[Transfer], layer_loaded: Any) -> list[set[int]]:
-        """Every layer of ``loads``, ``layer_loaded(layer)`` after each; per load, the chunks that did not come."""
+    def _load_layers(self, loads: list[Transfer], layer_loaded: Any, at_once: bool = False) -> list[set[int]]:
+        """Every layer of ``loads``, ``layer_loaded(layer)`` after each; per load, the chunks that did not come.
+        ``at_once``: nothing waits for a layer before the others (the forward waits for the whole load, or vLLM for
+        the request's): every layer's chunks in one batch (one round of node calls and transfers, not one a layer)."""
         started = time.perf_counter()
         loaded_bytes = 0
         client = self.connection.client()
         keys = [self._keys(t) if client else [] for t in loads]
         failed: list[set[int]] = [set() for _ in loads]  #: chunk indices that did not arrive, per request
-        for layer in self.layers.values():
-            for t, ks, bad in zip(loads, keys, failed, strict=True):
-                if client is None:
+        jobs = [
+            [(layer, t, ks, bad) for t, ks, bad in zip(loads, keys, failed, strict=True)]
+            for layer in self.layers.values()
+        ]
+        one_batch = client is not None and at_once and all(layer.direct for layer in self.layers.values())
+        if one_batch:
+            loaded_bytes = self.blocks.load(client, [job for layer_jobs in jobs for job in layer_jobs])
+        for layer, layer_jobs in zip(self.layers.values(), jobs, strict=True):
+            if client is None:
+                for t, bad in zip(loads, failed, strict=True):
                     bad.update(range(t.first, t.end))
-                    continue
-                loaded_bytes += self._load_layer(client, layer, t, ks, bad)
+            elif not one_batch:
+                loaded_bytes += self.blocks.load(client, layer_jobs)
             layer_loaded(layer)
         self.counts.add(
             loaded_tokens=sum((t.end - t.first) * self.config.chunk_size for t in loads),
@@ -160,63 +171,6 @@ class WorkerSide:
         if any(failed):  # the chunks were there when looked up, and could not be read: recomputed
             self.counts.miss(MissCause.READ_FAILED, sum(1 for bad in failed if bad))
         return failed
-
-    def _load_layer(self, client: Any, layer: PagedLayer, t: Transfer, keys: list[bytes], bad: set[int]) -> int:
-        """Load one layer of ``t``'s chunks (of a sliding window's, those inside the window of ``t``'s end) into the
-        paged blocks from ``write_from`` on (never vLLM's own blocks before it, never the null block); the indices of
-        chunks that did not come are added to ``bad`` (what landed of them in their blocks is reported with them, as
-        load errors).  On the CPU the bytes land in the blocks themselves; else through a reused staging buffer."""
-        chunks = range(max(t.first, self.groups.first_chunk(layer.plan, t.end)), t.end)
-        ids = t.block_ids[layer.plan.group]
-        targets: list[list[int | None]] = [
-            [ids[p] if t.write_from <= p < len(ids) and ids[p] != NULL_BLOCK else None for p in layer.positions(c)]
-            for c in chunks
-        ]
-        register = client.registrations > 0  # the client has a transport: reads from other nodes land in place
-        lkeys = [layer_key(keys[c - t.first], layer.index) for c in chunks]
-        if layer.direct:
-            if register:
-                self._kv.register(client, self._kv_memory)
-            sink_blocks = sum(b is None for blocks in targets for b in blocks)
-            sink = self._load_staging.get(
-                client, sink_blocks * layer.block_bytes, register=register and sink_blocks > 0
-            )
-            self._fetch(client, chunks, lkeys, layer.pieces(targets, sink), bad)
-        else:
-            staging = layer.view(
-                self._load_staging.get(client, len(chunks) * layer.tail * layer.block_bytes, register=register),
-                len(chunks) * layer.tail,
-            )
-            views = [staging[i * layer.tail : (i + 1) * layer.tail] for i in range(len(chunks))]
-            self._fetch(client, chunks, lkeys, views, bad)
-            rows = [
-                i * layer.tail + j
-                for i, c in enumerate(chunks)
-                if c not in bad
-                for j, b in enumerate(targets[i])
-                if b is not None
-            ]
-            if rows:
-                dest = [b for i, c in enumerate(chunks) if c not in bad for b in targets[i] if b is not None]
-                layer.write(dest, staging if len(rows) == len(staging) else staging[rows])
-        return sum(b is not None for i, c in enumerate(chunks) if c not in bad for b in targets[i]) * layer.block_bytes
-
-    @staticmethod
-    def _fetch(client: Any, chunks: range, lkeys: list[bytes], buffers: list[Any], bad: set[int]) -> None:
-        """``get_into_batch``; if it failed, each chunk on its own to find which did not come (added to ``bad``)."""
-        try:
-            client.get_into_batch(lkeys, buffers)
-        except KvPoolError:
-            for c, k, b in zip(chunks, lkeys, buffers, strict=True):
-                try:
-                    client.get_into(k, b)
-                except KvPoolError:
-                    bad.add(c)
-
-    def _kv_memory(self) -> list[torch.Tensor]:
-        """vLLM's KV memory as flat byte tensors, one per storage (layers of several groups may share one)."""
-        storages = {layer.kv.untyped_storage().data_ptr(): layer.kv for layer in self.layers.values()}
-        return [torch.empty(0, dtype=torch.uint8).set_(kv.untyped_storage()) for kv in storages.values()]
 
     def _blocks_of(self, t: Transfer, bad: set[int]) -> list[int]:
         bpc = self.bpc
@@ -364,7 +318,6 @@ class WorkerSide:
     def _close_client(self) -> None:
         if self.client is not None:
             self._report()
-            self._load_staging.close(self.client)
+            self.blocks.close(self.client)
             self._save_staging.close(self.client)
-            self._kv.close(self.client)
         self.connection.close()
