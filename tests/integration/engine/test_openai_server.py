@@ -33,6 +33,8 @@ from kvpool.servers.process import ServerProcess, free_port
 
 HOST = "127.0.0.2"  #: the first node of ``kvpool up``'s local cluster, where the servers run
 CHUNK = 256  #: the connector's default chunk size
+#: kvpool's hint in a request body, as a user or a router writes it (docs/vllm.md)
+PREFETCH_HINT = {"kvpool": {"prefetch": True}}
 #: what a CPU machine's user sets for vLLM (not the connector's business): a small KV space, no core binding, offline
 VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
 
@@ -84,8 +86,10 @@ def serve(held: Held, model: Path, log: Path) -> tuple[ServerProcess, str]:
     return server, url
 
 
-def complete(url: str, model: Path, prompt: str) -> dict[str, Any]:
+def complete(url: str, model: Path, prompt: str, kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
     body = {"model": str(model), "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    if kv_transfer_params is not None:  # a request body's field vLLM's server hands to the connector as it is
+        body["kv_transfer_params"] = kv_transfer_params
     ask = urllib.request.Request(
         f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
@@ -126,7 +130,7 @@ def test_a_fresh_openai_server_answers_from_the_chunks_another_saved(held: Held,
 
     fresh, url = serve(held, model, tmp_path / "fresh.log")
     try:
-        warm = complete(url, model, prompt)
+        warm = complete(url, model, prompt, PREFETCH_HINT)  # as a router that wants the prefix in DRAM first
         metrics = kvpool_metrics(url)
     finally:
         fresh.stop()
@@ -136,6 +140,8 @@ def test_a_fresh_openai_server_answers_from_the_chunks_another_saved(held: Held,
     assert metrics[("tokens", "loaded")] == full and metrics[("bytes", "load")] > 0
     assert metrics[("tokens", "hit")] >= full and metrics[("tokens", "lookup")] >= tokens  # vLLM may ask again
     assert ("errors", "load") not in metrics and not [k for k in metrics if k[0] == "misses"]
+    # the hint reached the scheduler through the server: one prefetch, which found the prefix in DRAM already
+    assert metrics[("prefetches", "started")] == 1 and not metrics.get(("prefetches", "failed"))
 
 
 def kvpool_metrics(url: str) -> dict[tuple[str, str], float]:
@@ -143,7 +149,10 @@ def kvpool_metrics(url: str) -> dict[tuple[str, str], float]:
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
         text = r.read().decode()
     found = re.findall(r"^vllm:kvpool_(\w+)_total\{(.*)\} (\S+)$", text, re.M)
-    return {(name, re.findall(r'(?:kind|direction|cause)="(\w+)"', labels)[0]): float(n) for name, labels, n in found}
+    return {
+        (name, re.findall(r'(?:kind|direction|cause|result|how)="(\w+)"', labels)[0]): float(n)
+        for name, labels, n in found
+    }
 
 
 def test_the_sglang_line_carries_the_flags_sglang_config_prints(held: Held) -> None:
