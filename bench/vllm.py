@@ -181,22 +181,24 @@ def plain_cases(settings: dict[str, Any], work: Path, cases: Cases) -> None:
 def kvpool_cases(
     settings: dict[str, Any], extra: dict[str, Any], ids: list[str], work: Path, cases: Cases, pool: PoolConfig
 ) -> None:
-    """With kvpool's connector: engine A saves, a fresh engine B on the same node reloads, B answers a prefix left on
-    its node's NVMe with and without a prefetch, and B answers what a producer on the other node prefilled."""
-    warm = cases.fresh()
+    """With kvpool's connector: engine A saves, a producer on the other node prefills, then a fresh engine B on A's
+    node reloads A's prompts, answers a prefix left on its node's NVMe with and without a prefetch, and answers what
+    the producer prefilled (P/D).  A and the producer each run alone on the machine, as the cold row's engine does: a
+    second vLLM engine alive, even idle and without a connector, made another's cold requests up to 1.5x slower here
+    for a while (2 cores)."""
+    warm, pd = cases.fresh(), cases.fresh()
     with EngineProcess({**settings, "connector": {**extra, "node_ip": "127.0.0.2"}}, work / "a.log") as a:
         ttft(a, [prompt(998, 64)])
         cases.add("kvpool: cold + save (kv_both)", *ttft(a, warm))
         wait_saved(a, len(warm) * (cases.tokens // extra["chunk_size"]) * extra["chunk_size"])  # then B is fresh
+    producer = {**settings, "role": "kv_producer", "connector": {**extra, "node_ip": "127.0.0.3"}}
+    with EngineProcess(producer, work / "producer.log") as p:
+        ttft(p, [prompt(996, 64)])
+        cases.add("kvpool: P/D producer, cold + save (kv_producer)", *ttft(p, pd))
     with EngineProcess({**settings, "connector": {**extra, "node_ip": "127.0.0.2"}}, work / "b.log") as b:
         ttft(b, [prompt(997, 64)])
         cases.add("kvpool: restart, same node", *from_pool(b, warm))
         nvme_cases(b, pool, ids[0], cases)
-        pd = cases.fresh()
-        producer = {**settings, "role": "kv_producer", "connector": {**extra, "node_ip": "127.0.0.3"}}
-        with EngineProcess(producer, work / "producer.log") as p:
-            ttft(p, [prompt(996, 64)])
-            cases.add("kvpool: P/D producer, cold + save (kv_producer)", *ttft(p, pd))
         # B's first read from the producer's node, then the steady state
         where = f"prefill {ids[1][:8]}, decode {ids[0][:8]}"
         cases.add(f"kvpool: P/D first request ({where})", *from_pool(b, pd[:1]))
