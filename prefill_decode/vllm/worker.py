@@ -153,7 +153,7 @@ class WorkerSide:
             [(layer, t, ks, bad) for t, ks, bad in zip(loads, keys, failed, strict=True)]
             for layer in self.layers.values()
         ]
-        one_batch = client is not None and at_once and all(layer.direct for layer in self.layers.values())
+        one_batch = client is not None and at_once
         if one_batch:
             loaded_bytes = self.blocks.load(client, [job for layer_jobs in jobs for job in layer_jobs])
         for layer, layer_jobs in zip(self.layers.values(), jobs, strict=True):

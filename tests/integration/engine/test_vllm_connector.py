@@ -2,6 +2,7 @@
 
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -193,11 +194,16 @@ def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: 
     dst2 = {name: torch.zeros_like(t) for name, t in src.items()}
     other = WorkerSide(config, identity, groups, blocks)
     other.register(dst2)
-    mid = KvPoolMetadata(loads=[Transfer("r3", tokens[:192], 1, 3, [[1, 3, 12, 13, NULL_BLOCK, 14]], write_from=3)])
-    assert step_loads(other, mid) == set()
-    for name in src:
-        assert torch.equal(dst2[name][[13, 14]], src[name][[11, 7]])
-        assert not dst2[name][[NULL_BLOCK, 12]].any()
+    mid = Transfer("r3", tokens[:192], 1, 3, [[1, 3, 12, 13, NULL_BLOCK, 14]], write_from=3)
+    # layer by layer, and every layer in one batch (a load the forward waits for whole: the skipped blocks of all
+    # layers land in regions of one sink)
+    for whole in (False, True):
+        for t in dst2.values():
+            t.zero_()
+        assert step_loads(other, KvPoolMetadata(loads=[replace(mid, whole_before_forward=whole)])) == set()
+        for name in src:
+            assert torch.equal(dst2[name][[13, 14]], src[name][[11, 7]])
+            assert not dst2[name][[NULL_BLOCK, 12]].any()
     other.close()
 
     client = saver.client
@@ -206,6 +212,12 @@ def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: 
     assert {p.identity for k in saved for p in client.cache.replicas(k)} == {fingerprint(identity)}  # for events
     client.remove(layer_key(chunk_keys(identity, tokens)[2], 1))  # chunk 2 of layer 1 is gone
     assert step_loads(loader, load) == {8, 9} and loader.counts.totals["load_errors"] == 2
+    for t in dst.values():
+        t.zero_()
+    whole = KvPoolMetadata(loads=[replace(load.loads[0], whole_before_forward=True)])
+    assert step_loads(loader, whole) == {8, 9} and loader.counts.totals["load_errors"] == 4
+    for name in src:  # the chunks that came landed in their blocks, whatever layer's object failed
+        assert torch.equal(dst[name][[4, 5]], src[name][[9, 11]])
     saver.close()
     loader.close()
 
