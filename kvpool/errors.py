@@ -50,6 +50,11 @@ class TransferError(KvPoolError):
     the pool treats the chunk as a miss on that replica."""
 
 
+class TransferInFlight(TransferError):
+    """A READ passed its deadline and may still land in its destination later (NIXL could not prove it stopped):
+    that memory holds nothing valid until the transfer ends, so the caller reports its chunks as misses."""
+
+
 class NodeUnreachable(TransferError):
     """A pool node is dead, stopped, or did not answer in time.  A read moves on to another replica (and is a miss
     if none is left); a put to it fails: put again, and the pool picks live nodes (``kvpool status`` lists them)."""

@@ -10,6 +10,15 @@ progress too, or connections it never initiates are not wired up; NIXL's own pro
 without pause (a whole core per process: on two cores that halves everything else), so kvpool runs a
 thread that progresses the agent every millisecond instead (same throughput here, ~0 % CPU idle).
 Every call into the agent holds one lock, so that thread and the caller never meet inside NIXL.
+
+Fences: a READ that passes its deadline is not released.  NIXL's ``releaseXferReq`` on a handle still in
+progress asks the backend to cancel it; the UCX backend cancels its UCX requests (``ucp_request_cancel``) and
+reports success, but a cancel of a one-sided GET is not a promise that no more bytes arrive (the target's worker
+or the NIC may be serving it still).  So a released-but-late READ could land after the caller retried from another
+replica and verified what it got.  Instead the handle stays alive on a fence list with the local ranges it writes;
+:class:`TransferInFlight` tells the caller, and any later transfer touching a fenced range is refused until NIXL
+reports that handle finished (done or failed), when it is released.  Waiting out the handle instead would make the
+short deadline of unpinned reads mean nothing; refusing the memory is the cheap way that stays correct.
 """
 
 import logging
@@ -22,7 +31,7 @@ from typing import Any
 
 import msgspec
 
-from kvpool.errors import ConfigError, TransferError
+from kvpool.errors import ConfigError, TransferError, TransferInFlight
 from kvpool.transport.base import NixlDescriptor, NixlRegion, Op, Transport, decode_descriptor, pop_notification
 
 log = logging.getLogger(__name__)
@@ -74,6 +83,7 @@ class NixlTransport(Transport):
         self._regions: dict[str, tuple[int, int]] = {}
         self._reg_descs: dict[str, Any] = {}
         self._peers: dict[str, dict[str, tuple[int, int]]] = {}
+        self._fenced: list[tuple[Any, list[tuple[int, int]]]] = []  #: (live handle, local (address, length)s)
         self._stop = threading.Event()
         self._progress_thread: threading.Thread | None = None
         if serve:
@@ -173,9 +183,38 @@ class NixlTransport(Transport):
         with self._lock:
             self._run(op, peer, remote, ops, timeout_s, notify)
 
+    def fenced(self, address: int, length: int) -> bool:
+        """Whether a READ that passed its deadline may still write into ``[address, +length)``."""
+        with self._lock:
+            return self._overlaps_fence([(address, length)])
+
+    def _overlaps_fence(self, ranges: Sequence[tuple[int, int]]) -> bool:
+        """Release fenced handles NIXL reports finished, then whether one left writes into ``ranges`` (lock held)."""
+        live = []
+        for handle, spans in self._fenced:
+            try:
+                state = self._agent.check_xfer_state(handle)
+            except Exception:  # nixl raises its own types: the transfer is over (failed), the handle unusable
+                state = "ERR"
+            if state == "PROC":
+                live.append((handle, spans))
+            else:
+                self._release(handle)
+        self._fenced = live
+        return any(a < b + m and b < a + n for _, spans in live for b, m in spans for a, n in ranges)
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:  # nixl raises its own types; a handle it refuses is leaked, never reused
+            log.warning("NIXL transfer handle not released: %s", exc)
+
     def _run(
         self, op: str, peer: str, remote: list[tuple[int, int, int]], ops: Sequence[Op], timeout_s: float, notify: bytes
     ) -> None:
+        spans = [(o.local_address, o.length) for o in ops]
+        if self._fenced and self._overlaps_fence(spans):
+            raise TransferInFlight(f"{op} refused: a READ that timed out may still land in its local memory")
         local = self._agent.get_xfer_descs([(o.local_address, o.length, 0) for o in ops], "DRAM")
         handle = None
         try:
@@ -184,8 +223,11 @@ class NixlTransport(Transport):
             deadline = time.monotonic() + timeout_s
             while state == "PROC":
                 if time.monotonic() > deadline:
-                    raise TransferError(
-                        f"{op} of {sum(o.length for o in ops)} bytes from {peer} timed out after {timeout_s} s"
+                    self._fenced.append((handle, spans))
+                    handle = None  # kept alive, released once NIXL says it finished
+                    raise TransferInFlight(
+                        f"{op} of {sum(o.length for o in ops)} bytes from {peer} timed out after {timeout_s} s; "
+                        "its local memory is fenced until the transfer ends"
                     )
                 state = self._agent.check_xfer_state(handle)
             if state != "DONE":
@@ -196,10 +238,7 @@ class NixlTransport(Transport):
             raise TransferError(f"{op} with {peer} failed: {exc}") from exc
         finally:
             if handle is not None:
-                try:
-                    self._agent.release_xfer_handle(handle)
-                except Exception as exc:  # a transfer still in flight on a dead peer cannot be released
-                    log.warning("NIXL transfer handle not released: %s", exc)
+                self._release(handle)
 
     def close(self) -> None:
         self._stop.set()

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.core.types import NodeRecord, Tier
-from kvpool.errors import NodeUnreachable, TransferError
+from kvpool.errors import NodeUnreachable, TransferError, TransferInFlight
 from kvpool.metadata.cache import MetadataCache
 from kvpool.pool.buffers import byte_view
 from kvpool.pool.chunks import SEGMENT_NAMES
@@ -142,11 +142,17 @@ class Peers:
 
     def read(self, node_id: str, ops: list[Op], pinned: bool = True) -> bool:
         """One batched one-sided READ from ``node_id``; False (logged) if the transfer failed.  A READ of chunks not
-        pinned on the holder (``pinned`` False) has a short deadline (:data:`UNPINNED_TIMEOUT_S`)."""
+        pinned on the holder (``pinned`` False) has a short deadline (:data:`UNPINNED_TIMEOUT_S`).  A READ that passed
+        its deadline and may still land (:class:`TransferInFlight`) is raised, not answered False: its destination is
+        the caller's memory, and no retry from another replica may fill it and call it verified while late bytes can
+        still overwrite it, so the whole read fails and the caller's chunks are misses."""
         timeout_s = self.timeout_s if pinned else UNPINNED_TIMEOUT_S + sum(o.length for o in ops) / 1e8
         try:
             self.transport.read(self._peer(node_id), ops, timeout_s=timeout_s)
         except TransferError as exc:  # NodeUnreachable included
+            if isinstance(exc, TransferInFlight):
+                self._failed[node_id] = time.monotonic()
+                raise
             log.warning("reading from %s failed: %s", node_id[:12], exc)
             self._connected.pop(node_id, None)
             self._failed[node_id] = time.monotonic()

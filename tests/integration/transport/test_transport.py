@@ -2,7 +2,9 @@
 and every failure a bounded TransferError.  Written against the interface; run on NIXL/UCX, the one
 implementation (a same-node client maps a pool node's DRAM segment itself: ``DramSegment.attach``)."""
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -14,7 +16,7 @@ import crc32c
 import numpy as np
 import pytest
 
-from kvpool.errors import TransferError
+from kvpool.errors import TransferError, TransferInFlight
 from kvpool.transport.base import Op, Transport
 from kvpool.transport.nixl import NixlTransport
 
@@ -159,3 +161,37 @@ def test_a_process_with_a_nixl_agent_exits_cleanly() -> None:
     """UCX's InfiniBand modules, loaded on a host without RDMA devices, crashed every such process at exit."""
     code = "from kvpool.transport.nixl import NixlTransport; NixlTransport().close()"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode == 0
+
+
+def test_a_read_past_its_deadline_fences_its_memory(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A READ from a stopped peer (over TCP the target's worker serves a READ, so it stalls) passes its deadline
+    and may land later: its memory is refused to other transfers until NIXL says that READ ended, and what lands
+    then is the peer's bytes — the late write a retry into the same memory would have had overwritten."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    transport = make(kind)
+    buf = np.zeros(SIZE, dtype=np.uint8)
+    transport.register("local", buf.ctypes.data, buf.nbytes)
+    victim = Target(kind)
+    try:
+        peer = transport.connect(victim.descriptor)
+        transport.read(peer, [Op("dram0", 0, buf.ctypes.data, 4096)], timeout_s=30)  # connected and working
+        buf[:] = 0
+        ops = [Op("dram0", 0, buf.ctypes.data, 32 << 20)]
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(TransferInFlight):
+                transport.read(peer, ops, timeout_s=0.2)
+            with pytest.raises(TransferInFlight, match="refused"):  # the stopped peer cannot have finished it
+                transport.read(peer, [Op("dram0", 0, buf.ctypes.data + (8 << 20), 4096)], timeout_s=30)
+            assert isinstance(transport, NixlTransport) and transport.fenced(buf.ctypes.data, 1)
+        finally:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 120  # generous: a bound on a hang, not a timing claim
+        while transport.fenced(buf.ctypes.data, 32 << 20) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not transport.fenced(buf.ctypes.data, 32 << 20)
+        transport.read(peer, ops, timeout_s=60)  # the memory is usable again, and byte-exact
+        assert np.array_equal(buf[: 32 << 20], expected(0, 32 << 20))
+    finally:
+        victim.stop()
+        transport.close()
