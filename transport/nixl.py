@@ -185,6 +185,8 @@ class NixlTransport(Transport):
 
     def fenced(self, address: int, length: int) -> bool:
         """Whether a READ that passed its deadline may still write into ``[address, +length)``."""
+        if not self._fenced:  # the common case, without the lock
+            return False
         with self._lock:
             return self._overlaps_fence([(address, length)])
 

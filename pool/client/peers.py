@@ -104,6 +104,15 @@ class Peers:
             out.append(int(address))
         return out
 
+    def refuse_fenced(self, pieces: Sequence[Sequence[memoryview]]) -> None:
+        """``TransferInFlight`` if a READ that passed its deadline may still land in any of ``pieces``: whatever
+        path filled them now (a copy from this node's segment, another replica), late bytes could overwrite it after
+        it was verified, so none of them may be handed back as loaded until NIXL says that READ ended."""
+        for chunk in pieces:
+            for piece in chunk:
+                if piece.nbytes and self.transport.fenced(np.frombuffer(piece, np.uint8).ctypes.data, piece.nbytes):
+                    raise TransferInFlight("a READ that timed out may still land in this buffer: treat it as a miss")
+
     def staging(self, nbytes: int) -> np.ndarray:
         """A buffer registered with the transport, at least ``nbytes`` long (grown on demand)."""
         if self._stage is None or self._stage.nbytes < nbytes:

@@ -11,12 +11,15 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import crc32c
 import numpy as np
 import pytest
 
 from kvpool.errors import TransferError, TransferInFlight
+from kvpool.metadata.cache import MetadataCache
+from kvpool.pool.client.peers import Peers
 from kvpool.transport.base import Op, Transport
 from kvpool.transport.nixl import NixlTransport
 
@@ -184,6 +187,11 @@ def test_a_read_past_its_deadline_fences_its_memory(kind: str, monkeypatch: pyte
             with pytest.raises(TransferInFlight, match="refused"):  # the stopped peer cannot have finished it
                 transport.read(peer, [Op("dram0", 0, buf.ctypes.data + (8 << 20), 4096)], timeout_s=30)
             assert isinstance(transport, NixlTransport) and transport.fenced(buf.ctypes.data, 1)
+            peers = Peers(cast(MetadataCache, None), "")  # the pool client's side: no path may fill it meanwhile
+            peers._transport = transport
+            with pytest.raises(TransferInFlight):
+                peers.refuse_fenced([[memoryview(buf[4096:8192])]])
+            peers.refuse_fenced([[memoryview(buf[32 << 20 :])]])  # memory the READ does not touch is free
         finally:
             os.kill(victim.proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + 120  # generous: a bound on a hang, not a timing claim
