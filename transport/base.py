@@ -62,6 +62,11 @@ class Transport(ABC):
         """Block until a peer's transfer carrying ``notify=message`` has completed; returns the peer's id,
         or ``TransferError`` after ``timeout_s``."""
 
+    @property
+    def fencing(self) -> bool:
+        """Whether any memory is fenced now (:meth:`fenced`)."""
+        return False
+
     def fenced(self, address: int, length: int) -> bool:
         """Whether a transfer that passed its deadline may still write into ``[address, +length)`` of this
         process's memory (a transport whose transfers always end by their deadline has none)."""

@@ -184,6 +184,11 @@ class NixlTransport(Transport):
         with self._lock:
             self._run(op, peer, remote, ops, timeout_s, notify)
 
+    @property
+    def fencing(self) -> bool:
+        """Whether some READ that passed its deadline has not been seen to end yet (then :meth:`fenced` looks)."""
+        return bool(self._fenced)
+
     def fenced(self, address: int, length: int) -> bool:
         """Whether a READ that passed its deadline may still write into ``[address, +length)``."""
         if not self._fenced:  # the common case, without the lock

@@ -108,9 +108,12 @@ class Peers:
         """``TransferInFlight`` if a READ that passed its deadline may still land in any of ``pieces``: whatever
         path filled them now (a copy from this node's segment, another replica), late bytes could overwrite it after
         it was verified, so none of them may be handed back as loaded until NIXL says that READ ended."""
+        transport = self._transport  # none yet: no READ of this client ever timed out (and none is started here)
+        if transport is None or not transport.fencing:
+            return
         for chunk in pieces:
             for piece in chunk:
-                if piece.nbytes and self.transport.fenced(np.frombuffer(piece, np.uint8).ctypes.data, piece.nbytes):
+                if piece.nbytes and transport.fenced(np.frombuffer(piece, np.uint8).ctypes.data, piece.nbytes):
                     raise TransferInFlight("a READ that timed out may still land in this buffer: treat it as a miss")
 
     def staging(self, nbytes: int) -> np.ndarray:
