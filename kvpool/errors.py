@@ -96,3 +96,10 @@ class RayAuthError(KvPoolError):
     """This process cannot authenticate to a pool's Ray cluster: no token was found, the cluster refused the one given,
     or authentication is off here while the cluster requires it.  The message says where to put the token
     (kvpool/ray_auth.py finds it where Ray does)."""
+
+
+class SetupError(KvPoolError):
+    """The machine lacks something this process needs, though the configuration asks for it correctly: a binary
+    or a wheel is not installed, a library cannot be imported, a file or directory the configuration names does
+    not exist or cannot be read or created, a port is taken, or a device or filesystem feature is absent.  The
+    message names the thing: install it, free it or fix its permissions, or point the configuration elsewhere."""

@@ -8,7 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from kvpool.core.config import Config, Positive, Rule, Seconds, validated
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, SetupError
 
 ENDPOINTS_ENV = "KVPOOL_ETCD_ENDPOINTS"
 ETCD_BIN_ENV = "KVPOOL_ETCD_BIN"
@@ -115,7 +115,7 @@ class MetadataConfig(Config, frozen=True):
                 continue
             path = os.path.abspath(os.path.expanduser(value))
             if not os.path.isfile(path) or not os.access(path, os.R_OK):
-                raise ConfigError(
+                raise SetupError(
                     f"{name} ({env}): {path} is not a readable file; copy it from the directory the etcd "
                     "certificates were made in (kvpool certs, kvpool etcd --tls-dir) or fix the path"
                 )

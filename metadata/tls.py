@@ -6,7 +6,7 @@ import ssl
 
 import grpc
 
-from kvpool.errors import ConfigError
+from kvpool.errors import SetupError
 from kvpool.metadata.config import TLS_ENV, MetadataConfig
 
 #: how to reach etcd over TLS from the command line, for error messages
@@ -84,4 +84,4 @@ def _read(path: str) -> bytes:
         with open(path, "rb") as f:
             return f.read()
     except OSError as exc:
-        raise ConfigError(f"cannot read {path} for etcd's TLS ({exc}); every node needs the file at that path") from exc
+        raise SetupError(f"cannot read {path} for etcd's TLS ({exc}); every node needs the file at that path") from exc

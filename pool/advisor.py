@@ -20,7 +20,7 @@ import msgspec
 from msgspec import Meta
 
 from kvpool.core.config import Finite, NonNegative, checked, validated
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, SetupError
 from kvpool.pool.config import Watermarks
 from kvpool.pool.reuse import (
     MissRatioCurve,
@@ -196,7 +196,7 @@ def _read(path: str) -> tuple[list[tuple[float, list[tuple[bytes, int]]]], int, 
                 except (ValueError, TypeError) as exc:  # not JSON, not an object
                     raise ConfigError(f"{where}: {exc}") from None
     except OSError as exc:
-        raise ConfigError(f"cannot read access log {path}: {exc.strerror}") from None
+        raise SetupError(f"cannot read access log {path}: {exc.strerror}") from None
     return rows, last, rates, node
 
 

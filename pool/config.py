@@ -9,7 +9,7 @@ from typing import Annotated
 from msgspec import Meta, field
 
 from kvpool.core.config import Config, PowerOfTwo, Seconds
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, SetupError
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.tiers.crypto import EncryptionConfig
 from kvpool.pool.tiers.s3_config import RemoteConfig, check_codec
@@ -87,7 +87,7 @@ class PoolConfig(Config, frozen=True):
             raise ConfigError(f"nvme_codec: {exc}") from None
         for name, what in _DIRECTORIES.items():
             if getattr(self, name) and not os.path.isdir(getattr(self, name)):
-                raise ConfigError(f"{name} {getattr(self, name)!r} is not a directory: {what}")
+                raise SetupError(f"{name} {getattr(self, name)!r} is not a directory: {what}")
 
     def resolved_dram_bytes(self) -> int:
         if self.dram_bytes:

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 from msgspec import Meta
 
 from kvpool.core.config import checked, validated
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, SetupError
 from kvpool.pool.buffers import byte_view, tensor_bytes
 from kvpool.pool.segment import ALIGN, CHUNK
 
@@ -125,7 +125,7 @@ def _choose(setting: str) -> IoPath:
 
 def _refuse_or_posix(demanded: bool, why: str) -> IoPath:
     if demanded:
-        raise ConfigError(f"{ENV}=kvikio cannot be honoured: {why}; unset it or set {ENV}=posix")
+        raise SetupError(f"{ENV}=kvikio cannot be honoured: {why}; unset it or set {ENV}=posix")
     return IoPath("posix", f"{why}: O_DIRECT into host memory, then a host-to-device copy")
 
 
@@ -366,10 +366,8 @@ def _open_cufile(file: str) -> Any:
     try:
         kvikio = _import_kvikio()
     except Exception as e:
-        raise ConfigError(f"the kvikio path needs kvikio, which cannot be imported ({_said(e)}); {INSTALL_HINT}") from e
+        raise SetupError(f"the kvikio path needs kvikio, which cannot be imported ({_said(e)}); {INSTALL_HINT}") from e
     try:
         return kvikio.CuFile(file, "r+")
     except Exception as e:
-        raise ConfigError(
-            f"kvikio cannot open {file} for GDS I/O ({_said(e)}); set {ENV}=posix to bypass kvikio"
-        ) from e
+        raise SetupError(f"kvikio cannot open {file} for GDS I/O ({_said(e)}); set {ENV}=posix to bypass kvikio") from e

@@ -27,7 +27,7 @@ import numpy as np
 from msgspec import Meta
 
 from kvpool.core.config import checked
-from kvpool.errors import ConfigError, PoolFull
+from kvpool.errors import ConfigError, PoolFull, SetupError
 from kvpool.pool.buffers import byte_view
 
 if TYPE_CHECKING:
@@ -247,7 +247,7 @@ class NvmeSegment(_Segment):
                     os.close(fd)
                     if e.errno != errno.EINVAL:
                         raise
-                    raise ConfigError(f"direct=True but {os.path.dirname(path)} does not support O_DIRECT") from e
+                    raise SetupError(f"direct=True but {os.path.dirname(path)} does not support O_DIRECT") from e
                 logger.warning(
                     "%s does not support O_DIRECT; segment %s uses buffered I/O", os.path.dirname(path), path
                 )

@@ -42,7 +42,7 @@ import msgspec
 from msgspec import Meta
 
 from kvpool.core.config import Config, validated
-from kvpool.errors import ConfigError, TenantRefused
+from kvpool.errors import ConfigError, SetupError, TenantRefused
 from kvpool.pool.config import MiB
 
 ROOT_TAG = b"kvpool.tenant/1"
@@ -148,7 +148,7 @@ class Tenants:
             with open(path, "rb") as f:
                 doc = tomllib.load(f)
         except OSError as exc:
-            raise ConfigError(f"tenants file {path!r} cannot be read: {exc.strerror}") from None
+            raise SetupError(f"tenants file {path!r} cannot be read: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"tenants file {path!r} is not TOML: {exc}") from None
         return cls.parse(doc, where=path)

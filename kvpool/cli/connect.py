@@ -6,7 +6,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from kvpool.cli import options
-from kvpool.errors import ConfigError
+from kvpool.errors import SetupError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import Namespace
@@ -34,7 +34,7 @@ def live_pool(etcd: str | None, cluster: str, command: str) -> tuple[int, tuple[
         nodes = cache.nodes()
         endpoints = tuple(cache.etcd.config.endpoints)
     if not nodes:
-        raise ConfigError(f"no live pool nodes in cluster '{cluster}': start the pool first (kvpool up / kvpool join)")
+        raise SetupError(f"no live pool nodes in cluster '{cluster}': start the pool first (kvpool up / kvpool join)")
     return len(nodes), endpoints
 
 

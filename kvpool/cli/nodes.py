@@ -9,7 +9,7 @@ from msgspec.structs import replace
 
 from kvpool.cli import options, root
 from kvpool.cli.figures import size
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, SetupError
 from kvpool.pool.config import MiB, PoolConfig
 
 
@@ -150,7 +150,7 @@ def join(
             try:
                 os.makedirs(nvme_dir, exist_ok=True)
             except OSError as exc:
-                raise ConfigError(f"--nvme-dir {nvme_dir} cannot be created ({exc.strerror}): give another") from None
+                raise SetupError(f"--nvme-dir {nvme_dir} cannot be created ({exc.strerror}): give another") from None
         base = PoolConfig(
             metadata=options.pool_etcd(etcd, cluster, "join", etcd_tls),
             nvme_dir=nvme_dir,

@@ -35,7 +35,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from msgspec import Meta
 
 from kvpool.core.config import checked
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, SetupError
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def client_files(directory: str | os.PathLike[str], name: _ClientName = "client"
     made there if missing and the CA key is present.  Never makes a CA: a client trusts the one etcd's was made by."""
     d = Path(directory).expanduser().absolute()
     if not (d / "ca.pem").is_file():
-        raise ConfigError(
+        raise SetupError(
             f"no ca.pem in {d}: make the certificates there (kvpool certs --tls-dir DIR, or kvpool etcd --tls-dir "
             "DIR) or copy ca.pem, client.pem and client-key.pem from the machine that made them"
         )
@@ -130,7 +130,7 @@ def _directory(directory: str | os.PathLike[str]) -> Path:
     try:
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"cannot create the TLS directory {d}: {exc}") from exc
+        raise SetupError(f"cannot create the TLS directory {d}: {exc}") from exc
     return d
 
 
@@ -188,7 +188,7 @@ def _issue(
     """A leaf certificate signed by the CA, made because the one at ``cert_path`` ``why``; only where the CA key is.
     A server's is for client and server use: etcd's gateway and its peers connect with it as a client."""
     if ca_key is None:
-        raise ConfigError(
+        raise SetupError(
             f"{cert_path} {why}, and there is no CA key to issue one ({cert_path.parent / 'ca-key.pem'}): run this "
             f"where the CA key is, or copy {cert_path.name} and {key_path.name} from the directory where the CA was "
             "made (kvpool certs --tls-dir DIR)"
@@ -294,14 +294,14 @@ def _load_cert(path: Path) -> x509.Certificate:
     try:
         return x509.load_pem_x509_certificate(path.read_bytes())
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path} is not a readable PEM certificate ({exc}); remove it to have it made again") from exc
+        raise SetupError(f"{path} is not a readable PEM certificate ({exc}); remove it to have it made again") from exc
 
 
 def _load_key(path: Path) -> ec.EllipticCurvePrivateKey:
     try:
         key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     except (OSError, ValueError, TypeError) as exc:
-        raise ConfigError(f"{path} is not a readable, unencrypted PEM key ({exc})") from exc
+        raise SetupError(f"{path} is not a readable, unencrypted PEM key ({exc})") from exc
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise ConfigError(f"{path} is a {type(key).__name__}; kvpool's CA makes and expects EC P-256 keys")
     return key

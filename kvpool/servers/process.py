@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from kvpool.errors import ConfigError, KvPoolError
+from kvpool.errors import KvPoolError, SetupError
 
 #: a readiness check: None once the server serves, else what is still missing (it goes into the timeout error)
 Ready = Callable[[], str | None]
@@ -32,12 +32,12 @@ def server_binary(name: str, env: str, candidates: Iterable[str | Path], install
     explicit = os.environ.get(env)
     if explicit:
         if not os.access(explicit, os.X_OK):
-            raise ConfigError(f"{env}={explicit!r} is not an executable file")
+            raise SetupError(f"{env}={explicit!r} is not an executable file")
         return explicit
     for path in candidates:
         if os.access(path, os.X_OK):
             return str(path)
-    raise ConfigError(f"no executable {name} binary: {install}, or set {env}")
+    raise SetupError(f"no executable {name} binary: {install}, or set {env}")
 
 
 def free_ports(host: str, n: int) -> list[int]:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvpool.core.types import Placement
-from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError, MetadataUnavailable, RemoteUnavailable
+from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError, MetadataUnavailable, RemoteUnavailable, SetupError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.chunks import checksum, short
@@ -104,7 +104,7 @@ class S3Reads:
             if self._keys is None:
                 self._keys = self.config.encryption.keyring()
             plain, codec = unseal(data, p.codec, p.key, self._keys)
-        except (UndecryptableChunk, ConfigError) as exc:  # ConfigError: this process cannot load the keys
+        except (UndecryptableChunk, ConfigError, SetupError) as exc:  # this process cannot load the keys
             log.warning("chunk %s in the remote tier cannot be opened here, a miss: %s", short(p.key), exc)
             return None, data, p.codec
         return fill([dest], plain, codec, checksum(plain)), plain, codec

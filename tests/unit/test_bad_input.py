@@ -31,7 +31,7 @@ from hypothesis.extra import numpy as hnp
 
 from kvpool.core.keys import CacheIdentity, check_key, chunk_keys, layer_key, parse_key, token_array
 from kvpool.core.types import NodeRecord, Placement, SegmentInfo, Tier
-from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError, MalformedRecord, PoolFull, TransferError
+from kvpool.errors import ChunkNotFound, ConfigError, KvPoolError, MalformedRecord, PoolFull, SetupError, TransferError
 from kvpool.metadata.config import ENDPOINTS_ENV, MetadataConfig
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.records import SCHEMA_VERSION, decode_node, decode_placement, encode_node, encode_placement
@@ -853,7 +853,9 @@ def test_configs_refuse_one_bad_field_naming_it(data: st.DataObject) -> None:
         assert all(getattr(config, k) == v or v != v for k, v in kwargs.items())
         return
     kwargs[bad] = value
-    err = refused(ConfigError, cls, **kwargs)
+    # A well-typed path to a directory this machine lacks is a SetupError (the machine, not the value, is at fault).
+    missing = bad in {"shm_dir", "nvme_dir"} and isinstance(value, str) and value != ""
+    err = refused(SetupError if missing else ConfigError, cls, **kwargs)
     assert bad in str(err) or (name == "Watermarks" and "watermarks" in str(err)), f"{err} does not name {bad}"
 
 
@@ -972,5 +974,7 @@ def test_transfer_ops_refuse_one_bad_field_naming_it(data: st.DataObject) -> Non
         assert msgspec.structs.asdict(cls(**kwargs)) == kwargs
         return
     kwargs[bad] = value
-    err = refused(ConfigError, cls, **kwargs)
+    # A well-typed path to a directory this machine lacks is a SetupError (the machine, not the value, is at fault).
+    missing = bad in {"shm_dir", "nvme_dir"} and isinstance(value, str) and value != ""
+    err = refused(SetupError if missing else ConfigError, cls, **kwargs)
     assert bad in str(err), f"{err} does not name {bad}"

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, SetupError
 from kvpool.pool import gds
 from kvpool.pool.gds import ENV, DeviceIO, IoPath, nvme_io_path
 from kvpool.pool.segment import ALIGN, NvmeSegment
@@ -81,7 +81,7 @@ def test_env_forces_posix(monkeypatch: pytest.MonkeyPatch) -> None:
 @no_cuda
 def test_env_kvikio_without_a_cuda_device_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV, "kvikio")
-    with pytest.raises(ConfigError, match=r"KVPOOL_NVME_IO=kvikio cannot be honoured: no CUDA device"):
+    with pytest.raises(SetupError, match=r"KVPOOL_NVME_IO=kvikio cannot be honoured: no CUDA device"):
         nvme_io_path()
 
 
@@ -200,7 +200,7 @@ def test_env_kvikio_on_a_gpu_host(monkeypatch: pytest.MonkeyPatch) -> None:
 
     nvme_io_path.cache_clear()
     on_a_gpu_host(monkeypatch, ModuleNotFoundError("No module named 'kvikio'", name="kvikio"))
-    with pytest.raises(ConfigError, match=r"cannot be honoured: kvikio not installed: pip install kvikio-cu12"):
+    with pytest.raises(SetupError, match=r"cannot be honoured: kvikio not installed: pip install kvikio-cu12"):
         nvme_io_path()
     nvme_io_path.cache_clear()
     monkeypatch.setenv(ENV, "posix")
@@ -375,7 +375,7 @@ def test_kvikio_failures_are_os_errors(nvme: NvmeSegment, fake_kvikio_io: list[F
 def test_kvikio_path_cannot_open_without_kvikio(nvme: NvmeSegment) -> None:
     if importlib_find("kvikio"):
         pytest.skip("kvikio is installed here")
-    with pytest.raises(ConfigError, match="needs kvikio, which cannot be imported"):
+    with pytest.raises(SetupError, match="needs kvikio, which cannot be imported"):
         DeviceIO(nvme, IoPath("gds", "test"))
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvpool.core.types import DropCause, Tier
-from kvpool.errors import ConfigError
+from kvpool.errors import SetupError
 from kvpool.pool.chunks import ChangeKind, checksum
 from kvpool.pool.node import journal as journal_module
 from kvpool.pool.node.journal import NvmeJournal, segment_name, take_back
@@ -139,7 +139,7 @@ def test_two_nodes_cannot_share_a_segment(
 ) -> None:
     monkeypatch.setattr(journal_module, "LOCK_WAIT_S", 0.2)
     first = Node(tmp_path, io)
-    with pytest.raises(ConfigError, match=f"pid {os.getpid()}.*own --nvme-dir"):
+    with pytest.raises(SetupError, match=f"pid {os.getpid()}.*own --nvme-dir"):
         NvmeJournal.open(str(tmp_path), NAME, NVME)
     first.stop()
     Node(tmp_path, io).stop()  # free again once the first has stopped

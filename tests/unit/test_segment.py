@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvpool.errors import ConfigError, PoolFull
+from kvpool.errors import PoolFull, SetupError
 from kvpool.pool import segment
 from kvpool.pool.segment import ALIGN, DramSegment, NvmeSegment
 
@@ -191,7 +191,7 @@ def test_nvme_on_tmpfs(caplog: pytest.LogCaptureFixture) -> None:
         assert seg.read(0, 5) == b"tmpfs"
     assert len(caplog.records) == (0 if supported else 1)
     if not supported:
-        with pytest.raises(ConfigError, match="O_DIRECT"):
+        with pytest.raises(SetupError, match="O_DIRECT"):
             NvmeSegment.create(4 * ALIGN, SHM, direct=True)
 
 
@@ -215,7 +215,7 @@ def test_nvme_falls_back_when_o_direct_is_refused(
     assert "does not support O_DIRECT" in caplog.records[0].getMessage()
 
     name = f"test-{os.getpid()}-demanded"
-    with pytest.raises(ConfigError, match="O_DIRECT"):
+    with pytest.raises(SetupError, match="O_DIRECT"):
         NvmeSegment.create(4 * ALIGN, SHM, name=name, direct=True)
     assert not os.path.exists(f"{SHM}/kvpool-{name}.nvme")
 

