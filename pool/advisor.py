@@ -77,7 +77,7 @@ class AccessLog:
     @checked
     def __init__(self, directory: str, rate: _Rate = 0.01) -> None:
         if not os.path.isdir(directory):
-            raise ConfigError(f"{ACCESS_LOG_ENV}={directory!r} is not a directory: create it, or unset the variable")
+            raise SetupError(f"{ACCESS_LOG_ENV}={directory!r} is not a directory: create it, or unset the variable")
         self.path = os.path.join(directory, f"access-{socket.gethostname()}-{os.getpid()}.jsonl")
         self.rate, self._threshold = rate, threshold(rate)
         self.node = _this_node()

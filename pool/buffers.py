@@ -4,6 +4,7 @@ Views, never copies: a non-contiguous array or a GPU tensor is refused with a ``
 hand instead, rather than silently copied.
 """
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -87,3 +88,9 @@ def scatter(view: memoryview, pieces: list[memoryview]) -> None:
     for p in pieces:
         p[:] = view[at : at + p.nbytes]
         at += p.nbytes
+
+
+def one_per_key(keys: Sequence[Any], given: Sequence[Any], what: str) -> None:
+    """Refuse a batch whose ``what`` list (buffers, tensors) does not pair one to one with its keys."""
+    if len(keys) != len(given):
+        raise ConfigError(f"{len(keys)} keys but {len(given)} {what}s: pass one {what} per key")

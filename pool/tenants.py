@@ -214,7 +214,7 @@ def _secret(table: "_Shared", at: str) -> bytes:
     if table.secret_env:
         text = os.environ.get(table.secret_env, "")
         if not text:
-            raise ConfigError(f"{at}: secret_env names {table.secret_env!r:.40}, which is not set in the environment")
+            raise SetupError(f"{at}: secret_env names {table.secret_env!r:.40}, which is not set in the environment")
     try:
         secret = bytes.fromhex(text)
     except ValueError:

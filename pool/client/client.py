@@ -45,7 +45,7 @@ from kvpool.metadata.lookup import PrefixLookup
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.advisor import AccessLog
-from kvpool.pool.buffers import joined, pieces_of, tensor_bytes
+from kvpool.pool.buffers import joined, one_per_key, pieces_of, tensor_bytes
 from kvpool.pool.chunks import Fingerprint, Origin
 from kvpool.pool.client.args import Counts, GraceS, MaybeOnDone, NodeId, NodeIds, NodeTier, ReplicaCount, Tensors
 from kvpool.pool.client.device_reads import DeviceReads
@@ -224,8 +224,7 @@ class PoolClient:
         its buffer, verified — same-node copies stream, so a caller can start on the first chunks early.  A buffer may
         be a list of buffers, one chunk spread over them in order (a run of KV blocks): a same-node copy lands there
         directly, and so do READs from a peer into buffers registered with :meth:`register_buffer`."""
-        if len(keys) != len(buffers):
-            raise ConfigError(f"{len(keys)} keys but {len(buffers)} buffers: pass one buffer per key")
+        one_per_key(keys, buffers, "buffer")
         started = time.perf_counter()
         pieces = pieces_of(buffers)
         nearest = [r[0] for r in self.replicas.of(keys)]
@@ -266,8 +265,7 @@ class PoolClient:
         :mod:`~kvpool.pool.client.device_reads`); every other chunk, and one that fails its checksum, is read into host
         memory the usual way and copied over.  CPU tensors work too: the direct path is then the O_DIRECT read
         into their memory.  ``device_reads`` counts both paths."""
-        if len(keys) != len(tensors):
-            raise ConfigError(f"{len(keys)} keys but {len(tensors)} tensors: pass one tensor per key")
+        one_per_key(keys, tensors, "tensor")
         flats = [tensor_bytes(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
         self.device.get_into(keys, flats, [r[0] for r in self.replicas.of(keys)], self.get_into_batch)
         return [f.numel() for f in flats]

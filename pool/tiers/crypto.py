@@ -282,7 +282,7 @@ def _load(key_file: str, stamp: tuple[int, int], key_env: str, env_text: str | N
         source = f"key file {key_file}"
     else:
         if env_text is None:
-            raise ConfigError(f"key_env: environment variable {key_env} is not set; put the key file's text in it")
+            raise SetupError(f"key_env: environment variable {key_env} is not set; put the key file's text in it")
         text, source = env_text, f"environment variable {key_env}"
     return Keyring(parse_keys(text, source), key_id)
 
@@ -323,7 +323,7 @@ class EncryptionConfig(Config, frozen=True):
             try:
                 st = os.stat(self.key_file)
             except OSError:
-                raise ConfigError(
+                raise SetupError(
                     f"encryption.key_file {self.key_file!r}: no such file on host {os.uname().nodename}; make one "
                     f"with kvpool keys new {self.key_file}, and copy it to the same path on every node and client"
                 ) from None

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from kvpool.cli import app
 from kvpool.core.keys import CacheIdentity, chunk_keys
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, SetupError
 from kvpool.pool.advisor import ACCESS_LOG_ENV, ACCESS_RATE_ENV, read_access_logs
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
@@ -57,5 +57,5 @@ def test_a_client_logs_its_lookups_for_the_advisor(
         PoolClient(pool)
     monkeypatch.setenv(ACCESS_RATE_ENV, "0.5")
     monkeypatch.setenv(ACCESS_LOG_ENV, str(tmp_path / "missing"))
-    with pytest.raises(ConfigError, match=ACCESS_LOG_ENV):
+    with pytest.raises(SetupError, match=ACCESS_LOG_ENV):
         PoolClient(pool)

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from kvpool.core.types import Placement, Tier
-from kvpool.errors import ConfigError
+from kvpool.errors import SetupError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import Namespace
@@ -85,5 +85,5 @@ def test_sealed_objects_open_only_with_the_right_key(
 def test_a_process_without_the_key_file_is_told_where_it_must_be(s3_bucket: RemoteConfig, tmp_path: Path) -> None:
     config = msgspec.structs.replace(s3_bucket, encryption=key_file(tmp_path / "keys", "k1"))
     (tmp_path / "keys").unlink()  # this process, on "another host": no key file there
-    with pytest.raises(ConfigError, match="copy it to the same path on every node and client"):
+    with pytest.raises(SetupError, match="copy it to the same path on every node and client"):
         config.encryption.keyring()
