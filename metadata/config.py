@@ -49,10 +49,12 @@ def parse_endpoint(text: str) -> tuple[str, int]:
 
 
 def validate_name(field: str, value: str) -> str:
-    """Names that become etcd path segments: letters, digits, ``_ . -``, at most 63 characters."""
-    if not isinstance(value, str) or not _NAME.match(value):
-        raise ConfigError(f"{field} must be {_NAME_RULE}, got {value!r}")
-    return value
+    """Names that become etcd path segments: letters, digits, ``_ . -``, at most 63 characters.  Keys are built per
+    metadata call, so a good name is passed by the regex alone; only a bad one goes through :data:`Name`'s msgspec
+    check, which words the ``ConfigError``."""
+    if isinstance(value, str) and _NAME.match(value):
+        return value
+    return validated(Name, value, field)
 
 
 class MetadataConfig(Config, frozen=True):
