@@ -23,6 +23,7 @@ DEFAULT_CHUNK_SIZE = 256
 _MAX_TOKEN_ID = 2**32 - 1  # tokens are hashed as little-endian uint32
 #: one token id in a message (a request's prompt): what :func:`token_array` takes, as a declared type
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=_MAX_TOKEN_ID, description="a token id: an int in [0, 2**32)")]
+_Layer = Annotated[int, msgspec.Meta(ge=0, le=_MAX_TOKEN_ID, description="an int in [0, 2**32)")]
 _IDENTITY_TAG = "kvpool.cache-identity/1"
 _Text = Annotated[str, msgspec.Meta(min_length=1, description="a non-empty string")]
 #: a chunk key, as :func:`chunk_keys` makes them
@@ -180,5 +181,5 @@ def layer_key(chunk_key: bytes, layer: int) -> bytes:
     """
     check_key(chunk_key, "chunk_key")
     if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer <= _MAX_TOKEN_ID:
-        raise ConfigError(f"layer must be an int in [0, 2**32), got {layer!r}")
+        layer = validated(_Layer, layer, "layer")  # only a bad layer pays for the declared check that words it
     return hashlib.sha256(chunk_key + b"layer" + layer.to_bytes(4, "little")).digest()

@@ -13,7 +13,7 @@ from typing import Annotated
 
 from msgspec import Meta
 
-from kvpool.core.config import PowerOfTwo, checked
+from kvpool.core.config import PowerOfTwo, checked, validated
 from kvpool.errors import ConfigError, PoolFull
 
 _Capacity = Annotated[int, Meta(ge=1, description="an int > 0 (bytes)")]
@@ -197,8 +197,8 @@ class OffsetAllocator:
             raise ConfigError(f"offset {offset!r:.60} is not a live allocation{why}")
 
     def _round(self, size: int) -> int:
-        if not _is_int(size) or size <= 0:
-            raise ConfigError(f"size must be an int > 0 (bytes), got {size!r:.60}")
+        if not _is_int(size) or size <= 0:  # the common, good size costs two tests; a bad one is worded by _Capacity
+            size = validated(_Capacity, size, "size")
         return -(-size // self._alignment) * self._alignment
 
 
