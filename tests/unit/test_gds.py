@@ -391,8 +391,8 @@ def importlib_find(name: str) -> bool:
 def test_bad_input_is_a_config_error_and_moves_nothing(nvme: NvmeSegment) -> None:
     io = DeviceIO(nvme, POSIX)
     cases: list[tuple[int, Any, str]] = [
-        (1, torch.zeros(4), "not a multiple of 4096"),
-        (ALIGN + 512, torch.zeros(4), "not a multiple of 4096"),
+        (1, torch.zeros(4), "must be a multiple of 4096"),
+        (ALIGN + 512, torch.zeros(4), "must be a multiple of 4096"),
         (-ALIGN, torch.zeros(4), "outside segment"),
         (0, torch.zeros(nvme.capacity + 1, dtype=torch.uint8), "outside segment"),
         (nvme.capacity // ALIGN * ALIGN, torch.zeros(6, dtype=torch.uint8), "outside segment"),
