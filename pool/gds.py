@@ -85,8 +85,8 @@ class IoPath:
 def nvme_io_path() -> IoPath:
     """The path this process uses for NVMe<->GPU transfers, chosen on the first call (see the module docstring).
 
-    Raises :class:`ConfigError` where ``KVPOOL_NVME_IO`` is not ``posix``/``kvikio``/``auto`` or cannot be honoured;
-    a failed call is not cached.
+    Raises :class:`ConfigError` where ``KVPOOL_NVME_IO`` is not ``posix``/``kvikio``/``auto``, :class:`SetupError`
+    where it cannot be honoured; a failed call is not cached.
     """
     path = _choose(os.environ.get(ENV, ""))
     logger.info("NVMe I/O path: %s (%s)", path.name, path.reason)
@@ -362,7 +362,7 @@ def _counter_prefix(name: PathName) -> str:
 
 
 def _open_cufile(file: str) -> Any:
-    """``kvikio.CuFile(file, "r+")``: registered with cuFile where GDS is available; errors are ConfigError."""
+    """``kvikio.CuFile(file, "r+")``: registered with cuFile where GDS is available; errors are SetupError."""
     try:
         kvikio = _import_kvikio()
     except Exception as e:

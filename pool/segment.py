@@ -215,7 +215,7 @@ class NvmeSegment(_Segment):
         """Create ``kvpool-<name>.nvme`` in ``directory``, reserve its space, and open it.
 
         ``direct=None`` uses ``O_DIRECT`` if the filesystem allows it, else buffered I/O with one warning;
-        ``direct=True`` raises ``ConfigError`` where it is refused; ``direct=False`` never tries it.
+        ``direct=True`` raises ``SetupError`` where it is refused; ``direct=False`` never tries it.
         """
         path, fd = _create_file(directory, name, "nvme", capacity, _round_up(capacity))
         try:
@@ -237,7 +237,7 @@ class NvmeSegment(_Segment):
     @classmethod
     def _opened(cls, path: str, capacity: int, fd: int, direct: bool | None, owner: bool) -> Self:
         """The segment over ``fd`` (read/write, closed here on failure), reopened with ``O_DIRECT`` unless ``direct``
-        is False or the filesystem refuses it (then: ``ConfigError`` if ``direct`` is True, else buffered I/O and
+        is False or the filesystem refuses it (then: ``SetupError`` if ``direct`` is True, else buffered I/O and
         one warning)."""
         use_direct = False
         if direct is not False:

@@ -28,7 +28,7 @@ Ready = Callable[[], str | None]
 
 def server_binary(name: str, env: str, candidates: Iterable[str | Path], install: str) -> str:
     """A server's binary: ``$env`` when set (it must be executable), else the first executable of ``candidates``;
-    ``ConfigError`` saying how to get one (``install``) otherwise."""
+    ``SetupError`` saying how to get one (``install``) otherwise."""
     explicit = os.environ.get(env)
     if explicit:
         if not os.access(explicit, os.X_OK):
