@@ -14,9 +14,9 @@ Every call into the agent holds one lock, so that thread and the caller never me
 Fences: a READ that passes its deadline is not released.  NIXL's ``releaseXferReq`` on a handle still in
 progress asks the backend to cancel it; the UCX backend cancels its UCX requests (``ucp_request_cancel``) and
 reports success, but a cancel of a one-sided GET is not a promise that no more bytes arrive (the target's worker
-or the NIC may be serving it still).  Measured here over TCP: a 32 MiB READ from a SIGSTOPped peer, released while
-in progress (no error, no warning), landed whole in its destination once the peer was continued.  So a released-but-late READ could land after the caller retried from another
-replica and verified what it got.  Instead the handle stays alive on a fence list with the local ranges it writes;
+or the NIC may be serving it still).  Measured here over TCP: a 32 MiB READ from a SIGSTOPped peer, released
+while in progress (no error, no warning), landed whole in its destination once the peer was continued.  So a
+released-but-late READ could land after the caller retried from another replica and verified what it got.  Instead the handle stays alive on a fence list with the local ranges it writes;
 :class:`TransferInFlight` tells the caller, and any later transfer touching a fenced range is refused until NIXL
 reports that handle finished (done or failed), when it is released.  Waiting out the handle instead would make the
 short deadline of unpinned reads mean nothing; refusing the memory is the cheap way that stays correct.

@@ -103,11 +103,6 @@ class BlockLoads:
         storages = {layer.kv.untyped_storage().data_ptr(): layer.kv for layer in self.layers.values()}
         return [torch.empty(0, dtype=torch.uint8).set_(kv.untyped_storage()) for kv in storages.values()]
 
-    @property
-    def staged_bytes(self) -> int:
-        """Bytes of host staging made so far (0: every load landed in the blocks)."""
-        return self.staging.nbytes
-
     def close(self, client: Any) -> None:
         self.staging.close(client)
         self.memory.close(client)

@@ -189,7 +189,7 @@ def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: 
         assert torch.equal(dst[name][[4, 5, 8, 9]], src[name][[9, 11, 0, 7]])
         assert not dst[name][[1, 3]].any()  # never written
     # straight between the pool and the blocks: neither side staged a byte (nothing here was the engine's own)
-    assert saver._save_staging.nbytes == 0 and loader.blocks.staged_bytes == 0
+    assert saver._save_staging.nbytes == 0 and loader.blocks.staging.nbytes == 0
     # the engine's own blocks reach into chunk 1 (block 12), and a block is the null block: both left alone
     dst2 = {name: torch.zeros_like(t) for name, t in src.items()}
     other = WorkerSide(config, identity, groups, blocks)
