@@ -43,7 +43,7 @@ from rich.table import Table
 
 from kvpool.bench.limits import proc_cpu_s
 from kvpool.bench.metadata_sim import Stamp, publisher, watcher
-from kvpool.core.config import Config, NonNegative, Positive, validated
+from kvpool.core.config import Config, NonNegative, Positive, Rule, validated
 from kvpool.errors import ConfigError, MetadataUnavailable
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient, prefix_end
@@ -67,11 +67,11 @@ class ScaleSettings(Config, frozen=True):
     watch_procs: Positive = 1
     lease_ttl_s: Positive = 10  #: of each simulated node (longer than the pool's 5 s: the keepers share busy cores)
 
+    rules = (Rule("either", "caches", "watchers", "at least one watch, since lag is measured by them"),)
+
     def check(self) -> None:
         if self.chunks < len(self.node_counts) * max(self.node_counts):
             raise ConfigError(f"--chunks {self.chunks} is fewer than one placement per node per phase; raise it")
-        if self.caches + self.watchers < 1:
-            raise ConfigError("give at least one watch (--caches or --watchers): lag is measured by them")
 
 
 # -- the parent ---------------------------------------------------------------------------------------------

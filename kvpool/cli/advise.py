@@ -12,9 +12,8 @@ from rich.table import Table
 
 from kvpool.cli import connect, options, root
 from kvpool.cli.figures import fig
-from kvpool.core.config import validated
+from kvpool.core.config import Rule, obey, validated
 from kvpool.core.types import Tier
-from kvpool.errors import ConfigError
 from kvpool.pool.advisor import MissRatioCurve, curve_of_log, read_access_logs, tier_hits
 from kvpool.prefill_decode.routing.cost import KNOWN_MODELS, REFERENCE_HARDWARE, CostModel, model_spec
 
@@ -39,12 +38,14 @@ def _codecs(specs: list[str]) -> list[tuple[str, float]]:
     ]
 
 
+_CAPACITIES = (Rule("either", "--dram-gib and --nvme-gib", "--etcd", "the etcd of a running pool to read them from"),)
+
+
 def capacities(dram_gib: float | None, nvme_gib: float | None, etcd: str | None, cluster: str) -> tuple[float, float]:
     """``(DRAM, NVMe)`` bytes to predict around: as given, else the live nodes' segments of the pool at ``etcd``."""
     if dram_gib is not None and nvme_gib is not None:
         return dram_gib * GiB, nvme_gib * GiB
-    if not options.metadata_config(etcd, cluster).endpoints:
-        raise ConfigError("give --dram-gib and --nvme-gib, or --etcd of a running pool to read them from")
+    obey(_CAPACITIES, {"--etcd": options.metadata_config(etcd, cluster).endpoints})  # not both sizes: here
     with connect.running_cache(etcd, cluster, "advise") as cache:
         nodes = cache.nodes()
     dram = dram_gib * GiB if dram_gib is not None else float(sum(n.capacity(Tier.DRAM) for n in nodes))

@@ -8,10 +8,12 @@ import uuid
 import typer
 
 from kvpool.cli import options, root
-from kvpool.errors import ConfigError
+from kvpool.core.config import Rule, obey
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.events import ChunkEvent, EventStream
 from kvpool.metadata.namespace import Namespace
+
+_REPLAY = (Rule("needs", "--zmq-replay", "--zmq", "give --zmq, the PUB socket the replayed batches belong to"),)
 
 
 def _line(e: ChunkEvent) -> str:
@@ -55,8 +57,7 @@ def events(
     """Tail the pool's chunk events, derived from etcd's watch of the placements: nothing is missed, and a
     consumer that remembers the last revision resumes after it (--after) with no gap and no repeat."""
     with root.errors():
-        if zmq_replay and not zmq_endpoint:
-            raise ConfigError("--zmq-replay needs --zmq (the PUB socket the replayed batches belong to)")
+        obey(_REPLAY, {"--zmq-replay": zmq_replay, "--zmq": zmq_endpoint})
         config = options.pool_etcd(etcd, cluster, "events")
         client = EtcdClient(config)
         ns = Namespace(config.cluster)

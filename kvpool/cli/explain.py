@@ -9,10 +9,21 @@ import typer
 from rich.table import Table
 
 from kvpool.cli import connect, options, root
+from kvpool.core.config import Rule, obey
 from kvpool.core.keys import CacheIdentity, token_array
 from kvpool.errors import ConfigError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.identities import fingerprint
+
+_WHICH_IDENTITY = (
+    Rule(
+        "either", "--model", "--identity", "a model a client registered an identity for, or an identity's fingerprint"
+    ),
+)
+_PROMPT = (
+    Rule("either", "PROMPT", "--tokens", "the prompt as a file or as token ids"),
+    Rule("excludes", "PROMPT", "--tokens", "the prompt is one of the two"),
+)
 
 
 def pick_identity(cache: MetadataCache, model: str, identity: str) -> CacheIdentity:
@@ -26,8 +37,7 @@ def pick_identity(cache: MetadataCache, model: str, identity: str) -> CacheIdent
                 "kvpool status --wide lists them"
             )
         return found[0]
-    if not model:
-        raise ConfigError("give --model (the identity a client registered for it) or --identity (a fingerprint)")
+    obey(_WHICH_IDENTITY, {"--model": model, "--identity": identity})
     found = [r.identity for r in records.values() if r.identity.model == model and r.identity.tp_rank == 0]
     if not found:
         known = ", ".join(sorted({r.identity.model for r in records.values()})) or "none"
@@ -40,8 +50,7 @@ def pick_identity(cache: MetadataCache, model: str, identity: str) -> CacheIdent
 
 def read_tokens(prompt: Path | None, tokens: str, tokenizer: str) -> list[int]:
     """The prompt's token ids: ``--tokens``, or the file (ids, whitespace, comma or JSON list; text with ``--tokenizer``)."""
-    if (prompt is None) == (not tokens):
-        raise ConfigError("give the prompt as a file or as --tokens, one of the two")
+    obey(_PROMPT, {"PROMPT": prompt, "--tokens": tokens})
     text = tokens if tokens else prompt.read_text() if prompt is not None else ""
     if tokenizer:
         from kvpool.prefill_decode.reference.model import load_tokenizer, tokenize

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from kvpool.cli import root
+from kvpool.core.config import Rule, obey
 from kvpool.errors import ConfigError, KvPoolError, MetadataUnavailable, RemoteUnavailable
 from kvpool.servers.certs import default_dir as certs_default_dir
 
@@ -65,6 +66,9 @@ def s3_server(
                 f"  kvpool up --s3-endpoint {server.endpoint_url} --s3-bucket {bucket} --hold",
                 soft_wrap=True,
             )
+
+
+_ADVERTISE = (Rule("needs", "--host 0.0.0.0", "--advertise", "say which address clients reach etcd at"),)
 
 
 def _peers(text: str, tls: bool) -> dict[str, str]:
@@ -150,8 +154,7 @@ def etcd_server(
     from kvpool.servers.etcd import EmbeddedEtcd
 
     with root.errors():
-        if host == "0.0.0.0" and not advertise:
-            raise ConfigError("--advertise: with --host 0.0.0.0, say which address clients reach etcd at")
+        obey(_ADVERTISE, {"--host 0.0.0.0": host == "0.0.0.0", "--advertise": advertise})
         members = _peers(peers, tls_dir is not None) if peers else None
         hosts = [host, advertise or "", *(a.rpartition(":")[0] for a in (members or {}).values())]
         tls = server_files(tls_dir, hosts) if tls_dir else None

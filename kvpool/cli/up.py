@@ -11,8 +11,8 @@ from kvpool import ray_auth
 from kvpool.cli import options, root
 from kvpool.cli.sglang import launch_line
 from kvpool.cli.vllm import serve_line
-from kvpool.core.config import one_of
-from kvpool.errors import ConfigError, KvPoolError
+from kvpool.core.config import Rule, obey, one_of
+from kvpool.errors import KvPoolError
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import Namespace
@@ -250,6 +250,20 @@ TENANTS = typer.Option(
 )
 
 
+_VLLM_SERVES = (
+    Rule("needs", "--engine vllm", "--serve PORT", "it serves over vLLM engines"),
+    Rule("excludes", "--engine vllm", "--tenants", "tenants are served by the workers' front only"),
+)
+_TLS_ETCD = (
+    Rule(
+        "needs",
+        "etcd TLS files (KVPOOL_ETCD_CA...)",
+        "--etcd",
+        "pass --etcd-tls DIR to start the embedded etcd with TLS, or --etcd for a running one",
+    ),
+)
+
+
 def _check_choices(demo: str, route: str, ray_auth_mode: str, engine: str, serve: int, tenants: str) -> None:
     """``up``'s options that name one of a few values, and the one combination it cannot run: checked before
     anything starts."""
@@ -260,10 +274,7 @@ def _check_choices(demo: str, route: str, ray_auth_mode: str, engine: str, serve
         ray_auth.requested_mode(ray_auth_mode)
     one_of((*MODELS, "none"), demo, "--demo")
     one_of(("workers", "vllm"), engine, "--engine")
-    if engine == "vllm" and (serve < 0 or tenants):
-        raise ConfigError(
-            "--engine vllm serves over vLLM engines: give --serve PORT (tenants are served by the workers' front only)"
-        )
+    obey(_VLLM_SERVES, {"--engine vllm": engine == "vllm", "--serve PORT": serve >= 0, "--tenants": tenants})
 
 
 def _metadata(stack: ExitStack, etcd: str | None, etcd_tls: str | None, cluster: str) -> "MetadataConfig":
@@ -271,11 +282,7 @@ def _metadata(stack: ExitStack, etcd: str | None, etcd_tls: str | None, cluster:
     if etcd_tls and not etcd:
         etcd = _tls_etcd(stack, etcd_tls)
     metadata = options.metadata_config(etcd, cluster, etcd_tls)
-    if metadata.tls and not metadata.endpoints:
-        raise ConfigError(
-            "etcd TLS files are set (KVPOOL_ETCD_CA...) but no --etcd: pass --etcd-tls DIR to start the embedded "
-            "etcd with TLS, or --etcd for a running one"
-        )
+    obey(_TLS_ETCD, {"etcd TLS files (KVPOOL_ETCD_CA...)": metadata.tls, "--etcd": metadata.endpoints})
     return metadata
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "Seconds",
     "checked",
     "default_of",
+    "obey",
     "one_of",
     "validated",
 ]
@@ -77,18 +78,21 @@ _AT = re.compile(r" - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`$")
 
 
 class Rule(typing.NamedTuple):
-    """A rule between fields that a config declares in its ``rules``: ``"together"``, ``a`` and ``b`` are set
-    both or neither; ``"needs"``, a set ``a`` needs ``b`` set; ``"excludes"``, not both.  "Set" is truthy; ``b`` may
-    be ``"x or y"`` (either will do).  ``why`` ends the error: why, and what to write."""
+    """A rule between fields that a config declares in its ``rules`` (or a command between its flags, through
+    :func:`obey`): ``"together"``, ``a`` and ``b`` are set both or neither; ``"needs"``, a set ``a`` needs ``b`` set;
+    ``"excludes"``, not both; ``"either"``, at least one.  "Set" is truthy; ``b`` may be ``"x or y"`` (either will
+    do).  ``why`` ends the error: why, and what to write."""
 
-    kind: typing.Literal["together", "needs", "excludes"]
+    kind: typing.Literal["together", "needs", "excludes", "either"]
     a: str
     b: str
     why: str
 
-    def broken(self, config: object) -> str:
-        """The error's sentence if ``config`` breaks the rule, else ``""``."""
-        a, b = (any(getattr(config, name) for name in names.split(" or ")) for names in (self.a, self.b))
+    def broken(self, given: object) -> str:
+        """The error's sentence if ``given`` (a config, or a mapping of names to values) breaks the rule, else
+        ``""``."""
+        value = given.get if isinstance(given, Mapping) else functools.partial(getattr, given)
+        a, b = (any(value(name) for name in names.split(" or ")) for names in (self.a, self.b))
         ok, said = _RULES[self.kind]
         return "" if ok(a, b) else f"{said.format(a=self.a, b=self.b)}: {self.why}"
 
@@ -97,7 +101,15 @@ _RULES: dict[str, tuple[Callable[[bool, bool], bool], str]] = {
     "together": (lambda a, b: a == b, "{a} and {b} go together"),
     "needs": (lambda a, b: b or not a, "{a} is set but {b} is not"),
     "excludes": (lambda a, b: not (a and b), "give {a} or {b}, not both"),
+    "either": (lambda a, b: a or b, "give {a} or {b}"),
 }
+
+
+def obey(rules: Iterable[Rule], given: object) -> None:
+    """``ConfigError`` with the sentence of the first of ``rules`` that ``given`` breaks: a config's fields, or a
+    command's flags as a mapping of their names (``{"--zmq": ..., "--zmq-replay": ...}``) to their values."""
+    if broken := next(filter(None, (rule.broken(given) for rule in rules)), ""):
+        raise ConfigError(broken)
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -114,8 +126,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return
         if mode == _CHECK:
             _round_trip(self)
-        if broken := next(filter(None, (rule.broken(self) for rule in self.rules)), ""):
-            raise ConfigError(broken)
+        obey(self.rules, self)
         self.check()
 
     def check(self) -> None:

@@ -34,14 +34,17 @@ import botocore.config
 import botocore.exceptions
 from botocore import UNSIGNED
 
-from kvpool.core.config import Positive, checked
-from kvpool.errors import ConfigError, RemoteUnavailable
+from kvpool.core.config import Positive, Rule, checked, obey
+from kvpool.errors import RemoteUnavailable
 from kvpool.servers.process import ServerProcess, free_ports, server_binary
 
 log = logging.getLogger(__name__)
 
 WEED_BIN_ENV = "KVPOOL_WEED_BIN"
 SERVICES = ("master", "volume", "filer", "s3")
+_CREDENTIALS = (
+    Rule("together", "access_key_id", "secret_access_key", "give both (an authenticated server) or neither"),
+)
 STOP_GRACE_S = 1.0
 
 # weed reads master.toml settings from WEED_* variables: grow one volume per new collection (a bucket is a
@@ -78,8 +81,7 @@ class SeaweedServer:
         volume_size_limit_mb: Positive = 64,
         binary: str | None = None,
     ) -> None:
-        if bool(access_key_id) != bool(secret_access_key):
-            raise ConfigError("access_key_id and secret_access_key: give both (an authenticated server) or neither")
+        obey(_CREDENTIALS, {"access_key_id": access_key_id, "secret_access_key": secret_access_key})
         self.host = host
         self.access_key_id = access_key_id
         self.secret_access_key = secret_access_key

@@ -115,4 +115,4 @@ def test_bad_logs_and_options_are_one_line_errors(tmp_path: Path) -> None:
     out = runner.invoke(app, ["advise", *good, "--codec", "fp8", "--dram-gib", "1", "--nvme-gib", "1"])
     assert out.exit_code == 1 and "NAME=RATIO" in out.output
     out = runner.invoke(app, ["advise", *good], env={"KVPOOL_ETCD_ENDPOINTS": ""})
-    assert out.exit_code == 1 and "--etcd of a running pool" in out.output
+    assert out.exit_code == 1 and "or --etcd: the etcd of a running pool" in out.output

@@ -2,13 +2,14 @@
 
 import dataclasses
 import pickle
+import re
 from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 import pytest
 from msgspec import Meta
 
-from kvpool.core.config import Config, checked, default_of, validated
+from kvpool.core.config import Config, Rule, checked, default_of, obey, validated
 from kvpool.errors import ConfigError
 
 
@@ -42,6 +43,33 @@ def test_construction_checks_types_ranges_and_cross_field_rules() -> None:
     with pytest.raises(ConfigError, match="`spare` expected Inner or None, got str 'x'"):
         Outer(spare="x")  # type: ignore[arg-type]
     assert Outer(names=["a"]).names == ("a",)  # type: ignore[arg-type]  # a list given for a tuple: the tuple
+
+
+class Flags(Config, frozen=True):
+    user: str = ""
+    password: str = ""
+
+    rules = (Rule("together", "user", "password", "give both or neither"),)
+
+
+def test_rules_between_fields_or_flags_name_both_and_say_why() -> None:
+    assert Flags(user="u", password="p") and Flags()
+    with pytest.raises(ConfigError, match=r"^user and password go together: give both or neither$"):
+        Flags(user="u")
+    rules = (
+        Rule("needs", "--replay", "--pub or --sub", "replay what a socket sent"),
+        Rule("excludes", "FILE", "--tokens", "the prompt is one of them"),
+        Rule("either", "FILE", "--tokens", "a prompt"),
+    )
+    obey(rules, {"--replay": "x", "--sub": "y", "FILE": "f"})
+    obey(rules, {"--tokens": "1 2"})  # a flag not given is not set
+    for given, said in (
+        ({"--replay": "x", "FILE": "f"}, "--replay is set but --pub or --sub is not: replay what a socket sent"),
+        ({"FILE": "f", "--tokens": "1"}, "give FILE or --tokens, not both: the prompt is one of them"),
+        ({"--replay": "", "--pub": 0}, "give FILE or --tokens: a prompt"),
+    ):
+        with pytest.raises(ConfigError, match=f"^{re.escape(said)}$"):
+            obey(rules, given)
 
 
 def test_replace_and_unpickling_check_again() -> None:

@@ -201,4 +201,4 @@ def test_kvpool_events_prints_the_contents_then_stops_at_the_present(
     assert "removed" in done.stdout and KEYS[0].hex()[:16] in done.stdout and KEYS[1].hex()[:16] not in done.stdout
     assert FP in done.stdout
     bad = subprocess.run([KVPOOL, *args, "--zmq-replay", "tcp://127.0.0.1:1"], capture_output=True, text=True, env=env)
-    assert bad.returncode == 1 and "--zmq-replay needs --zmq" in bad.stdout + bad.stderr
+    assert bad.returncode == 1 and "--zmq-replay is set but --zmq is not" in bad.stdout + bad.stderr

@@ -141,7 +141,7 @@ def test_kvpool_explain(pool: PoolConfig, client: PoolClient, tmp_path: Path) ->
     ]
     assert [r["cause"] for r in rows] == [None, "removed", "never_stored"]
     for args, said in (
-        (("--model", "misses"), "as a file or as --tokens"),
+        (("--model", "misses"), "give PROMPT or --tokens"),
         ((str(ids), "--model", "nobody"), "registered models: misses"),
         ((str(ids),), "give --model"),
         (("--tokens", "1,x", "--model", "misses"), "token ids"),
