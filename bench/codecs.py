@@ -128,6 +128,36 @@ def pass_seconds(fn: Callable[[Any], object], items: Sequence[Any], repeat: int)
     return min(runs)
 
 
+def _fidelity(
+    loaded: LoadedModel,
+    objects: list[list[torch.Tensor]],
+    decoded: list[torch.Tensor],
+    first: int,
+    ref: list[int],
+    logits: torch.Tensor,
+) -> dict[str, Any]:
+    """How far the model strays on ``decoded`` (a codec's round trip of ``objects``, flattened) from the original's
+    greedy tokens ``ref`` and their ``logits``: the KV's relative error, the largest logit error with the original's
+    tokens forced, the share of forced top-1 choices kept, and the free-running tokens kept (up to the first change)."""
+    flat = [o for layer in objects for o in layer]
+    err = torch.stack([(d.float() - o.float()).pow(2).sum() for d, o in zip(decoded, flat, strict=True)]).sum()
+    norm = torch.stack([o.float().pow(2).sum() for o in flat]).sum()
+    it = iter(decoded)
+    coded = [[next(it) for _ in layer] for layer in objects]
+    steps = len(ref)
+    forced_tokens, forced_logits = greedy(loaded, coded, first, steps, forced=[first, *ref[:-1]])
+    free_tokens, _ = greedy(loaded, coded, first, steps)
+    same = [a == b for a, b in zip(free_tokens, ref, strict=True)]
+    return {
+        "kv_rel_err": float((err / norm).sqrt()) if norm > 0 else 0.0,
+        "max_logit_err": float((forced_logits - logits).abs().max()),
+        "forced_top1_agree": sum(a == b for a, b in zip(forced_tokens, ref, strict=True)) / steps,
+        "free_tokens_same": sum(same),
+        "first_diff": same.index(False) + 1 if False in same else None,
+        "steps": steps,
+    }
+
+
 def bench_model(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     loaded = load_model(name, dtype=getattr(torch, args.dtype))
     ids = prompt_ids(loaded, args.tiny_tokens)
@@ -158,14 +188,6 @@ def bench_model(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any
         sealed = [keyring.seal(b, chunk_key, codec.name) for b in encoded]
         seal_s = pass_seconds(lambda b: keyring.seal(b, chunk_key, codec.name), encoded, args.repeat)  # noqa: B023
         open_s = pass_seconds(lambda b: keyring.open(b, chunk_key, codec.name), sealed, args.repeat)  # noqa: B023
-        decoded = [codec.decode(b) for b in encoded]
-        err = torch.stack([(d.float() - o.float()).pow(2).sum() for d, o in zip(decoded, flat, strict=True)]).sum()
-        norm = torch.stack([o.float().pow(2).sum() for o in flat]).sum()
-        it = iter(decoded)
-        coded = [[next(it) for _ in layer] for layer in objects]
-        forced_tokens, forced_logits = greedy(loaded, coded, first, args.steps, forced=[first, *ref_tokens[:-1]])
-        free_tokens, _ = greedy(loaded, coded, first, args.steps)
-        same = [a == b for a, b in zip(free_tokens, ref_tokens, strict=True)]
         rows.append(
             {
                 "model": name,
@@ -182,12 +204,7 @@ def bench_model(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any
                 "object_bytes": flat[0].numel() * flat[0].element_size(),
                 "seal_gbps": sum(map(len, encoded)) / seal_s / 1e9,
                 "open_gbps": sum(map(len, encoded)) / open_s / 1e9,
-                "kv_rel_err": float((err / norm).sqrt()) if norm > 0 else 0.0,
-                "max_logit_err": float((forced_logits - ref_logits).abs().max()),
-                "forced_top1_agree": sum(a == b for a, b in zip(forced_tokens, ref_tokens, strict=True)) / args.steps,
-                "free_tokens_same": sum(same),
-                "first_diff": same.index(False) + 1 if False in same else None,
-                "steps": args.steps,
+                **_fidelity(loaded, objects, [codec.decode(b) for b in encoded], first, ref_tokens, ref_logits),
                 "ref_min_margin": margin,
             }
         )
@@ -289,6 +306,10 @@ def render(rows: list[dict[str, Any]], deltas: list[dict[str, Any]], steps: int)
         "original's tokens; same tokens: free greedy decoding, positions equal to the original's; first diff: the "
         "first step that differs (- for none)."
     )
+    _render_deltas(deltas)
+
+
+def _render_deltas(deltas: list[dict[str, Any]]) -> None:
     dt = Table(title="CacheGen-style token-wise delta before zstd, per base quantizer (compression ratios)")
     for col in ("model", "base", "+zstd", "+delta+zstd", "delta gain", "codec int4+delta+zstd"):
         dt.add_column(col, justify="left" if col in ("model", "base") else "right")

@@ -110,12 +110,42 @@ def replay(front: EngineFront, trace: list[Request], concurrency: int, policy: s
     return out
 
 
-def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    trace = make_trace(
-        TraceSettings(
-            requests=args.requests, documents=args.documents, conversations=args.conversations, seed=args.seed
-        )
+def _pool(args: argparse.Namespace, etcd: str, ray_address: str) -> tuple[PoolConfig, dict[str, Any]]:
+    """A pool of its own for one policy's replay, and the engines' connector config for it."""
+    metadata = MetadataConfig(endpoints=(etcd,), cluster=f"bench-{uuid.uuid4().hex[:8]}")
+    pool = PoolConfig(
+        metadata=metadata,
+        dram_bytes=args.dram_mib * MiB,
+        nvme_bytes=args.nvme_mib * MiB,
+        namespace=f"engines-{uuid.uuid4().hex[:8]}",
     )
+    extra = {
+        "etcd": [etcd],
+        "cluster": metadata.cluster,
+        "namespace": pool.namespace,
+        "ray_address": ray_address,
+        "model_id": f"bench-{args.model}",
+        "chunk_size": args.chunk,
+    }
+    return pool, extra
+
+
+def _limits(cost: CostModel, tokens: int) -> dict[str, float]:
+    """What the calibrated cost model says one request of ``tokens`` takes: computed, from the engine's own cache,
+    from a peer's pool node; and the bandwidths it was measured at."""
+    hw = cost.hardware
+    return {
+        "cold_s": cost.prefill_s(tokens),
+        "engine_cache_s": hw.step_s,
+        "peer_s": hw.step_s + cost.transfer_s(tokens, "peer"),
+        "dram_gbps": hw.bandwidth["dram"] / 1e9,
+        "peer_gbps": hw.bandwidth.get("peer", 0) / 1e9,
+    }
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    shape = TraceSettings(args.requests, args.documents, conversations=args.conversations, seed=args.seed)
+    trace = make_trace(shape)
     longest = max(len(r.tokens) for r in trace)
     path, _, _ = model_dir(args.model, work)
     settings = {"model": str(path), "max_model_len": max(longest, args.calibrate_tokens) + 8}
@@ -130,25 +160,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     limits: dict[str, float] = {}
     with EmbeddedEtcd() as etcd, LocalRayCluster(nodes=args.nodes) as cluster:
         for policy in args.policies.split(","):
-            metadata = MetadataConfig(endpoints=(etcd.endpoint,), cluster=f"bench-{uuid.uuid4().hex[:8]}")
-            pool = PoolConfig(
-                metadata=metadata,
-                dram_bytes=args.dram_mib * MiB,
-                nvme_bytes=args.nvme_mib * MiB,
-                namespace=f"engines-{uuid.uuid4().hex[:8]}",
-            )
+            pool, extra = _pool(args, etcd.endpoint, cluster.address)
             start_pool(pool)
-            extra = {
-                "etcd": [etcd.endpoint],
-                "cluster": metadata.cluster,
-                "namespace": pool.namespace,
-                "ray_address": cluster.address,
-                "model_id": f"bench-{args.model}",
-                "chunk_size": args.chunk,
-            }
             events = EngineEvents("tcp://127.0.0.2:*", [f"engine{i}" for i in range(args.nodes)])
-            etcd_client = EtcdClient(metadata)
-            cache = MetadataCache(etcd_client, Namespace(metadata.cluster)).start()
+            etcd_client = EtcdClient(pool.metadata)
+            cache = MetadataCache(etcd_client, Namespace(pool.metadata.cluster)).start()
             lanes: list[EngineLane] = []
             try:
                 t0 = time.perf_counter()
@@ -159,14 +175,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 console.print(f"{policy}: {len(lanes)} engines up in {time.perf_counter() - t0:.0f} s")
                 if not costs:
                     costs = calibrate(lanes, spec, args.chunk, tokens=args.calibrate_tokens)
-                    hw = costs[0].hardware
-                    limits = {
-                        "cold_s": costs[0].prefill_s(args.calibrate_tokens),
-                        "engine_cache_s": hw.step_s,
-                        "peer_s": hw.step_s + costs[0].transfer_s(args.calibrate_tokens, "peer"),
-                        "dram_gbps": hw.bandwidth["dram"] / 1e9,
-                        "peer_gbps": hw.bandwidth.get("peer", 0) / 1e9,
-                    }
+                    limits = _limits(costs[0], args.calibrate_tokens)
                 front = EngineFront.over(lanes, events, costs, cache.replicas, args.chunk, policy)
                 replays.append(replay(front, trace, args.concurrency, policy))
                 console.print(f"  {policy}: p50 {statistics.median(replays[-1].ttft_s) * 1e3:.0f} ms")

@@ -258,7 +258,8 @@ def probe(bench: Bench, prompt: list[int]) -> tuple[Hardware, float, float]:
 # -- the run -------------------------------------------------------------------------------------------------
 
 
-def main() -> None:
+def _arguments() -> tuple[argparse.Namespace, list[Policy]]:
+    """The command line, and the policies to replay (cache-aware among them)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=3, help="Ray nodes, one lane each (>= 3 for the issue's goal)")
     ap.add_argument("--requests", type=int, default=160)
@@ -292,13 +293,56 @@ def main() -> None:
         ap.error(f"--policies: a comma-separated list of {', '.join(p.value for p in Policy)}")
     if Policy.CACHE_AWARE not in policies:
         ap.error("--policies must include cache-aware (the advisor and the event check use its replay)")
+    return args, policies
+
+
+def _advisor(
+    bench: Bench, trace: list[Request], args: argparse.Namespace, logged: Replay
+) -> tuple[list[dict[str, Any]], list[dict[str, float]]]:
+    """The cache-aware replay at the other capacities (``--advise``) beside the advisor's prediction from
+    ``logged``'s access logs, and the predicted curve over pool sizes."""
+    n = args.nodes
+    measured = [(args.dram_mib, args.nvme_mib, logged)]
+    for f in (float(f) for f in args.advise.split(",") if f):
+        dram, nvme = max(1, round(args.dram_mib * f)), max(1, round(args.nvme_mib * f))
+        with console.status(f"replaying at {dram} + {nvme} MiB per node for the advisor"):
+            measured.append((dram, nvme, run_replay(bench, trace, Policy.CACHE_AWARE.value, dram, nvme)))
+    if args.keep_logs:
+        for dram, nvme, r in measured:
+            kept = Path(args.keep_logs) / f"{dram}+{nvme}"
+            kept.mkdir(parents=True, exist_ok=True)
+            for path in r.log_paths:
+                shutil.copy(path, kept)
+    at = (n * args.dram_mib * MiB, n * args.nvme_mib * MiB)
+    models = predicted_hit_ratios(logged.log_paths, [(n * d * MiB, n * v * MiB) for d, v, _ in measured], at)
+    advisor = [
+        {
+            "dram_mib": d,
+            "nvme_mib": v,
+            "pool_mib": n * (d + v),
+            "measured": r.lookup_hit_ratio,
+            "held": held_at_lookup(r.log_paths),
+            "predicted": models[ADVISED][i],
+            "models": {name: ratios[i] for name, ratios in models.items()},
+        }
+        for i, (d, v, r) in enumerate(measured)
+    ]
+    top = max(a["pool_mib"] for a in advisor) * 1.5
+    share = args.dram_mib / (args.dram_mib + args.nvme_mib)
+    sizes = list(np.linspace(1, top, 40))
+    pools = [(m * MiB * share, m * MiB * (1 - share)) for m in sizes]
+    along = predicted_hit_ratios(logged.log_paths, pools, at)[ADVISED]
+    return advisor, [{"pool_mib": m, "hit": h} for m, h in zip(sizes, along, strict=True)]
+
+
+def main() -> None:
+    args, policies = _arguments()
     from kvpool.metadata.config import MetadataConfig
     from kvpool.servers.etcd import EmbeddedEtcd
     from kvpool.servers.ray_cluster import LocalRayCluster
 
     trace = make_trace(TraceSettings(args.requests, args.documents, conversations=args.conversations, seed=args.seed))
     ceiling = reuse_ceiling(trace, args.chunk)
-    factors = [float(f) for f in args.advise.split(",") if f]
     with tempfile.TemporaryDirectory(prefix="kvpool-routing-") as logs, ExitStack() as stack:
         os.environ.update({"KVPOOL_ACCESS_LOG": logs, "KVPOOL_ACCESS_RATE": "1.0"})  # the workers inherit it
         with console.status("starting etcd and a local Ray cluster"):
@@ -315,49 +359,12 @@ def main() -> None:
         rows, replays = [], {}
         for policy in policies:
             with console.status(f"replaying {len(trace)} requests, {policy.value}"):
-                r = run_replay(
-                    bench,
-                    trace,
-                    policy.value,
-                    args.dram_mib,
-                    args.nvme_mib,
-                    policy is Policy.CACHE_AWARE and not args.advisor_only,
-                )
+                events = policy is Policy.CACHE_AWARE and not args.advisor_only
+                r = run_replay(bench, trace, policy.value, args.dram_mib, args.nvme_mib, events)
             replays[policy] = r
             rows.append(r.row())
             console.print(f"{policy.value}: hit rate {r.hit_rate:.1%}, TTFT p50 {rows[-1]['ttft_p50_s'] * 1e3:.0f} ms")
-        logged, n = replays[Policy.CACHE_AWARE], args.nodes
-        measured = [(args.dram_mib, args.nvme_mib, logged)]
-        for f in factors:
-            dram, nvme = max(1, round(args.dram_mib * f)), max(1, round(args.nvme_mib * f))
-            with console.status(f"replaying at {dram} + {nvme} MiB per node for the advisor"):
-                measured.append((dram, nvme, run_replay(bench, trace, Policy.CACHE_AWARE.value, dram, nvme)))
-        if args.keep_logs:
-            for dram, nvme, r in measured:
-                kept = Path(args.keep_logs) / f"{dram}+{nvme}"
-                kept.mkdir(parents=True, exist_ok=True)
-                for path in r.log_paths:
-                    shutil.copy(path, kept)
-        at = (n * args.dram_mib * MiB, n * args.nvme_mib * MiB)
-        models = predicted_hit_ratios(logged.log_paths, [(n * d * MiB, n * v * MiB) for d, v, _ in measured], at)
-        advisor = [
-            {
-                "dram_mib": d,
-                "nvme_mib": v,
-                "pool_mib": n * (d + v),
-                "measured": r.lookup_hit_ratio,
-                "held": held_at_lookup(r.log_paths),
-                "predicted": models[ADVISED][i],
-                "models": {name: ratios[i] for name, ratios in models.items()},
-            }
-            for i, (d, v, r) in enumerate(measured)
-        ]
-        top = max(a["pool_mib"] for a in advisor) * 1.5
-        share = args.dram_mib / (args.dram_mib + args.nvme_mib)
-        sizes = list(np.linspace(1, top, 40))
-        pools = [(m * MiB * share, m * MiB * (1 - share)) for m in sizes]
-        along = predicted_hit_ratios(logged.log_paths, pools, at)[ADVISED]
-        curve = [{"pool_mib": m, "hit": h} for m, h in zip(sizes, along, strict=True)]
+        advisor, curve = _advisor(bench, trace, args, replays[Policy.CACHE_AWARE])
     out = {
         "requests": len(trace),
         "nodes": args.nodes,

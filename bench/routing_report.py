@@ -53,6 +53,10 @@ def render(out: dict[str, Any]) -> None:
         "one request alone",
     )
     console.print(table)
+    _render_advisor(out)
+
+
+def _render_advisor(out: dict[str, Any]) -> None:
     adv = Table(title="capacity advisor: predicted from the first replay's access log vs replayed (prefix lookups)")
     for col in ("DRAM + NVMe per node", "pool", "measured", "objects held at lookup", *MODELS):
         adv.add_column(col, justify="right")

@@ -94,6 +94,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _ttft(runner: ModelRunner, router: Router, prompt: list[int], reuse: bool) -> tuple[float, Prefilled]:
+    """Seconds to ``prompt``'s first token, routed by ``router``, reusing the pool's chunks or not; the prefill."""
+    t0 = time.perf_counter()
+    route = router.route(prompt)
+    pre = runner.prefill(prompt, route.keys, route.reuse_chunks if reuse else 0)
+    pre.first_token  # noqa: B018 -- the first token is part of TTFT
+    return time.perf_counter() - t0, pre
+
+
 def bench_length(
     args: argparse.Namespace,
     n: int,
@@ -104,31 +113,19 @@ def bench_length(
     copy_gbps: float,
     disk_gbps: float,
 ) -> list[dict[str, Any]]:
+    """TTFT of an ``n``-token prompt computed, then reused from DRAM, from NVMe and half of it from DRAM: one row
+    each, beside what ``cost`` predicts and the floor of copying its KV at ``copy_gbps`` (``disk_gbps``)."""
     vocab = runner.model.config.vocab_size
     tokens = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
     assert runner.connector is not None
-    kv_bytes = n * runner.connector.layout.token_bytes
+    token_bytes = runner.connector.layout.token_bytes
 
-    def ttft(reuse: bool, prompt: list[int] = tokens) -> tuple[float, Prefilled]:
-        t0 = time.perf_counter()
-        route = router.route(prompt)
-        pre = runner.prefill(prompt, route.keys, route.reuse_chunks if reuse else 0)
-        pre.first_token  # noqa: B018 -- the first token is part of TTFT
-        return time.perf_counter() - t0, pre
-
-    half = n // 2
-    other = torch.randint(0, vocab, (n - half,), generator=torch.Generator().manual_seed(n + 1)).tolist()
-    half_tokens = tokens[:half] + other  # shares its first half with `tokens`: a partial hit
-
-    cold_runs = []
-    cold_pre: Prefilled | None = None
-    for _ in range(args.repeat):
-        s, cold_pre = ttft(reuse=False)
-        cold_runs.append(s)
-    assert cold_pre is not None
-    runner.save(cold_pre, router.route(tokens).keys)
+    other = torch.randint(0, vocab, (n - n // 2,), generator=torch.Generator().manual_seed(n + 1)).tolist()
+    half_tokens = tokens[: n // 2] + other  # shares its first half with `tokens`: a partial hit
+    cold_runs, cold_pres = zip(*(_ttft(runner, router, tokens, False) for _ in range(args.repeat)), strict=True)
+    runner.save(cold_pres[-1], router.route(tokens).keys)
     keys = [k for chunk in router.route(tokens).keys for k in chunk]
-    cold = median(cold_runs)
+    cold = median(list(cold_runs))
     out = []
     for tier in ("dram", "nvme", "dram, half hit"):
         runs, overlaps = [], []
@@ -136,31 +133,29 @@ def bench_length(
         for _ in range(args.repeat):
             if tier == "nvme":
                 client.move(keys, Tier.NVME)
-            s, pre = ttft(reuse=True, prompt=prompt)
+            s, pre = _ttft(runner, router, prompt, True)
             if pre.reused_tokens == 0:
                 raise RuntimeError(f"the {n}-token prompt was not reused from {tier}: {router.route(prompt).decision}")
             runs.append(s)
             overlaps.append(pre.load.overlap if pre.load else 0.0)
-        assert prompt is not tokens or pre.first_token == cold_pre.first_token
-        warm = median(runs)
+        assert prompt is not tokens or pre.first_token == cold_pres[-1].first_token
+        warm, reused = median(runs), pre.reused_tokens
         predicted_cold = cost.prefill_s(n)
-        reused = pre.reused_tokens
         predicted_warm = cost.reload_s(reused, tier.split(",")[0]) + cost.prefill_s(n, reused)
-        floor = reused * runner.connector.layout.token_bytes / ((disk_gbps if tier == "nvme" else copy_gbps) * 1e9)
         out.append(
             {
                 "tokens": n,
                 "tier": tier,
-                "kv_bytes": kv_bytes,
+                "kv_bytes": n * token_bytes,
                 "cold_s": cold,
                 "warm_s": warm,
                 "speedup": cold / warm,
                 "predicted_cold_s": predicted_cold,
                 "predicted_warm_s": predicted_warm,
                 "predicted_speedup": predicted_cold / predicted_warm,
-                "floor_s": floor,
+                "floor_s": reused * token_bytes / ((disk_gbps if tier == "nvme" else copy_gbps) * 1e9),
                 "overlap": median(overlaps),
-                "cold_runs": cold_runs,
+                "cold_runs": list(cold_runs),
                 "warm_runs": runs,
             }
         )

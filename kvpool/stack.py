@@ -23,7 +23,7 @@ import ray
 from msgspec import Meta
 
 from kvpool import ray_auth
-from kvpool.core.config import Config, Positive, checked
+from kvpool.core.config import Config, Positive, checked, one_of
 from kvpool.errors import ConfigError
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.config import PoolConfig
@@ -246,8 +246,7 @@ def engine_service(
 
     report = report or LogReport()
     policy = Policy.of(policy).value
-    if model != "smollm2-135m":
-        raise ConfigError(f"vLLM engines run smollm2-135m here (its weights ship with kvpool), not {model!r}")
+    one_of(["smollm2-135m"], model, "model of the vLLM engines (its weights ship with kvpool)")
     ips = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
     if engines > len(ips):
         raise ConfigError(f"engines: one per Ray node, so at most {len(ips)} here, got {engines}")

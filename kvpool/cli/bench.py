@@ -144,15 +144,16 @@ def _write(results: "Results", out: Path) -> None:
         root.console.print(f"figures written to {json_path} (no plot: pip install 'kvpool[bench]' for matplotlib)")
 
 
+_RAY_ADDRESS = typer.Option(
+    None, "--ray-address", help="Benchmark the running pool of this Ray cluster (needs --etcd). Default: a local one."
+)
+
+
 @root.app.command("bench")
 def bench_command(
     etcd: str | None = options.ETCD,
     cluster: str = options.CLUSTER,
-    ray_address: str | None = typer.Option(
-        None,
-        "--ray-address",
-        help="Benchmark the running pool of this Ray cluster (needs --etcd). Default: a local one.",
-    ),
+    ray_address: str | None = _RAY_ADDRESS,
     namespace: str = options.NAMESPACE,
     nodes: int = typer.Option(
         LOCAL_NODES, "--nodes", min=1, max=8, help="Nodes of the local cluster (127.0.0.2 and up)."

@@ -1,9 +1,8 @@
 """Configs as strict msgspec Structs: types and ranges declared once, checked by one function.
 
 A config class derives from :class:`Config` and declares each field's type and range in its annotation
-(``Annotated[int, Meta(ge=0, description="...")]``); the ``description`` is what the error tells the user to write.
-Rules between two fields (given together, one needs the other, not both) are declared in its ``rules``
-(:class:`Rule`); its :meth:`Config.check` holds only the rules neither can say: a path that must exist, an order.
+(``Annotated[int, Meta(ge=0, description="...")]``; the ``description`` is what the error tells the user to write),
+rules between two fields in its ``rules`` (:class:`Rule`), the others (a path that must exist) in :meth:`Config.check`.
 
 Every way of making a config checks it: keyword construction (``PoolConfig(dram_bytes=...)``), ``msgspec.structs
 .replace``, unpickling (a config sent to a Ray actor is checked again where it lands, so the actor re-checks
@@ -78,10 +77,9 @@ _AT = re.compile(r" - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`$")
 
 
 class Rule(typing.NamedTuple):
-    """A rule between fields that a config declares in its ``rules`` (or a command between its flags, through
-    :func:`obey`): ``"together"``, ``a`` and ``b`` are set both or neither; ``"needs"``, a set ``a`` needs ``b`` set;
-    ``"excludes"``, not both; ``"either"``, at least one.  "Set" is truthy; ``b`` may be ``"x or y"`` (either will
-    do).  ``why`` ends the error: why, and what to write."""
+    """A rule between fields that a config declares in its ``rules`` (a command, between its flags: :func:`obey`):
+    ``"together"``, ``a`` and ``b`` set both or neither; ``"needs"``, a set ``a`` needs ``b``; ``"excludes"``, not both;
+    ``"either"``, at least one.  "Set" is truthy; ``b`` may be ``"x or y"``.  ``why`` ends the error: what to write."""
 
     kind: typing.Literal["together", "needs", "excludes", "either"]
     a: str
@@ -89,8 +87,7 @@ class Rule(typing.NamedTuple):
     why: str
 
     def broken(self, given: object) -> str:
-        """The error's sentence if ``given`` (a config, or a mapping of names to values) breaks the rule, else
-        ``""``."""
+        """The error's sentence if ``given`` (a config, or a mapping of names to values) breaks the rule, or ``""``."""
         value = given.get if isinstance(given, Mapping) else functools.partial(getattr, given)
         a, b = (any(value(name) for name in names.split(" or ")) for names in (self.a, self.b))
         ok, said = _RULES[self.kind]
@@ -106,8 +103,8 @@ _RULES: dict[str, tuple[Callable[[bool, bool], bool], str]] = {
 
 
 def obey(rules: Iterable[Rule], given: object) -> None:
-    """``ConfigError`` with the sentence of the first of ``rules`` that ``given`` breaks: a config's fields, or a
-    command's flags as a mapping of their names (``{"--zmq": ..., "--zmq-replay": ...}``) to their values."""
+    """``ConfigError`` with the sentence of the first of ``rules`` that ``given`` (a config, or a command's flags as
+    a mapping of their names to their values: ``{"--zmq": ..., "--zmq-replay": ...}``) breaks."""
     if broken := next(filter(None, (rule.broken(given) for rule in rules)), ""):
         raise ConfigError(broken)
 
@@ -315,7 +312,7 @@ def _config_error(cls: Any, exc: msgspec.ValidationError, raw: Any, where: str) 
     if m and m["key"] and isinstance(value, Mapping):  # a dict's key: name it and what a key must be
         key_kind, meta = _unwrap(typing.get_args(kind)[0])
         bad = next((k for k in value if not _fits(k, typing.get_args(kind)[0])), None)
-        rule = next((x.description for x in meta if isinstance(x, Meta) and x.description), "")
+        rule = _description(meta)
         if not rule:  # the field's own description says more
             choices = ", ".join(map(repr, typing.get_args(key_kind)))
             rule = f"one of {choices}" if typing.get_origin(key_kind) is typing.Literal else f"a {key_kind.__name__}"
@@ -341,12 +338,7 @@ def _walk(cls: Any, raw: Any, path: str) -> tuple[str, bool, Any, str, Any]:
     """``(the path shown, found, the value at path in raw, the description declared for it, its type)``.  A dict's
     key is ``[...]`` in msgspec's paths: the first key whose value fails is looked for and shown instead."""
     kind, meta = _unwrap(cls)
-    shown, found, value, hint = (
-        "",
-        True,
-        raw,
-        next((x.description for x in meta if isinstance(x, Meta) and x.description), ""),
-    )
+    shown, found, value, hint = "", True, raw, _description(meta)
     for m in _SEGMENT.finditer(path):
         name, index = m[1], m[2]
         if name is not None:
@@ -354,7 +346,7 @@ def _walk(cls: Any, raw: Any, path: str) -> tuple[str, bool, Any, str, Any]:
                 kind, meta = _unwrap(typing.get_type_hints(kind, include_extras=True).get(name))
             except TypeError:
                 kind, meta = None, []
-            hint = next((x.description for x in meta if isinstance(x, Meta) and x.description), "")
+            hint = _description(meta)
             value = value.get(name, _MISSING) if isinstance(value, Mapping) else getattr(value, name, _MISSING)
             found, shown = found and value is not _MISSING and not _secret(meta), f"{shown}.{name}" if shown else name
             continue
@@ -364,7 +356,7 @@ def _walk(cls: Any, raw: Any, path: str) -> tuple[str, bool, Any, str, Any]:
         else:  # list[X], tuple[X, ...], dict[K, X]
             inner = args[0] if args[-1:] == (...,) else args[-1] if args else Any
         kind, meta = _unwrap(inner)
-        hint = next((x.description for x in meta if isinstance(x, Meta) and x.description), hint)
+        hint = _description(meta) or hint
         if index == "..." and found and isinstance(value, Mapping):
             key = next((k for k, v in value.items() if not _fits(v, inner)), _MISSING)
             found = key is not _MISSING
@@ -374,6 +366,11 @@ def _walk(cls: Any, raw: Any, path: str) -> tuple[str, bool, Any, str, Any]:
             value, shown = value[int(index)] if found else None, f"{shown}[{index}]"
         found = found and not _secret(meta)
     return shown, found, value, hint, kind
+
+
+def _description(meta: list[Any]) -> str:
+    """The ``description`` declared in an ``Annotated`` type's ``Meta``, or ``""``."""
+    return next((x.description for x in meta if isinstance(x, Meta) and x.description), "")
 
 
 def _secret(meta: list[Any]) -> bool:
