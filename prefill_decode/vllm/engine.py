@@ -94,7 +94,7 @@ def generate(
     from vllm.inputs import TokensPrompt
 
     if reset:
-        llm.reset_prefix_cache()
+        _reset_prefix_cache(llm)
     extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
     params = SamplingParams(max_tokens=max_tokens, temperature=0, detokenize=False, logprobs=0, extra_args=extra)
     started = time.perf_counter()
@@ -113,6 +113,21 @@ def generate(
         }
         for o in outs
     ]
+
+
+def _reset_prefix_cache(llm: Any, timeout_s: float = 60.0) -> None:
+    """Empty vLLM's own prefix cache.  vLLM refuses while a block is held, and the connector holds a finished
+    request's blocks until a step of the engine hears that their saves are done: one-token requests step it until
+    then (``WorkerUnavailable`` after ``timeout_s``)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise WorkerUnavailable(f"vLLM's prefix cache still holds blocks after {timeout_s:.0f} s of saves")
+        time.sleep(0.05)
+        llm.generate([TokensPrompt(prompt_token_ids=[1])], SamplingParams(max_tokens=1), use_tqdm=False)
 
 
 def connector_state() -> dict[str, Any]:

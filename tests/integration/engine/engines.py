@@ -1,5 +1,6 @@
 """Helpers of the engine tests: engines in processes of their own, the prompts, a connector config for a pool."""
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,23 @@ def extra_config(pool: PoolConfig, node_ip: str = "127.0.0.2", **overrides: Any)
 def engine(settings: dict[str, Any], log: Path, hash_seed: int = 0) -> EngineProcess:
     """An engine in a process of its own, with its own ``PYTHONHASHSEED``."""
     return EngineProcess(settings, log, env={"PYTHONHASHSEED": str(hash_seed), "VLLM_CPU_KVCACHE_SPACE": "1"})
+
+
+def reloaded(
+    e: EngineProcess, tokens: list[int], hit: int, salt: str = "", timeout_s: float = 60.0
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """``tokens`` answered by ``e`` with its own prefix cache emptied once the pool serves ``hit`` of them: the answer
+    and what the connector counted for that request alone.  ``e`` saved them: it learns of its chunks through its etcd
+    watch, which a loaded machine may deliver late, so it asks again until then (a miss meanwhile computes the prompt,
+    and its saves find the chunks held); the answer short of ``hit`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        before = e.ask(connector=True)["totals"]
+        [got] = e.generate([tokens], reset=True, salts=[salt] if salt else None)
+        if got["cached"] >= hit or time.monotonic() > deadline:
+            after = e.ask(connector=True)["totals"]
+            return got, {name: value - before.get(name, 0) for name, value in after.items()}
+        time.sleep(0.5)
 
 
 def prompt(seed: int, n: int = 600) -> list[int]:

@@ -12,7 +12,7 @@ import pytest
 import ray
 import torch
 import zmq
-from engines import CHUNK, P, Q, R, S, engine, extra_config, prompt
+from engines import CHUNK, P, Q, R, S, engine, extra_config, prompt, reloaded
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvpool.cli import scrape
@@ -334,19 +334,17 @@ def test_tenants_by_cache_salt_never_hit_each_others_chunks(
         f"[tenants.globex]\nsecret = '{new_secret()}'\napi_keys = ['sk-globex']\n"
     )
     settings = {"model": model_dir, "connector": extra_config(engine_pool, tenants=str(tenants))}
-    with PoolClient(engine_pool) as client:
-        with engine(settings, tmp_path / "a.log") as a:
-            [first] = a.generate([P], salts=["sk-acme"])
-            identity = CacheIdentity(**a.ask(connector=True)["identity"])
+    with PoolClient(engine_pool) as client, engine(settings, tmp_path / "tenants.log") as e:
+        [first] = e.generate([P], salts=["sk-acme"])
+        identity = CacheIdentity(**e.ask(connector=True)["identity"])
         acme = chunk_keys(identity, P[: 2 * CHUNK], Tenants.load(str(tenants)).scope("acme"))
         wait_for(client, [layer_key(k, layer) for k in acme for layer in range(4)])
-        # a fresh engine, started once A's saves are in etcd (as in the test above): what it gets, it gets from the pool
-        with engine(settings, tmp_path / "b.log") as b:
-            [other] = b.generate([P], salts=["sk-globex"])
-            [again] = b.generate([P], salts=["sk-acme"])
-            [nobody] = b.generate([P], salts=["sk-unknown"])
-            [plain] = b.generate([P])
-            b.ask(connector=True)  # saves of the last steps are done by the time it answers
+        # the engine's own prefix cache emptied before each: what it gets, it gets from the pool
+        [other] = e.generate([P], salts=["sk-globex"], reset=True)
+        again, _ = reloaded(e, P, 2 * CHUNK, salt="sk-acme")
+        [nobody] = e.generate([P], salts=["sk-unknown"], reset=True)
+        [plain] = e.generate([P], reset=True)
+        e.ask(connector=True)  # saves of the last steps are done by the time it answers
         unsalted = [layer_key(k, 0) for k in chunk_keys(identity, P[: 2 * CHUNK])]
         assert client.lookup_prefix(unsalted) == 0  # nothing of P was put under the identity's own chain
         used = {

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import ray
 import torch
-from engines import CHUNK, P, engine, extra_config, prompt
+from engines import CHUNK, P, engine, extra_config, prompt, reloaded
 
 from kvpool.core.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.pool.client import PoolClient
@@ -25,7 +25,7 @@ from kvpool.prefill_decode.vllm.worker import WorkerSide
 
 ONE = P[:CHUNK] + prompt(4, 200)  #: shares P's first chunk only
 
-#: the engine tests start two or three vLLM engines each (20-60 s each on 2 busy cores)
+#: the engine tests start one or two vLLM engines each (20-60 s each on 2 busy cores)
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -86,34 +86,33 @@ def test_worker_side_moves_each_group_s_blocks_and_one_rank_writes_replicated_kv
 
 def from_the_pool(
     pool: PoolConfig, model: str, name: str, logs: Path, then: Callable[[EngineProcess], None] | None = None
-) -> tuple[dict[str, Any], ...]:
+) -> tuple[tuple[dict[str, Any], dict[str, Any]], dict[str, Any], dict[str, float], dict[str, Any]]:
     """The answers of an engine with the connector that computes and saves P (the pool empty: the recomputed
     answer) and then answers ONE (which shares P's first chunk only; the engine's own prefix cache serves that
-    chunk), and of a fresh engine started once the first one's saves are in (it has never computed P) to P; that
-    engine's connector state (before ``then(engine)``, if given, runs).  (An engine without the connector answers
-    as the first does: test_vllm_connector.py checks that against transformers, the Mamba hybrid below here.)"""
+    chunk); its answer to P with its own prefix cache emptied, from the pool, and what the connector counted for it;
+    its connector state (before ``then(engine)``, if given, runs).  (An engine without the connector answers as it
+    does: test_vllm_connector.py checks that against transformers, the Mamba hybrid below here; a fresh engine in
+    another process takes its prompt from the pool as this one does: test_vllm_connector.py.)"""
     settings = {"model": model, "connector": extra_config(pool, model_id=name)}
-    with engine(settings, logs / f"{name}-a.log", hash_seed=1) as a:
-        [computed] = a.generate([P])
-        [other] = a.generate([ONE])
-    # A's saves are in etcd once it has closed (its queued saves finish first)
-    with engine(settings, logs / f"{name}-b.log", hash_seed=2) as b:
-        [loaded] = b.generate([P])
-        state = b.ask(connector=True)
+    with engine(settings, logs / f"{name}.log") as e:
+        [computed] = e.generate([P])
+        [other] = e.generate([ONE])
+        loaded, moved = reloaded(e, P, 2 * CHUNK)
+        state = e.ask(connector=True)
         if then is not None:
-            then(b)
-    return (computed, other), loaded, state
+            then(e)
+    return (computed, other), loaded, moved, state
 
 
-def test_mla_stores_one_copy_for_every_rank_and_a_fresh_engine_takes_its_prompt_from_the_pool(
+def test_mla_stores_one_copy_for_every_rank_and_takes_its_prompt_from_the_pool(
     engine_pool: PoolConfig, models: dict[str, str], tmp_path: Path
 ) -> None:
     """DeepSeek-V2's latent KV (CPU_MLA: ``[blocks, 16, 576]``; vLLM turns its own prefix cache and chunked prefill
     off for MLA on CPU, and still loads the connector's tokens) is keyed with no TP rank: one copy for all."""
-    (computed, _), loaded, state = from_the_pool(engine_pool, models["deepseek-v2-mla"], "dsv2", tmp_path)
+    (computed, _), loaded, moved, state = from_the_pool(engine_pool, models["deepseek-v2-mla"], "dsv2", tmp_path)
     assert computed["cached"] == 0
     assert loaded["cached"] == 2 * CHUNK and loaded["tokens"] == computed["tokens"]
-    assert state["totals"]["loaded_tokens"] == 2 * CHUNK and state["totals"]["load_errors"] == 0
+    assert moved["loaded_tokens"] == 2 * CHUNK and moved["load_errors"] == 0
     identity = state["identity"]
     assert (identity["tp_size"], identity["tp_rank"]) == (1, 0)
     assert "MLAAttentionSpec:kv_heads=1:head_size=576:block=16" in identity["layout"]
@@ -143,13 +142,12 @@ def test_a_sliding_window_hybrid_takes_its_prompt_from_the_pool(
         recomputed.append(b.ask(connector=True)["totals"])
 
     model = models["gemma3-sliding"]
-    (want, want_o), loaded, state = from_the_pool(engine_pool, model, "gemma3", tmp_path, corrupt_then_ask)
+    (want, want_o), loaded, moved, state = from_the_pool(engine_pool, model, "gemma3", tmp_path, corrupt_then_ask)
     assert want["cached"] == 0
     assert loaded["cached"] == 2 * CHUNK and loaded["tokens"] == want["tokens"]
-    totals = state["totals"]
-    assert totals["loaded_tokens"] == 2 * CHUNK and totals["load_errors"] == 0
+    assert moved["loaded_tokens"] == 2 * CHUNK and moved["load_errors"] == 0
     # the full layer's 2 chunks of 8 blocks, each windowed layer's last chunk's last 4 blocks ([2, 32, 128] fp32)
-    assert totals["loaded_bytes"] == (2 * 8 + 3 * 4) * 2 * 32 * 128 * 4
+    assert moved["loaded_bytes"] == (2 * 8 + 3 * 4) * 2 * 32 * 128 * 4
     assert "SlidingWindowSpec" in state["identity"]["layout"] and "window=128" in state["identity"]["layout"]
     partial, again, totals = recomputed
     assert partial["cached"] == CHUNK and partial["tokens"] == want_o["tokens"]
