@@ -292,7 +292,7 @@ class Fleet:
             if not node.has_nvme:
                 continue
             chunks = idle(node.store, Tier.NVME, self.s.flush_after_s, 1 << 62)
-            node.store.mark_in_s3([c.key for c in chunks])
+            node.store.mark_in_remote([c.key for c in chunks])
             for c in chunks:
                 reps = self.index.setdefault(c.key, {})
                 if S3 not in reps:

@@ -17,7 +17,7 @@ replicas of a chunk) are answered by a local watch-synced copy of etcd, without 
 
 The paths live in their own modules: :mod:`~kvpool.pool.client.writes` (puts), :mod:`~kvpool.pool.client.reads`
 (reads from nodes), :mod:`~kvpool.pool.client.replicas` (which replica, in which order), :mod:`~kvpool.pool.client.peers`
-(the transport), :mod:`~kvpool.pool.client.s3_reads` (the remote tier), :mod:`~kvpool.pool.client.device_reads` (into
+(the transport), :mod:`~kvpool.pool.client.remote_reads` (the remote tier), :mod:`~kvpool.pool.client.device_reads` (into
 device memory) and :mod:`~kvpool.pool.protocol` (the typed node calls).  A chunk stored with a codec is verified on
 its stored bytes, then decoded into the caller's buffer.  Every read is checked against its placement's checksum: a
 mismatch drops that replica (everywhere) and tries the next; if none is intact the caller gets :class:`CorruptChunk`,
@@ -52,8 +52,8 @@ from kvpool.pool.client.device_reads import DeviceReads
 from kvpool.pool.client.peers import Peers, node_record
 from kvpool.pool.client.prefetch import Prefetched, plan
 from kvpool.pool.client.reads import NodeReads, at, landed, settle
+from kvpool.pool.client.remote_reads import RemoteReads
 from kvpool.pool.client.replicas import Replicas
-from kvpool.pool.client.s3_reads import S3Reads
 from kvpool.pool.client.writes import Item, Rooms, put_local, put_peer, targets
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.metrics import SOURCES, StatsReporter
@@ -85,7 +85,7 @@ class PoolClient:
         self.peers = Peers(self.cache, scope=config.metadata.cluster)
         self.rooms = Rooms()  #: DRAM each node holds for this client's next batch
         self._wait_s = config.metadata.retry_deadline_s  #: how long a call waits for the watch cache to catch up
-        self.s3 = S3Reads(
+        self.remote = RemoteReads(
             config.remote, config.metadata.cluster, self.cache, self.placements, self.put_batch, self._wait_s
         )
         self._segment: DramSegment | None = None
@@ -104,7 +104,7 @@ class PoolClient:
         )
         self.device = DeviceReads(self.node_id, info, self._local)
         self.replicas = Replicas(
-            self.node_id, self.cache, self.nodes, self.reads, self.s3, self._wait_s, self._caught_up
+            self.node_id, self.cache, self.nodes, self.reads, self.remote, self._wait_s, self._caught_up
         )
 
     def close(self) -> None:
@@ -113,7 +113,7 @@ class PoolClient:
             self.access_log.close()
         self.rooms.close()
         self.peers.close()
-        self.s3.close()
+        self.remote.close()
         self.device.close()
         self.reads.close()
         self.cache.close()
@@ -231,15 +231,15 @@ class PoolClient:
         done = [False] * len(keys)
         for i in self.reads.unpinned(nearest, pieces, on_done):
             done[i] = True
-        in_s3 = [i for i, p in enumerate(nearest) if not done[i] and p.tier is Tier.REMOTE]
+        in_remote = [i for i, p in enumerate(nearest) if not done[i] and p.tier is Tier.REMOTE]
         by_node: dict[str, list[int]] = {}
         for i, p in enumerate(nearest):
             if not done[i] and p.tier is not Tier.REMOTE:
                 by_node.setdefault(p.node, []).append(i)
-        if in_s3:  # objects come whole: into each chunk's one buffer, or a scratch one scattered into its pieces
-            flat = {i: joined(pieces[i]) for i in in_s3}
-            got = self.s3.read([nearest[i] for i in in_s3], [flat[i] for i in in_s3])
-            settle(in_s3, got, done, lambda i: landed(flat[i], pieces[i], i, on_done))
+        if in_remote:  # objects come whole: into each chunk's one buffer, or a scratch one scattered into its pieces
+            flat = {i: joined(pieces[i]) for i in in_remote}
+            got = self.remote.read([nearest[i] for i in in_remote], [flat[i] for i in in_remote])
+            settle(in_remote, got, done, lambda i: landed(flat[i], pieces[i], i, on_done))
         for node_id, idx in by_node.items():
             with contextlib.suppress(NodeUnreachable):  # the holder is gone: get_into tries the next replica
                 called = partial(at, on_done, idx) if on_done is not None else None
@@ -277,7 +277,7 @@ class PoolClient:
     @checked
     def remote_gc(self, grace_s: GraceS = GC_GRACE_S) -> tuple[int, int]:
         """Reconcile the remote tier with etcd (see :func:`~kvpool.pool.tiers.s3.collect_garbage`)."""
-        return self.s3.gc(grace_s)
+        return self.remote.gc(grace_s)
 
     # -- lookups, removal, stats ----------------------------------------------------------------------
 
@@ -328,12 +328,12 @@ class PoolClient:
         """Remove every replica of ``keys`` (one call per holding node, and the remote tier's objects);
         returns how many the pool held."""
         keys = check_keys(keys)
-        in_s3 = [p for key in keys for p in self.cache.replicas(key) if p.tier is Tier.REMOTE]
+        in_remote = [p for key in keys for p in self.cache.replicas(key) if p.tier is Tier.REMOTE]
         try:
             return self._per_holder(keys, lambda node, node_keys: node.remove(node_keys))
         finally:  # even when some node copies are still being read (ChunkBusy): the caller wants them all gone
-            if in_s3:
-                self.s3.drop(in_s3)
+            if in_remote:
+                self.remote.drop(in_remote)
 
     @checked
     def move(self, keys: Sequence[ChunkKey], tier: NodeTier) -> None:

@@ -19,7 +19,7 @@ from kvpool.errors import (
 from kvpool.metadata.cache import MetadataCache
 from kvpool.pool.chunks import short
 from kvpool.pool.client.reads import NodeReads
-from kvpool.pool.client.s3_reads import S3Reads
+from kvpool.pool.client.remote_reads import RemoteReads
 from kvpool.pool.protocol import NodeHandles
 
 log = logging.getLogger(__name__)
@@ -35,11 +35,11 @@ class Replicas:
         cache: MetadataCache,
         nodes: NodeHandles,
         reads: NodeReads,
-        s3: S3Reads,
+        remote: RemoteReads,
         wait_s: float,
         caught_up: Callable[[int], None],
     ) -> None:
-        self.node_id, self.cache, self.nodes, self.reads, self.s3 = node_id, cache, nodes, reads, s3
+        self.node_id, self.cache, self.nodes, self.reads, self.remote = node_id, cache, nodes, reads, remote
         self._wait_s, self._caught_up = wait_s, caught_up
 
     def of(self, keys: Sequence[bytes]) -> list[list[Placement]]:
@@ -70,7 +70,7 @@ class Replicas:
                 )
             try:
                 if replica.tier is Tier.REMOTE:
-                    [intact] = self.s3.read([replica], [dest])
+                    [intact] = self.remote.read([replica], [dest])
                 else:
                     [intact] = self.reads.pinned(replica.node, [key], [[dest]])
             except (NodeUnreachable, ChunkNotFound):
@@ -89,7 +89,7 @@ class Replicas:
     def drop_corrupt(self, replica: Placement) -> None:
         if replica.tier is Tier.REMOTE:
             with contextlib.suppress(RemoteUnavailable):
-                self.s3.drop([replica])
+                self.remote.drop([replica])
             return
         with contextlib.suppress(NodeUnreachable):
             self._caught_up(self.nodes[replica.node].remove([replica.key], corrupt=True).revision)

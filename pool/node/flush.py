@@ -31,7 +31,7 @@ def idle(store: ChunkStore, tier: Tier, idle_s: float, max_bytes: int) -> list[S
         chunk = store.held(key)
         if chunk is None or now - store.policy.state(key).last_access < idle_s:
             break
-        if chunk.in_s3:
+        if chunk.in_remote:
             continue
         if out and total + chunk.stored > max_bytes:
             break
@@ -45,8 +45,10 @@ class Flusher:
     with ``config.codec`` (and sealed, with ``config.encryption`` set: every chunk, bytes or tensor).  A turn with a failed upload pauses the next ones (1 s, doubling to 60 s); the chunks
     it could not upload stay on NVMe, unflushed, for a later turn."""
 
-    def __init__(self, s3: RemoteStore, config: RemoteConfig, store: ChunkStore, clock: Clock = SYSTEM_CLOCK) -> None:
-        self.s3, self.config, self.store, self.clock = s3, config, store, clock
+    def __init__(
+        self, remote: RemoteStore, config: RemoteConfig, store: ChunkStore, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
+        self.remote, self.config, self.store, self.clock = remote, config, store, clock
         self.keys = config.encryption.keyring()  #: seals what goes up (None: the tier is not encrypted)
         self.codec = config.codec if self.keys is None else sealed_name(config.codec)  #: objects' codec
         self.pause_s = 0.0  #: the current back-off (0: the last turn went through)
@@ -65,7 +67,7 @@ class Flusher:
             with ThreadPoolExecutor(FLUSH_THREADS, thread_name_prefix="kvpool-flush") as pool:
                 encoded = list(pool.map(self._encoded, chunks))
                 uploads = [
-                    (c, r, pool.submit(self.s3.put, c.key, r.codec, r.data))
+                    (c, r, pool.submit(self.remote.put, c.key, r.codec, r.data))
                     for c, r in zip(chunks, encoded, strict=True)
                     if r is not None
                 ]

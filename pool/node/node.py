@@ -93,11 +93,11 @@ class PoolNode:
         self.recovery = None
         if self.journal is not None and self.nvme is not None:
             self.recovery = take_back(self.store, self.journal, self.nvme, named, self._io)
-        self.s3 = RemoteStore(config.remote, config.metadata.cluster) if config.remote.enabled else None
-        self.flusher = None if self.s3 is None else Flusher(self.s3, config.remote, self.store)
-        if self.s3 is not None:
+        self.remote = RemoteStore(config.remote, config.metadata.cluster) if config.remote.enabled else None
+        self.flusher = None if self.remote is None else Flusher(self.remote, config.remote, self.store)
+        if self.remote is not None:
             try:
-                self.s3.check()
+                self.remote.check()
             except RemoteUnavailable as exc:  # the pool runs without it; flushes retry every turn
                 self.store.counters["remote_errors"] += 1
                 log.warning("remote tier not usable yet: %s", exc)
@@ -139,7 +139,7 @@ class PoolNode:
         """Thread: reclaim expired reservations every half TTL, and flush idle NVMe chunks to the remote tier every
         quarter of ``flush_after_s`` (at least every 0.1 s, at most every half TTL)."""
         period = self.config.reservation_ttl_s / 2
-        if self.s3 is not None:
+        if self.remote is not None:
             period = min(period, max(self.config.remote.flush_after_s / 4, 0.1))
         reaped_at = time.monotonic()
         while not self._closing.wait(period):
@@ -147,7 +147,7 @@ class PoolNode:
                 if time.monotonic() - reaped_at >= self.config.reservation_ttl_s / 2:
                     self.reap()
                     reaped_at = time.monotonic()
-                if self.s3 is not None:
+                if self.remote is not None:
                     self.flush()
             except Exception as exc:  # a failed turn is retried next time; one during shutdown is moot
                 if not self._closing.is_set():
@@ -337,7 +337,7 @@ class PoolNode:
                 log.warning("flushed %d chunks, could not publish them (retried next turn): %s", len(placements), exc)
                 return 0
             with self._lock:
-                self.store.mark_in_s3(p.key for p in placements)
+                self.store.mark_in_remote(p.key for p in placements)
                 self.store.counters["flushed"] += len(placements)
                 self.store.counters["flushed_bytes"] += sum(p.stored for p in placements)
             return len(placements)
@@ -366,7 +366,7 @@ class PoolNode:
             "nvme_io_reason": nvme_io_path().reason,
             "restart": self.recovery.figures() if self.recovery else {},
             "codecs": {Tier.DRAM.value: "raw", Tier.NVME.value: self.config.nvme_codec}
-            | ({Tier.REMOTE.value: self.config.remote.codec} if self.s3 else {}),
+            | ({Tier.REMOTE.value: self.config.remote.codec} if self.remote else {}),
             **counters,
         }
 
@@ -376,8 +376,8 @@ class PoolNode:
         self._io.shutdown(wait=True)
         self.publisher.close()
         self.transport.close()
-        if self.s3 is not None:
-            self.s3.close()
+        if self.remote is not None:
+            self.remote.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()

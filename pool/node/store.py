@@ -286,11 +286,11 @@ class ChunkStore:
             self._changes.append(Change(ChangeKind.ADDED, chunk))
         self._changes += [Change(ChangeKind.DROPPED, c, DropCause.CORRUPT) for c in corrupt]
 
-    def mark_in_s3(self, keys: Iterable[bytes]) -> None:
+    def mark_in_remote(self, keys: Iterable[bytes]) -> None:
         """These chunks have a copy in the remote tier now: a full tier drops them first."""
         for key in keys:
             if (chunk := self._chunks.get(key)) is not None:
-                self._chunks[key] = replace(chunk, in_s3=True)
+                self._chunks[key] = replace(chunk, in_remote=True)
                 self.policy.mark_replicated(key)
 
     # -- state -----------------------------------------------------------------------------------------

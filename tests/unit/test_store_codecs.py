@@ -127,6 +127,6 @@ def test_idle_chunks_for_the_remote_tier_and_their_drop_order(segments: tuple[Dr
     # last accesses at 0, 10, 20, 30; now 40
     assert [c.key for c in idle(store, Tier.NVME, 25, 1 << 30)] == [key(0), key(1)]
     assert [c.key for c in idle(store, Tier.NVME, 0, 100_000)] == [key(0)]  # bounded, but at least one
-    store.mark_in_s3([key(1), key(9)])  # a key no longer held is skipped
+    store.mark_in_remote([key(1), key(9)])  # a key no longer held is skipped
     assert [c.key for c in idle(store, Tier.NVME, 25, 1 << 30)] == [key(0)]
     assert next(store.policy.drop_order(Tier.NVME)) == key(1)  # a full NVMe drops what is remote first

@@ -1,4 +1,4 @@
-"""Sealed objects of the remote tier read by a client (S3Reads) from a real SeaweedFS: opened with the right keys, a miss
+"""Sealed objects of the remote tier read by a client (RemoteReads) from a real SeaweedFS: opened with the right keys, a miss
 with a wrong key, no key or altered bytes — and the placement and object kept for readers that hold the key."""
 
 import base64
@@ -16,7 +16,7 @@ from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.pool.chunks import checksum
-from kvpool.pool.client.s3_reads import S3Reads
+from kvpool.pool.client.remote_reads import RemoteReads
 from kvpool.pool.tiers.crypto import KEY_BYTES, EncryptionConfig
 from kvpool.pool.tiers.s3 import RemoteStore
 from kvpool.pool.tiers.s3_config import RemoteConfig
@@ -64,7 +64,7 @@ def test_sealed_objects_open_only_with_the_right_key(
 
     def read(config: RemoteConfig) -> tuple[list[bool | None], list[bytearray]]:
         dests = [bytearray(len(p)) for p in plains]
-        reads = S3Reads(config, namespace.cluster, cache, store_of, lambda items: None, 5.0)
+        reads = RemoteReads(config, namespace.cluster, cache, store_of, lambda items: None, 5.0)
         try:
             return reads.read(placements, [memoryview(d) for d in dests]), dests
         finally:

@@ -96,9 +96,9 @@ def test_idle_chunks_flush_to_s3_outlive_the_node_and_are_served_from_there(
         assert [p.codec for p in on_nvme if p] == ["fp8-e4m3"] * 8 + ["raw"] * 2  # bytes have no format: raw
         assert all(p.stored < p.size / 3.5 for p in on_nvme[:8] if p)
         flushed_in = wait_for("every chunk flushed", lambda: all(in_tier(client, k, Tier.REMOTE) for k in keys))
-        in_s3 = [in_tier(client, k, Tier.REMOTE) for k in keys]
-        assert [p.codec for p in in_s3 if p] == ["int4+zstd"] * 8 + ["raw"] * 2
-        assert {p.node for p in in_s3 if p} == {remote.name} and {p.identity for p in in_s3 if p} == {IDENTITY}
+        in_remote = [in_tier(client, k, Tier.REMOTE) for k in keys]
+        assert [p.codec for p in in_remote if p] == ["int4+zstd"] * 8 + ["raw"] * 2
+        assert {p.node for p in in_remote if p} == {remote.name} and {p.identity for p in in_remote if p} == {IDENTITY}
         with RemoteStore(remote, metadata_config.cluster) as store:
             assert len(list(store.list_objects())) == 10
         stats = client.stats()["nodes"]

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 S3_THREADS = 8  #: concurrent GETs from the remote tier in one batch
 
 
-class S3Reads:
+class RemoteReads:
     """``put_back`` puts promoted chunks into the pool (the client's ``put_batch``), each batch with the cache
     identity their S3 placements recorded."""
 
