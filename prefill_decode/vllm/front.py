@@ -103,7 +103,7 @@ def calibrate(
     """Each engine's cost model, measured: effective FLOP/s from a cold prefill of ``tokens`` tokens, the fixed cost
     of a step from the same prompt out of the engine's own cache, and the read bandwidth of its node's DRAM (the
     prompt again after ``reset_prefix_cache``) and of another node's (the next engine, which never saw it).  Few
-    timings (two cold prompts, three steps, one read each), on purpose: the router needs orders of magnitude, and the
+    timings (two cold prompts, three steps, a read each after an untimed first one), on purpose: the router needs orders of magnitude, and the
     engines' start is slow enough."""
     count = CostModel(spec, Hardware(1.0, {}, "count"), attention=True)
     loaded = ((tokens - 1) // chunk_size) * chunk_size  # vLLM computes the last token itself
@@ -118,6 +118,7 @@ def calibrate(
         cold = statistics.median(_ttft(lane.engine, p) for p in prompts[1:])
         wait_saved(lane.engine, saved + 2 * loaded)
         step = statistics.median(_ttft(lane.engine, prompts[1]) for _ in range(3))
+        _ttft(lane.engine, prompts[2], reset=True)  # the connector's first load sets up its reads: the second is timed
         own = _ttft(lane.engine, prompts[1], reset=True) - step
         bandwidth = {"dram": kv / max(own, MIN_READ_S)}
         if len(lanes) > 1:  # the first read from a node sets up the connection to it: the second one is timed
