@@ -79,9 +79,13 @@ def test_tenants_keys_quotas_and_metrics_on_a_real_pool(tenant_pool: PoolConfig,
         assert metrics[("kvpool_evictions_total", (*node, ("reason", "tenant_quota")))] >= 4
         assert metrics[(used[0], (*node, ("tenant", "globex"), ("tier", "dram")))] == 4 * CHUNK  # untouched
 
-        client.cache.sync()
-        held = client.exists_batch(acme)
-        assert 0 < sum(held) <= 12 and all(held[-8:])  # its newest stayed, within 3 MiB
+        # the node publishes an evicted chunk's removal after it counts it: on a loaded machine, later
+        deadline = time.monotonic() + 30
+        while sum(held := client.exists_batch(acme)) > 12:
+            assert time.monotonic() < deadline, f"acme still holds {sum(held)} chunks, over its 3 MiB"
+            time.sleep(0.1)
+            client.cache.sync()
+        assert all(held[-8:])  # its newest stayed, within 3 MiB
         assert not held[0] and miss_cause(client.cache, [acme[0]])[0] is MissCause.EVICTED
         assert all(client.exists_batch(globex[:4]))
         assert client.get(acme[-1]) == blob.tobytes()
