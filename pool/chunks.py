@@ -103,7 +103,7 @@ class StoredChunk(msgspec.Struct, frozen=True):
     checksum: int  #: of the stored bytes
     codec: str = "raw"  #: how the stored bytes encode the chunk ("raw": they are the chunk)
     fmt: TensorFormat | None = None  #: the chunk's tensor format, if it was put as a tensor
-    in_remote: bool = False  #: a copy is in the S3 (remote) tier (flushed), so dropping this one loses nothing
+    in_remote: bool = False  #: a copy is in the remote tier (flushed), so dropping this one loses nothing
     origin: Origin = Origin()  #: who put it: its tenant (quotas, metrics) and cache identity (chunk events)
 
     @property
