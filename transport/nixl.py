@@ -16,8 +16,9 @@ progress asks the backend to cancel it; the UCX backend cancels its UCX requests
 reports success, but a cancel of a one-sided GET is not a promise that no more bytes arrive (the target's worker
 or the NIC may be serving it still).  Measured here over TCP: a 32 MiB READ from a SIGSTOPped peer, released
 while in progress (no error, no warning), landed whole in its destination once the peer was continued.  So a
-released-but-late READ could land after the caller retried from another replica and verified what it got.  Instead the handle stays alive on a fence list with the local ranges it writes;
-:class:`TransferInFlight` tells the caller, and any later transfer touching a fenced range is refused until NIXL
+released-but-late READ could land after the caller retried from another replica and verified what it got.
+Instead the handle stays alive on a fence list with the local ranges it writes; :class:`TransferInFlight` tells
+the caller, and any later transfer touching a fenced range is refused until NIXL
 reports that handle finished (done or failed), when it is released.  Waiting out the handle instead would make the
 short deadline of unpinned reads mean nothing; refusing the memory is the cheap way that stays correct.
 """

@@ -16,9 +16,9 @@ replicas of a chunk) are answered by a local watch-synced copy of etcd, without 
   several GETs at once), verified, decoded and, with ``remote.promote_on_hit``, put back into the pool.
 
 The paths live in their own modules: :mod:`~kvpool.pool.client.writes` (puts), :mod:`~kvpool.pool.client.reads`
-(reads from nodes), :mod:`~kvpool.pool.client.replicas` (which replica, in which order), :mod:`~kvpool.pool.client.peers`
-(the transport), :mod:`~kvpool.pool.client.remote_reads` (the remote tier), :mod:`~kvpool.pool.client.device_reads` (into
-device memory) and :mod:`~kvpool.pool.protocol` (the typed node calls).  A chunk stored with a codec is verified on
+(reads from nodes), :mod:`~kvpool.pool.client.replicas` (which replica, in which order),
+:mod:`~kvpool.pool.client.peers` (the transport), :mod:`~kvpool.pool.client.remote_reads` (the remote tier),
+:mod:`~kvpool.pool.client.device_reads` (into device memory) and :mod:`~kvpool.pool.protocol` (the typed node calls).  A chunk stored with a codec is verified on
 its stored bytes, then decoded into the caller's buffer.  Every read is checked against its placement's checksum: a
 mismatch drops that replica (everywhere) and tries the next; if none is intact the caller gets :class:`CorruptChunk`,
 a kind of :class:`ChunkNotFound` — a miss, never wrong bytes.

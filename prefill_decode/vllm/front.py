@@ -103,8 +103,8 @@ def calibrate(
     """Each engine's cost model, measured: effective FLOP/s from a cold prefill of ``tokens`` tokens, the fixed cost
     of a step from the same prompt out of the engine's own cache, and the read bandwidth of its node's DRAM (the
     prompt again after ``reset_prefix_cache``) and of another node's (the next engine, which never saw it).  Few
-    timings (two cold prompts, three steps, a read each after an untimed first one), on purpose: the router needs orders of magnitude, and the
-    engines' start is slow enough."""
+    timings (two cold prompts, three steps, a read each after an untimed first), on purpose: the router needs
+    orders of magnitude, and the engines' start is slow enough."""
     count = CostModel(spec, Hardware(1.0, {}, "count"), attention=True)
     loaded = ((tokens - 1) // chunk_size) * chunk_size  # vLLM computes the last token itself
     if loaded < chunk_size:

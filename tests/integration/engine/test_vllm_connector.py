@@ -286,11 +286,9 @@ def test_a_fresh_engine_answers_from_the_pool_as_if_it_had_computed(
                 [(k, rng.standard_normal(n // 4).astype(np.float32)) for k, n in zip(flat, sizes, strict=True)]
             )
             wait_for(client, flat)
-            # B learns of the new chunks through its etcd watch, which may come after the test's own: ask again until
-            # it has (a miss meanwhile computes P, but B's saves find the keys held and leave the altered KV alone)
-            deadline = time.monotonic() + 60
-            while (altered := b.generate([P], reset=True)[0])["cached"] < 2 * CHUNK and time.monotonic() < deadline:
-                time.sleep(0.5)
+            # B learns of the new chunks through its etcd watch, which may come after the test's own (reloaded asks
+            # again until it has; B's saves of a miss meanwhile find the keys held and leave the altered KV alone)
+            altered, _ = reloaded(b, P, 2 * CHUNK)
             assert altered["cached"] == 2 * CHUNK and not same_answer(altered, baseline["P"])
 
             # one byte flipped in one of R's chunks: a miss, recomputed, the right answer

@@ -1,5 +1,6 @@
-"""Sealed objects of the remote tier read by a client (RemoteReads) from a real SeaweedFS: opened with the right keys, a miss
-with a wrong key, no key or altered bytes — and the placement and object kept for readers that hold the key."""
+"""Sealed objects of the remote tier read by a client (RemoteReads) from a real SeaweedFS: opened with the right
+keys, a miss with a wrong key, no key or altered bytes — and the placement and object kept for readers that hold
+the key."""
 
 import base64
 import dataclasses
