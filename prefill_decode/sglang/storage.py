@@ -40,6 +40,7 @@ from kvpool.metadata.lookup import PrefixLookup
 from kvpool.metadata.misses import MissCause
 from kvpool.prefill_decode.connector_core.connection import PoolConnection
 from kvpool.prefill_decode.connector_core.counts import EngineCounts
+from kvpool.prefill_decode.connector_core.reads import read_each
 from kvpool.prefill_decode.connector_core.staging import EngineMemory, HostStaging
 from kvpool.prefill_decode.connector_core.tenancy import TenantScope
 from kvpool.prefill_decode.sglang.config import StorageConfig
@@ -215,7 +216,8 @@ class KvPoolStorage(HiCacheStorage):
         staged_at = {i: j for j, i in enumerate(i for i, r in enumerate(runs) if r is None)}
         staged = self._staged(client, len(staged_at), register=register)
         buffers = [r if r is not None else _flat(staged[staged_at[i]]) for i, r in enumerate(runs)]
-        ok = _read(client, pool_keys, buffers)
+        missing = read_each(client, pool_keys, buffers) if pool_keys else set()
+        ok = [i not in missing for i in range(len(pool_keys))]
         for i, j in staged_at.items():
             if ok[i]:
                 dests[i].copy_(staged[j])
@@ -333,25 +335,6 @@ class KvPoolStorage(HiCacheStorage):
 def _flat(page: torch.Tensor) -> torch.Tensor:
     """A staged page as flat bytes (a put of them carries no tensor format, as a put of the runs does not)."""
     return page.view(torch.uint8).view(-1)
-
-
-def _read(client: Any, keys: list[bytes], buffers: list[Any]) -> list[bool]:
-    """Read ``keys`` into ``buffers`` (each a tensor, or the runs of host memory a page lies in); per key, whether it
-    came (verified)."""
-    if not keys:
-        return []
-    try:
-        client.get_into_batch(keys, buffers)
-        return [True] * len(keys)
-    except KvPoolError:  # find out which: each on its own
-        ok = []
-        for key, buffer in zip(keys, buffers, strict=True):
-            try:
-                client.get_into(key, buffer)
-                ok.append(True)
-            except KvPoolError:
-                ok.append(False)
-        return ok
 
 
 def _check_parallelism(cfg: HiCacheStorageConfig) -> None:

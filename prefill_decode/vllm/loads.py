@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from kvpool.core.keys import layer_key
-from kvpool.errors import KvPoolError
+from kvpool.prefill_decode.connector_core.reads import read_each
 from kvpool.prefill_decode.connector_core.staging import EngineMemory, HostStaging
 from kvpool.prefill_decode.vllm.blocks import PagedLayer
 from kvpool.prefill_decode.vllm.groups import NULL_BLOCK, KvGroups
@@ -66,7 +66,7 @@ class BlockLoads:
             lkeys += [layer_key(keys[c - t.first], layer.index) for c in chunks]
             buffers += layer.pieces(targets, sink[at : at + n])
             at += n
-        missing = fetch(client, lkeys, buffers)
+        missing = read_each(client, lkeys, buffers)
         at = loaded = 0
         for layer, bad, chunks, targets, _, _ in planned:
             bad.update(c for i, c in enumerate(chunks) if at + i in missing)
@@ -85,7 +85,7 @@ class BlockLoads:
         )
         views = [staging[i * layer.tail : (i + 1) * layer.tail] for i in range(len(chunks))]
         lkeys = [layer_key(keys[c - t.first], layer.index) for c in chunks]
-        bad.update(chunks[i] for i in fetch(client, lkeys, views))
+        bad.update(chunks[i] for i in read_each(client, lkeys, views))
         rows = [
             i * layer.tail + j
             for i, c in enumerate(chunks)
@@ -111,18 +111,3 @@ class BlockLoads:
 def landed(layer: PagedLayer, chunks: range, targets: list[list[int | None]], bad: set[int]) -> int:
     """The bytes of ``layer``'s blocks that the chunks not in ``bad`` wrote."""
     return sum(b is not None for i, c in enumerate(chunks) if c not in bad for b in targets[i]) * layer.block_bytes
-
-
-def fetch(client: Any, lkeys: list[bytes], buffers: list[Any]) -> set[int]:
-    """``get_into_batch``; if it failed, each object on its own to find which did not come: their positions."""
-    try:
-        client.get_into_batch(lkeys, buffers)
-        return set()
-    except KvPoolError:
-        missing = set()
-        for i, (k, b) in enumerate(zip(lkeys, buffers, strict=True)):
-            try:
-                client.get_into(k, b)
-            except KvPoolError:
-                missing.add(i)
-        return missing
