@@ -1,5 +1,6 @@
-"""Shared fixtures: one real etcd server for the session, a fresh cluster namespace per test; one real S3 server
-(SeaweedFS) for the session, a fresh bucket per test.  Every test is marked by the folder it lives in: ``integration``
+"""Shared fixtures: one real etcd server for the session, a fresh cluster namespace per test; one real Ray cluster
+and its shared pools (``pool_shelf``) for the session; one real S3 server (SeaweedFS) for the session, a fresh bucket
+per test.  Every test is marked by the folder it lives in: ``integration``
 (tests/integration/) or ``faults`` (tests/faults/); tests/unit/ needs no server (``make test-fast``)."""
 
 import uuid
@@ -15,7 +16,9 @@ from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.namespace import Namespace
 from kvpool.servers.etcd import EmbeddedEtcd
 
-if TYPE_CHECKING:  # imported lazily below: tests without S3 do not pay for boto3
+if TYPE_CHECKING:  # imported lazily below: unit tests do not pay for the pool's client, nor tests without S3 for boto3
+    from pools import PoolShelf
+
     from kvpool.pool.tiers.s3_config import RemoteConfig
     from kvpool.servers.seaweedfs import SeaweedServer
 
@@ -61,6 +64,16 @@ def ray_cluster() -> Iterator[list[str]]:
 
     with LocalRayCluster(nodes=3) as cluster:
         yield cluster.node_ids()
+
+
+@pytest.fixture(scope="session")
+def pool_shelf(ray_cluster: list[str], etcd_server: EmbeddedEtcd) -> "Iterator[PoolShelf]":
+    """The session's shared pools, one per shape, each lent to a test emptied (``tests/pools.py``)."""
+    from pools import PoolShelf
+
+    shelf = PoolShelf(etcd_server.endpoint, ray_cluster)
+    yield shelf
+    shelf.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,15 +1,14 @@
 """Fixtures of the engine tests: a small random Llama saved for vLLM, a pool for the engines, engines in processes."""
 
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import pools
 import pytest
 from engine_needed import vllm_module
+from pools import PoolShelf
 
-from kvpool.metadata.config import MetadataConfig
-from kvpool.pool.config import MiB, PoolConfig
-from kvpool.pool.node import start_pool, stop_pool
+from kvpool.pool.config import PoolConfig
 from kvpool.servers.etcd import EmbeddedEtcd
 
 vllm_module()  # before engines, which imports vLLM
@@ -29,20 +28,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture
 def pool_config(ray_cluster: list[str], etcd_server: EmbeddedEtcd) -> PoolConfig:
-    """A pool's config on the session's Ray cluster, not started (for an engine that stops before it would reach it);
-    leases of 30 s, so a killed holder's placements stay visible long enough for a test to ask for them."""
-    metadata = MetadataConfig(endpoints=(etcd_server.endpoint,), cluster=f"t-{uuid.uuid4().hex[:12]}", lease_ttl_s=30)
-    return PoolConfig(
-        metadata=metadata, dram_bytes=64 * MiB, nvme_bytes=64 * MiB, namespace=f"vllm-{uuid.uuid4().hex[:8]}"
-    )
+    """An engine pool's config on the session's Ray cluster, not started (for an engine that stops before it would
+    reach it)."""
+    return pools.engines(etcd_server.endpoint)
 
 
 @pytest.fixture
-def engine_pool(pool_config: PoolConfig) -> Iterator[PoolConfig]:
-    """``pool_config``'s pool, running on every node of the session's Ray cluster."""
-    start_pool(pool_config)
-    yield pool_config
-    stop_pool(pool_config)
+def engine_pool(pool_shelf: PoolShelf) -> Iterator[PoolConfig]:
+    """The session's engine pool (``tests/pools.py``: 64 MiB of DRAM and of NVMe a node), empty, every node up."""
+    with pool_shelf.lend(pools.engines) as config:
+        yield config
 
 
 @pytest.fixture(scope="session")
