@@ -13,6 +13,7 @@ is diagnosed at once and raised with its fix, never retried until the deadline.
 
 import logging
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -59,6 +60,24 @@ Version = etcd_txn.Version  #: a transaction's compare: ``Version(key) == 0`` ho
 
 def prefix_end(prefix: bytes) -> bytes:
     return bytes(etcd_utils.prefix_range_end(prefix))
+
+
+def probe(config: MetadataConfig, timeout_s: float = 1.0) -> None:
+    """Raise :class:`MetadataUnavailable` at once when no etcd member of ``config`` accepts a TCP connection within
+    ``timeout_s``: for a caller that goes on without etcd (an engine's connector) and would rather try again later
+    than spend a call's whole retry deadline on an address where nothing listens."""
+    failures = []
+    for endpoint in config.endpoints:
+        try:
+            socket.create_connection(parse_endpoint(endpoint), timeout=timeout_s).close()
+            return
+        except OSError as exc:
+            failures.append(f"{endpoint}: {exc.strerror or exc}")
+    if failures:
+        raise MetadataUnavailable(
+            f"no etcd member accepts a connection ({'; '.join(failures)}); check that etcd is running and that "
+            f"{ENDPOINTS_ENV} (or --etcd) points at it"
+        )
 
 
 def _retriable(exc: BaseException) -> bool:

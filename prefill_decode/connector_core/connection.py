@@ -38,10 +38,12 @@ class PoolConnection:
         try:
             import ray
 
+            from kvpool.metadata.client import probe
             from kvpool.pool.client import PoolClient
             from kvpool.ray_auth import attach
 
             s = self.settings
+            probe(s.metadata())  # nothing listening where etcd should be: a miss now, not after its retries
             if not ray.is_initialized():
                 kw: dict[str, Any] = {"_node_ip_address": s.node_ip} if s.node_ip else {}
                 attach(s.ray_address, s.ray_token_path or None, namespace=s.namespace, log_to_driver=False, **kw)

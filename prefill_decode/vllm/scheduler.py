@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvpool.core.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.metadata.cache import MetadataCache
-from kvpool.metadata.client import EtcdClient
+from kvpool.metadata.client import EtcdClient, probe
 from kvpool.metadata.identities import register as register_identity
 from kvpool.metadata.lookup import Hit, PrefixLookup
 from kvpool.metadata.misses import miss_cause
@@ -128,6 +128,7 @@ class SchedulerSide:
 
         def connect() -> None:
             try:
+                probe(self.config.metadata())  # nothing listening where etcd should be: 0 hits now, not after retries
                 etcd = EtcdClient(self.config.metadata())
                 try:
                     self.cache = MetadataCache(etcd, Namespace(self.config.cluster)).start()
