@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any, Protocol, TextIO
 
 from msgspec.structs import asdict
 
@@ -144,20 +144,40 @@ def connector_state() -> dict[str, Any]:
     }
 
 
-class EngineProcess:
-    """An engine in its own process, answering one command at a time; its stderr goes to ``log``."""
+class Forker(Protocol):
+    """What forks engines from a process that imported vLLM already (:class:`~kvpool.prefill_decode.vllm.zygote.Zygote`)."""
 
-    def __init__(self, settings: dict[str, Any], log: Path, env: dict[str, str] | None = None) -> None:
+    def serves(self, env: dict[str, str]) -> bool:
+        """Whether an engine with environment ``env`` can be forked."""
+        ...
+
+    def spawn(self, settings: dict[str, Any], env: dict[str, str], stderr: IO[str]) -> Any:
+        """A process running :func:`serve` for ``settings``, as :class:`subprocess.Popen` would give it."""
+        ...
+
+
+class EngineProcess:
+    """An engine in its own process, answering one command at a time; its stderr goes to ``log``.  ``zygote``: fork
+    it from that process, which imported vLLM already, where it can."""
+
+    def __init__(
+        self, settings: dict[str, Any], log: Path, env: dict[str, str] | None = None, zygote: Forker | None = None
+    ) -> None:
         self.log = log
         self._log: TextIO = log.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, json.dumps(settings)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env={**os.environ, **ENGINE_ENV, **(env or {})},
-        )
+        full_env = {**os.environ, **ENGINE_ENV, **(env or {})}
+        self.proc: Any
+        if zygote is not None and zygote.serves(full_env):
+            self.proc = zygote.spawn(settings, full_env, self._log)
+        else:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, json.dumps(settings)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._log,
+                text=True,
+                env=full_env,
+            )
         self._expect("READY")
 
     def _expect(self, prefix: str) -> str:
@@ -210,11 +230,20 @@ class EngineProcess:
         self.close()
 
 
-def main() -> None:
+def preload() -> None:
+    """Import what an engine uses (``zygote.py`` forks engines after it)."""
+    from vllm import LLM, SamplingParams  # noqa: F401
+    from vllm.config import KVEventsConfig, KVTransferConfig  # noqa: F401
+    from vllm.exceptions import VLLMClientError  # noqa: F401
+    from vllm.inputs import TokensPrompt  # noqa: F401
+
+
+def serve(settings: dict[str, Any]) -> None:
+    """Start an engine for ``settings`` and answer stdin's commands (see the module's docstring)."""
     from vllm.exceptions import VLLMClientError  # what vLLM raises for a request it will not serve (too long, ...)
 
     bad_input = (ValueError, TypeError, VLLMClientError)
-    llm = start_engine(json.loads(sys.argv[1]))
+    llm = start_engine(settings)
     print("READY", flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -230,6 +259,10 @@ def main() -> None:
             kind = "input" if isinstance(exc, bad_input) else "engine"
             answer = {"error": f"{type(exc).__name__}: {exc}"[:2000], "kind": kind}
         print("RESULT " + json.dumps(answer), flush=True)
+
+
+def main() -> None:
+    serve(json.loads(sys.argv[1]))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from kvpool.pool.tenants import Scope
 from kvpool.prefill_decode.routing.cost import CostModel, Hardware, ModelSpec
 from kvpool.prefill_decode.routing.engine_router import EngineEvents, EngineRouter
 from kvpool.prefill_decode.routing.router import Policy, Quote, one_identity
-from kvpool.prefill_decode.vllm.engine import EngineProcess
+from kvpool.prefill_decode.vllm.engine import EngineProcess, Forker
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -241,17 +241,19 @@ def start_engine_lanes(
     log_dir: Path,
     env: dict[str, str] | None = None,
     bind_cores: bool = False,
+    zygote: Forker | None = None,
 ) -> list[EngineLane]:
     """One engine per Ray node in ``node_ips`` (its connector on that node's PoolNode), started at once, each
     publishing KV events to ``events`` under topic ``engine<i>``.  ``connector``: the ``kv_connector_extra_config``
     they share (``node_ip`` is set per engine).  ``bind_cores``: engine ``i`` computes on core ``i`` alone (vLLM's
-    ``VLLM_CPU_OMP_THREADS_BIND``), so engines on one machine do not slow each other as separate hosts would not."""
+    ``VLLM_CPU_OMP_THREADS_BIND``), so engines on one machine do not slow each other as separate hosts would not.
+    ``zygote``: engines forked from it where they can be (:mod:`~kvpool.prefill_decode.vllm.zygote`)."""
 
     def start(i: int, ip: str) -> EngineProcess:
         extra = {**connector, "node_ip": ip}
         lane_settings = {**settings, "connector": extra, "kv_events": {"endpoint": events, "topic": f"engine{i}"}}
         bound = {"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))} if bind_cores else {}
-        return EngineProcess(lane_settings, log_dir / f"engine{i}.log", env={**(env or {}), **bound})
+        return EngineProcess(lane_settings, log_dir / f"engine{i}.log", env={**(env or {}), **bound}, zygote=zygote)
 
     with ThreadPoolExecutor(len(node_ips)) as pool:
         futures = [pool.submit(start, i, ip) for i, ip in enumerate(node_ips)]

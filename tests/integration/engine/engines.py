@@ -8,6 +8,7 @@ import ray
 
 from kvpool.pool.config import PoolConfig
 from kvpool.prefill_decode.vllm.engine import EngineProcess
+from kvpool.prefill_decode.vllm.zygote import Zygote
 
 CHUNK = 256  #: tokens per pool chunk in these tests (8 of vLLM's 32-token blocks)
 
@@ -26,9 +27,15 @@ def extra_config(pool: PoolConfig, node_ip: str = "127.0.0.2", **overrides: Any)
     }
 
 
+ENV = {"PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}  #: the engines' environment over the tests'
+#: the session's zygote (conftest.py), which imported vLLM: engines of seed 0 are forked from it
+ZYGOTE: list[Zygote] = []
+
+
 def engine(settings: dict[str, Any], log: Path, hash_seed: int = 0) -> EngineProcess:
-    """An engine in a process of its own, with its own ``PYTHONHASHSEED``."""
-    return EngineProcess(settings, log, env={"PYTHONHASHSEED": str(hash_seed), "VLLM_CPU_KVCACHE_SPACE": "1"})
+    """An engine in a process of its own, with its own ``PYTHONHASHSEED`` (another than 0: started afresh)."""
+    env = {**ENV, "PYTHONHASHSEED": str(hash_seed)}
+    return EngineProcess(settings, log, env=env, zygote=ZYGOTE[0] if ZYGOTE else None)
 
 
 def reloaded(

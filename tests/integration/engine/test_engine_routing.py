@@ -7,7 +7,7 @@ to one SUB socket, their cost models measured by :func:`calibrate` as the front 
 import time
 from pathlib import Path
 
-from engines import CHUNK, P, R, extra_config
+from engines import CHUNK, ENV, P, R, extra_config
 from http_asks import ask_app
 
 from kvpool.metadata.cache import MetadataCache
@@ -23,6 +23,7 @@ from kvpool.prefill_decode.vllm.front import (
     model_spec,
     start_engine_lanes,
 )
+from kvpool.prefill_decode.vllm.zygote import Zygote
 
 BLOCK = 32  #: vLLM's block size in these engines
 
@@ -35,14 +36,19 @@ def _until(predicate, what: str, timeout_s: float = 60.0) -> None:  # type: igno
 
 
 def test_a_prompt_goes_to_the_engine_whose_own_cache_holds_it(
-    engine_pool: PoolConfig, model_dir: str, tmp_path: Path
+    engine_pool: PoolConfig, model_dir: str, tmp_path: Path, zygote: Zygote
 ) -> None:
     events = EngineEvents("tcp://127.0.0.2:*", ["engine0", "engine1"])
     etcd = EtcdClient(engine_pool.metadata)
     cache = MetadataCache(etcd, Namespace(engine_pool.metadata.cluster)).start()
-    env = {"PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
     lanes = start_engine_lanes(
-        {"model": model_dir}, extra_config(engine_pool), ["127.0.0.2", "127.0.0.3"], events.endpoint, tmp_path, env
+        {"model": model_dir},
+        extra_config(engine_pool),
+        ["127.0.0.2", "127.0.0.3"],
+        events.endpoint,
+        tmp_path,
+        ENV,
+        zygote=zygote,
     )
     try:
         assert lanes[0].node != lanes[1].node

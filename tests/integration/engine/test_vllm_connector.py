@@ -29,6 +29,7 @@ from kvpool.prefill_decode.vllm.config import ConnectorConfig
 from kvpool.prefill_decode.vllm.groups import NULL_BLOCK, KvGroups, PoolLayer
 from kvpool.prefill_decode.vllm.scheduler import KvPoolMetadata, Transfer
 from kvpool.prefill_decode.vllm.worker import WorkerSide
+from kvpool.prefill_decode.vllm.zygote import ForkedProcess
 
 LAYERS = 4
 #: each engine test starts vLLM engines (20-60 s each on 2 busy cores): more than the suite's 300 s per test
@@ -267,6 +268,7 @@ def test_a_fresh_engine_answers_from_the_pool_as_if_it_had_computed(
         # B starts once A's saves are in etcd, so its first read of the pool's chunks holds them: started beside A
         # it would learn of them only through its watch, which a loaded machine may deliver after B's first lookup
         with engine(settings, tmp_path / "b.log", hash_seed=2) as b:
+            assert not isinstance(b.proc, ForkedProcess)  # another PYTHONHASHSEED than the zygote's: started afresh
             got = b.generate([P, Q])
             assert [g["cached"] for g in got] == [2 * CHUNK, 2 * CHUNK]
             assert same_answer(got[0], baseline["P"]) and same_answer(got[1], baseline["Q"])
@@ -314,6 +316,7 @@ def test_etcd_unreachable_means_no_hits_and_normal_answers(
     """No pool is started for it: without etcd, the connector finds no pool node to reach anyway."""
     settings = {"model": model_dir, "connector": extra_config(pool_config, etcd=["127.0.0.1:9"])}
     with engine(settings, tmp_path / "etcd-down.log") as e:
+        assert isinstance(e.proc, ForkedProcess)  # from the session's zygote (A and B of the fresh-engine test: not)
         [got] = e.generate([P])
     assert got["cached"] == 0 and same_answer(got, baseline["P"])
 
