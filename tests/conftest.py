@@ -68,7 +68,8 @@ def ray_cluster() -> Iterator[list[str]]:
 
 @pytest.fixture(scope="session")
 def pool_shelf(ray_cluster: list[str], etcd_server: EmbeddedEtcd) -> "Iterator[PoolShelf]":
-    """The session's shared pools, one per shape, each lent to a test emptied (``tests/pools.py``)."""
+    """The session's shared pools, one per shape while tests of that shape run, each lent to a test emptied
+    (``tests/pools.py``)."""
     from pools import PoolShelf
 
     shelf = PoolShelf(etcd_server.endpoint, ray_cluster)

@@ -1,4 +1,4 @@
-"""Pools the whole session shares, one per shape, each lent to a test emptied (``tests/conftest.py``'s
+"""Pools the session shares, one per shape while tests of that shape run, each lent to a test emptied (``tests/conftest.py``'s
 ``pool_shelf``).
 
 Starting a pool costs seconds (an actor per node, its segments, NIXL agent and etcd records); emptying one costs a
@@ -10,8 +10,10 @@ differences.
 """
 
 import contextlib
+import functools
 import logging
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 from kvpool.errors import KvPoolError
@@ -52,26 +54,44 @@ def engines(etcd: str) -> PoolConfig:
     return PoolConfig(metadata=metadata, dram_bytes=64 * MiB, nvme_bytes=64 * MiB, namespace=namespace)
 
 
+@functools.cache
+def both_tiers(mib: int) -> Shape:
+    """``mib`` MiB of DRAM and of NVMe a node, leases of 2 s (the prefill/decode tests')."""
+
+    def shape(etcd: str) -> PoolConfig:
+        metadata, namespace = _names(etcd, lease_ttl_s=2)
+        return PoolConfig(metadata=metadata, dram_bytes=mib * MiB, nvme_bytes=mib * MiB, namespace=namespace)
+
+    return shape
+
+
 class PoolShelf:
-    """The session's shared pools on the Ray nodes ``node_ids``, started when first lent."""
+    """The session's shared pools on the Ray nodes ``node_ids``, each started when first lent.  An idle pool node
+    costs ~3 % of a core (its transport's progress thread), so lending a pool of a new shape stops those no test
+    holds."""
 
     def __init__(self, etcd: str, node_ids: list[str]) -> None:
         self.etcd = etcd
         self.node_ids = node_ids
         self._pools: dict[Shape, PoolConfig] = {}
+        self._lent: Counter[Shape] = Counter()  #: how many tests or modules hold each
 
     @contextlib.contextmanager
     def lend(self, shape: Shape) -> Iterator[PoolConfig]:
         """The pool of ``shape``, running on every node; emptied when given back (or replaced, if it cannot be)."""
         if shape not in self._pools:
-            config = shape(self.etcd)
-            start_pool(config)
-            self._pools[shape] = config
+            self._stop(idle_only=True)
+            self._pools[shape] = shape(self.etcd)
+            start_pool(self._pools[shape])
         config = self._pools[shape]
-        yield config
-        if not self._emptied(config):
-            stop_pool(config)
-            del self._pools[shape]
+        self._lent[shape] += 1
+        try:
+            yield config
+        finally:
+            self._lent[shape] -= 1
+            if not self._emptied(config):
+                stop_pool(config)
+                del self._pools[shape]
 
     def _emptied(self, config: PoolConfig) -> bool:
         """Remove every chunk of the pool; False if a node is gone or a chunk stays (the pool is not reused then)."""
@@ -87,7 +107,9 @@ class PoolShelf:
             log.warning("pool %s not reused: %s", config.namespace, exc)
             return False
 
+    def _stop(self, idle_only: bool) -> None:
+        for shape in [s for s in self._pools if not (idle_only and self._lent[s])]:
+            stop_pool(self._pools.pop(shape))
+
     def close(self) -> None:
-        for config in self._pools.values():
-            stop_pool(config)
-        self._pools.clear()
+        self._stop(idle_only=False)

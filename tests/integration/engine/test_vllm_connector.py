@@ -246,16 +246,16 @@ def test_malformed_extra_config_is_a_config_error(extra: Any, match: str) -> Non
 def test_a_fresh_engine_answers_from_the_pool_as_if_it_had_computed(
     engine_pool: PoolConfig, model_dir: str, baseline: dict[str, dict[str, Any]], tmp_path: Path
 ) -> None:
-    """Engine A computes and saves; a fresh engine B (another process, started once A's saves are in, another
-    PYTHONHASHSEED, which never computed these prompts) is given the full chunks by the pool and answers exactly as without the
-    connector (also for a prompt that ends on a chunk), also when a request's hint has the chunks brought from NVMe
-    first.  KV altered in the pool changes B's answer (so the check can fail); a corrupt chunk is a miss that B
-    recomputes, right answer."""
+    """Engine A (forked from the session's zygote) computes and saves; a fresh engine B (another process, started
+    afresh once A's saves are in, another PYTHONHASHSEED, which never computed these prompts) is given the full chunks
+    by the pool and answers exactly as without the connector (also for a prompt that ends on a chunk), also when a
+    request's hint has the chunks brought from NVMe first.  KV altered in the pool changes B's answer (so the check
+    can fail); a corrupt chunk is a miss that B recomputes, right answer."""
     # a hinted request waits up to 60 s for its prefetch (the default 2 s is short for a loaded 2-core machine)
     settings = {"model": model_dir, "connector": extra_config(engine_pool, prefetch_wait_s=60.0)}
     with PoolClient(engine_pool) as client, KvEvents() as events:
         # A publishes vLLM's KV events: its own blocks', and the pool's chunks it saved (check_pool_events)
-        with engine({**settings, "kv_events": {"endpoint": events.endpoint}}, tmp_path / "a.log", hash_seed=1) as a:
+        with engine({**settings, "kv_events": {"endpoint": events.endpoint}}, tmp_path / "a.log") as a:
             # ZeroMQ drops what a PUB socket sends before its subscriber's handshake is through: a first short prompt
             drive_until(a, events, lambda: bool(events.own))
             got = a.generate([P, R])
@@ -316,7 +316,7 @@ def test_etcd_unreachable_means_no_hits_and_normal_answers(
     """No pool is started for it: without etcd, the connector finds no pool node to reach anyway."""
     settings = {"model": model_dir, "connector": extra_config(pool_config, etcd=["127.0.0.1:9"])}
     with engine(settings, tmp_path / "etcd-down.log") as e:
-        assert isinstance(e.proc, ForkedProcess)  # from the session's zygote (A and B of the fresh-engine test: not)
+        assert isinstance(e.proc, ForkedProcess)  # from the session's zygote (B of the fresh-engine test: not)
         [got] = e.generate([P])
     assert got["cached"] == 0 and same_answer(got, baseline["P"])
 

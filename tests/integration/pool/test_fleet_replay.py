@@ -6,14 +6,13 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from pools import PoolShelf
 
 from kvpool.bench.fleet_check import Check, real, simulated
 from kvpool.bench.fleet_trace import trace_path
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
-from kvpool.pool.node import start_pool, stop_pool
-from kvpool.servers.etcd import EmbeddedEtcd
 
 CHECK = Check()
 pytestmark = pytest.mark.skipif(
@@ -21,20 +20,23 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def dram_pool(ray_cluster: list[str], etcd_server: EmbeddedEtcd) -> Iterator[PoolConfig]:
-    """A fresh pool of the check's configuration: three nodes of 8 MiB DRAM, no NVMe."""
-    metadata = MetadataConfig(endpoints=(etcd_server.endpoint,), cluster=f"t-{uuid.uuid4().hex[:12]}", lease_ttl_s=2)
-    config = PoolConfig(
+def _check_pool(etcd: str) -> PoolConfig:
+    """The check's configuration: three nodes of 8 MiB DRAM, no NVMe."""
+    metadata = MetadataConfig(endpoints=(etcd,), cluster=f"t-{uuid.uuid4().hex[:12]}", lease_ttl_s=2)
+    return PoolConfig(
         metadata=metadata,
         dram_bytes=CHECK.dram_bytes,
         nvme_bytes=-1,
         alignment=CHECK.alignment,
         namespace=f"kvpool-{uuid.uuid4().hex[:8]}",
     )
-    start_pool(config, ray_cluster)
-    yield config
-    stop_pool(config)
+
+
+@pytest.fixture
+def dram_pool(pool_shelf: PoolShelf) -> Iterator[PoolConfig]:
+    """The check's pool, empty (``tests/pools.py``)."""
+    with pool_shelf.lend(_check_pool) as config:
+        yield config
 
 
 @pytest.mark.parametrize("trace", ["conversation", "synthetic"])

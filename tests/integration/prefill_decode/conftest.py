@@ -1,32 +1,26 @@
-"""Fixtures of the prefill/decode tests: one pool per module on the session's Ray cluster, a small
-random-weight Llama (8 layers, GQA)."""
+"""Fixtures of the prefill/decode tests: a pool lent to each module by the session's shelf, a small random-weight
+Llama (8 layers, GQA)."""
 
-import uuid
 from collections.abc import Iterator
 
 import pytest
+from pools import PoolShelf, both_tiers
 
-from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
-from kvpool.pool.config import MiB, PoolConfig
-from kvpool.pool.node import start_pool, stop_pool
+from kvpool.pool.config import PoolConfig
 from kvpool.prefill_decode.reference.model import LoadedModel, tiny_llama
 from kvpool.prefill_decode.reference.workers import WorkerConfig
 from kvpool.prefill_decode.routing.cost import Hardware
-from kvpool.servers.etcd import EmbeddedEtcd
 
 MODEL_OPTIONS = (("layers", 8), ("hidden", 128), ("heads", 4), ("kv_heads", 2), ("vocab", 512))
 
 
 @pytest.fixture(scope="module")
-def pd_pool(request: pytest.FixtureRequest, ray_cluster: list[str], etcd_server: EmbeddedEtcd) -> Iterator[PoolConfig]:
-    """A pool of ``POOL_MIB`` (a module's global, default 32) MiB of DRAM and of NVMe per node."""
-    mib = getattr(request.module, "POOL_MIB", 32) * MiB
-    metadata = MetadataConfig(endpoints=(etcd_server.endpoint,), cluster=f"t-{uuid.uuid4().hex[:12]}", lease_ttl_s=2)
-    config = PoolConfig(metadata=metadata, dram_bytes=mib, nvme_bytes=mib, namespace=f"kvpool-{uuid.uuid4().hex[:8]}")
-    start_pool(config)
-    yield config
-    stop_pool(config)
+def pd_pool(request: pytest.FixtureRequest, pool_shelf: PoolShelf) -> Iterator[PoolConfig]:
+    """The session's pool of ``POOL_MIB`` (a module's global, default 32) MiB of DRAM and of NVMe per node
+    (``tests/pools.py``), lent to the module empty."""
+    with pool_shelf.lend(both_tiers(getattr(request.module, "POOL_MIB", 32))) as config:
+        yield config
 
 
 @pytest.fixture(scope="module")
