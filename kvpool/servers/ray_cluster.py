@@ -6,6 +6,10 @@ the user's own ``RAY_AUTH_MODE=disabled``): a token is generated per cluster int
 (``token_path``), every node and this driver use it, and so does every process started from here while the cluster
 runs (they inherit ``RAY_AUTH_MODE`` and ``RAY_AUTH_TOKEN_PATH``).  Stopping terminates exactly those processes, which then
 shut their Ray processes down: never ``ray stop``, which would kill every Ray on the machine.
+
+No node runs Ray's log monitor, which streams workers' output to drivers: kvpool's drivers attach without it
+(``log_to_driver=False``), and each monitor cost ~1 % of a core idle.  Workers' output stays in the session's log
+files (``/tmp/ray/session_*/logs``).
 """
 
 import functools
@@ -76,6 +80,7 @@ class LocalRayCluster:
             f"--num-cpus={self.num_cpus}",
             f"--object-store-memory={self.object_store_bytes}",
             f"--dashboard-agent-listen-port={free_port(ip)}",
+            "--include-log-monitor=false",  # see the module's docstring
             "--disable-usage-stats",
             "--block",
         ]
