@@ -1,11 +1,11 @@
-"""Engines forked from a process that imported vLLM once: an engine process starts ~8 s sooner on these CPUs.
+"""Engines forked from a process that imported vLLM once: a tiny model's engine starts in ~2 s instead of ~8 here.
 
 Importing vLLM takes ~8 CPU-seconds (torch, transformers, its configs and kernels), more than building a small
 model's engine.  :class:`Zygote` starts ``python -m kvpool.prefill_decode.vllm.zygote SOCKET``, which imports vLLM and
 kvpool's connector, then forks a child per request: the child takes the requester's stdin, stdout and stderr (passed
-over a Unix socket), its environment and its settings, and runs :func:`~kvpool.prefill_decode.vllm.engine.main`'s loop
-as ``python -m kvpool.prefill_decode.vllm.engine`` would.  :class:`~kvpool.prefill_decode.vllm.engine.EngineProcess`
-uses one when given (``bench/vllm.py`` and the engine tests do).
+over a Unix socket), its environment and its settings, and runs :func:`~kvpool.prefill_decode.vllm.engine.serve` as
+``python -m kvpool.prefill_decode.vllm.engine`` would.  :class:`~kvpool.prefill_decode.vllm.engine.EngineProcess`
+uses one when given (the engine tests share one).
 
 What a fork cannot change is what the interpreter and its libraries read when they start (``PYTHONHASHSEED``,
 ``OMP_*``, ``LD_*``, vLLM's logging set-up): an engine asked with other values of those is started the usual way
