@@ -72,18 +72,20 @@ class Zygote:
         self.env = {**os.environ, **ENGINE_ENV, **(env or {})}
         self._dir = tempfile.TemporaryDirectory(prefix="kvpool-zygote-")
         self.path = str(Path(self._dir.name) / "socket")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, self.path],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=self.env,
-        )
-        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self.log = Path(self._dir.name) / "zygote.log"  #: its stderr (a pipe nobody reads could fill and stop it)
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, self.path],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=self.env,
+            )
+        assert self.proc.stdout is not None
         if self.proc.stdout.readline().strip() != "READY":
             self.proc.wait()
-            raise WorkerUnavailable(f"vLLM's zygote exited ({self.proc.returncode}): {self.proc.stderr.read()[-4000:]}")
+            raise WorkerUnavailable(f"vLLM's zygote exited ({self.proc.returncode}): {self.log.read_text()[-4000:]}")
 
     def serves(self, env: dict[str, str]) -> bool:
         """Whether an engine with environment ``env`` can be forked from here (its start-time variables are ours)."""
@@ -91,7 +93,7 @@ class Zygote:
         return self.proc.poll() is None and all(env.get(k) == self.env.get(k) for k in names)
 
     def spawn(self, settings: dict[str, Any], env: dict[str, str], stderr: IO[str]) -> ForkedProcess:
-        """An engine for ``settings`` (``engine.main``'s), with environment ``env``, its stderr going to ``stderr``."""
+        """An engine for ``settings`` (``engine.serve``'s), with environment ``env``, its stderr going to ``stderr``."""
         child_in, parent_out = os.pipe()
         parent_in, child_out = os.pipe()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -105,7 +107,7 @@ class Zygote:
             os.close(child_out)
         if not answer:
             conn.close()
-            raise WorkerUnavailable("vLLM's zygote did not fork an engine; see its stderr")
+            raise WorkerUnavailable(f"vLLM's zygote did not fork an engine; see {self.log}")
         return ForkedProcess(int(answer), os.fdopen(parent_out, "w"), os.fdopen(parent_in, "r"), conn)
 
     def close(self) -> None:
