@@ -30,14 +30,15 @@ EMPTY_TIMEOUT_S = 60.0
 Shape = Callable[[str], PoolConfig]
 
 
-def _names(etcd: str, lease_ttl_s: int) -> tuple[MetadataConfig, str]:
+def names(etcd: str, lease_ttl_s: int) -> tuple[MetadataConfig, str]:
+    """A shape's metadata config (on ``etcd``, a cluster no other pool uses) and a Ray namespace of its own."""
     metadata = MetadataConfig(endpoints=(etcd,), cluster=f"t-{uuid.uuid4().hex[:12]}", lease_ttl_s=lease_ttl_s)
     return metadata, f"kvpool-{uuid.uuid4().hex[:8]}"
 
 
 def small(etcd: str) -> PoolConfig:
     """The pool tests': 4 MiB DRAM and 8 MiB NVMe a node, eviction from 80 % down to 50 %, leases of 2 s."""
-    metadata, namespace = _names(etcd, lease_ttl_s=2)
+    metadata, namespace = names(etcd, lease_ttl_s=2)
     return PoolConfig(
         metadata=metadata,
         dram_bytes=4 * MiB,
@@ -50,7 +51,7 @@ def small(etcd: str) -> PoolConfig:
 def engines(etcd: str) -> PoolConfig:
     """The engines' (vLLM's and SGLang's): 64 MiB DRAM and NVMe a node; leases of 30 s, so a killed holder's
     placements stay listed long enough for a test to ask for them."""
-    metadata, namespace = _names(etcd, lease_ttl_s=30)
+    metadata, namespace = names(etcd, lease_ttl_s=30)
     return PoolConfig(metadata=metadata, dram_bytes=64 * MiB, nvme_bytes=64 * MiB, namespace=namespace)
 
 
@@ -59,7 +60,7 @@ def both_tiers(mib: int) -> Shape:
     """``mib`` MiB of DRAM and of NVMe a node, leases of 2 s (the prefill/decode tests')."""
 
     def shape(etcd: str) -> PoolConfig:
-        metadata, namespace = _names(etcd, lease_ttl_s=2)
+        metadata, namespace = names(etcd, lease_ttl_s=2)
         return PoolConfig(metadata=metadata, dram_bytes=mib * MiB, nvme_bytes=mib * MiB, namespace=namespace)
 
     return shape

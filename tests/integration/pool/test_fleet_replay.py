@@ -2,15 +2,13 @@
 down to 16-token chunks of one page and 8 MiB of DRAM a node (a third to two thirds of the slice's reuse fits), replayed with real puts and gets on the session's three
 Ray nodes, give the simulator's hit rates within 2 points."""
 
-import uuid
 from collections.abc import Iterator
 
 import pytest
-from pools import PoolShelf
+from pools import PoolShelf, names
 
 from kvpool.bench.fleet_check import Check, real, simulated
 from kvpool.bench.fleet_trace import trace_path
-from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
 
@@ -22,13 +20,13 @@ pytestmark = pytest.mark.skipif(
 
 def _check_pool(etcd: str) -> PoolConfig:
     """The check's configuration: three nodes of 8 MiB DRAM, no NVMe."""
-    metadata = MetadataConfig(endpoints=(etcd,), cluster=f"t-{uuid.uuid4().hex[:12]}", lease_ttl_s=2)
+    metadata, namespace = names(etcd, lease_ttl_s=2)
     return PoolConfig(
         metadata=metadata,
         dram_bytes=CHECK.dram_bytes,
         nvme_bytes=-1,
         alignment=CHECK.alignment,
-        namespace=f"kvpool-{uuid.uuid4().hex[:8]}",
+        namespace=namespace,
     )
 
 
