@@ -68,8 +68,7 @@ def both_tiers(mib: int) -> Shape:
 
 class PoolShelf:
     """The session's shared pools on the Ray nodes ``node_ids``, each started when first lent.  An idle pool node
-    costs ~3 % of a core (its transport's progress thread), so lending a pool of a new shape stops those no test
-    holds."""
+    costs ~1 % of a core (its Ray worker's threads), so lending a pool of a new shape stops those no test holds."""
 
     def __init__(self, etcd: str, node_ids: list[str]) -> None:
         self.etcd = etcd

@@ -6,12 +6,12 @@ them (``UCX_TLS``, ``UCX_NET_DEVICES``, ``UCX_WARN_UNUSED_ENV_VARS``); they must
 before the first agent starts.
 
 Progress: an initiator drives UCX itself while it polls a transfer.  A target (``serve=True``) must
-progress too, or connections it never initiates are not wired up; NIXL's own progress thread spins
-without pause (a whole core per process: on two cores that halves everything else), so kvpool runs a
-thread that progresses the agent every millisecond instead (same throughput here).  Idle, that thread costs ~3 % of
-a core per node here (each wake-up, not the poll, costs ~30 us of CPU on these VMs); a longer interval would cost
-READs over TCP, which the target's worker serves one segment per step.
-Every call into the agent holds one lock, so that thread and the caller never meet inside NIXL.
+progress too, or connections it never initiates are not wired up and READs over TCP are not served.  It runs
+NIXL's UCX progress thread, which sleeps in ``poll`` on the UCX worker's event fd (``ucp_worker_arm``) and wakes
+at once for any traffic, at the latest after ``PROGRESS_TIMEOUT_US``.  NIXL's Python wrapper hard-codes that
+timeout to 0, a thread that spins a whole core per process, so :func:`_agent` hands it ours.  Idle, a
+target costs ~0.1 % of a core (a thread of our own that progressed every millisecond cost ~4 %, each wake-up
+30-50 us on these VMs; figures.md, row progress).  Every call kvpool makes into the agent holds one lock.
 
 Fences: a READ that passes its deadline is not released.  NIXL's ``releaseXferReq`` on a handle still in
 progress asks the backend to cancel it; the UCX backend cancels its UCX requests (``ucp_request_cancel``) and
@@ -51,7 +51,10 @@ UCX_DEFAULTS = {
     "UCX_TCP_TX_SEG_SIZE": TCP_SEGMENT,
     "UCX_TCP_RX_SEG_SIZE": TCP_SEGMENT,
 }
+#: how often a caller waiting for a notification progresses the agent
 PROGRESS_INTERVAL_S = 0.001
+#: the longest a target's progress thread sleeps when no UCX event wakes it (microseconds)
+PROGRESS_TIMEOUT_US = 100_000
 MAX_PENDING_NOTIFS = 10_000
 
 
@@ -65,17 +68,39 @@ def apply_ucx_defaults() -> None:
         os.environ.setdefault("UCX_MODULES", "^ib,rdmacm")
 
 
+_AGENT_LOCK = threading.Lock()  #: while a NIXL agent is made with the wrapper's config class swapped
+
+
+def _agent(name: str, serve: bool) -> Any:
+    """A NIXL agent with the UCX backend, with a progress thread that sleeps when idle where ``serve``."""
+    from nixl_cu12 import _api
+
+    config = _api.nixl_agent_config(enable_prog_thread=serve, backends=["UCX"])
+    base = _api.nixlBind.nixlAgentConfig
+
+    class WithTimeout(base):  # type: ignore[misc,valid-type]
+        """``nixl_agent`` sets ``pthrDelay = 0`` on the config it makes: keep ours instead."""
+
+        def __setattr__(self, key: str, value: Any) -> None:
+            super().__setattr__(key, PROGRESS_TIMEOUT_US if key == "pthrDelay" else value)
+
+    with _AGENT_LOCK:
+        _api.nixlBind.nixlAgentConfig = WithTimeout
+        try:
+            return _api.nixl_agent(name, config)
+        finally:
+            _api.nixlBind.nixlAgentConfig = base
+
+
 class NixlTransport(Transport):
     def __init__(self, name: str | None = None, *, serve: bool = False, scope: str = "") -> None:
         """``serve``: this process is a target others read from and write to (a pool node).
         ``scope`` (the cluster name): descriptors of another scope are refused by :meth:`connect`."""
         apply_ucx_defaults()
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # not an INFO line per agent; NIXL_LOG_LEVEL=INFO shows them
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
-
         self.name = name or f"kvpool-{uuid.uuid4().hex[:12]}"
         try:
-            self._agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+            self._agent = _agent(self.name, serve)
         except Exception as exc:
             raise TransferError(f"NIXL agent {self.name} could not start: {exc}") from exc
         if "UCX" not in self._agent.backends:
@@ -88,17 +113,6 @@ class NixlTransport(Transport):
         self._reg_descs: dict[str, Any] = {}
         self._peers: dict[str, dict[str, tuple[int, int]]] = {}
         self._fenced: list[tuple[Any, list[tuple[int, int]]]] = []  #: (live handle, local (address, length)s)
-        self._stop = threading.Event()
-        self._progress_thread: threading.Thread | None = None
-        if serve:
-            self._progress_thread = threading.Thread(target=self._progress, name=f"{self.name}-progress", daemon=True)
-            self._progress_thread.start()
-
-    def _progress(self) -> None:
-        while not self._stop.is_set():
-            time.sleep(PROGRESS_INTERVAL_S)  # a third less CPU per turn than waiting on the stop event
-            with self._lock:
-                self._poll_notifs()
 
     def _poll_notifs(self) -> None:
         """Progress UCX and collect notifications (the lock is held)."""
@@ -118,11 +132,8 @@ class NixlTransport(Transport):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TransferError(f"no notification {message!r} within {timeout_s} s")
-                if self._progress_thread is None:
-                    self._poll_notifs()  # nobody else progresses this agent
-                    self._notified.wait(min(remaining, PROGRESS_INTERVAL_S))
-                else:
-                    self._notified.wait(remaining)
+                self._poll_notifs()
+                self._notified.wait(min(remaining, PROGRESS_INTERVAL_S))
 
     def register(self, name: str, address: int, length: int) -> None:
         if name in self._regions:
@@ -253,9 +264,6 @@ class NixlTransport(Transport):
                 self._release(handle)
 
     def close(self) -> None:
-        self._stop.set()
-        if self._progress_thread is not None:
-            self._progress_thread.join()
         for peer in list(self._peers):
             self.disconnect(peer)
         for name in list(self._reg_descs):
