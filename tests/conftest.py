@@ -3,6 +3,7 @@ and its shared pools (``pool_shelf``) for the session; one real S3 server (Seawe
 per test.  Every test is marked by the folder it lives in: ``integration``
 (tests/integration/) or ``faults`` (tests/faults/); tests/unit/ needs no server (``make test-fast``)."""
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,11 @@ from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import MetadataConfig
 from kvpool.metadata.namespace import Namespace
 from kvpool.servers.etcd import EmbeddedEtcd
+
+# pytest-xdist's workers inherit COLUMNS=80 and LINES=24 from execnet; a console made under them keeps that width,
+# and the CLI tests that give an invocation its own COLUMNS would get 80 columns instead
+for _fixed in ("COLUMNS", "LINES"):
+    os.environ.pop(_fixed, None)
 
 if TYPE_CHECKING:  # imported lazily below: unit tests do not pay for the pool's client, nor tests without S3 for boto3
     from pools import PoolShelf
@@ -121,3 +127,34 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         path = Path(item.path)
         if path.is_relative_to(tests) and (mark := FOLDER_MARKERS.get(path.relative_to(tests).parts[0])):
             item.add_marker(mark)
+
+
+#: ``make test`` runs the suite in two lanes, one pytest-xdist worker each (``-n 2``): this one, and the engines'
+#: (engine/, pool/, prefill_decode/, the stack's demo), each lane with its own etcd, Ray cluster and pools.  Beside a
+#: busy core two workers get more of the machine than one; sized so that each lane takes about half the time.
+SECOND_LANE = tuple(
+    f"tests/{where}"
+    for where in (
+        "unit/",
+        "faults/",
+        "integration/cli/test_cli.py",
+        "integration/launcher/",
+        "integration/metadata/",
+        "integration/pool/test_cli_pool.py",
+        "integration/remote/",
+        "integration/sglang/",
+        "integration/transport/",
+    )
+)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Each lane whole to one worker, in the order collected (xdist's ``loadgroup`` would, but it cannot rename
+    node ids under this pytest)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "second" if nodeid.startswith(SECOND_LANE) else "engines"
+
+    return Lanes(config, log)
