@@ -148,6 +148,7 @@ SECOND_LANE = tuple(
 )
 
 
+@pytest.hookimpl(optionalhook=True)  # a pytest without xdist runs one lane
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """Each lane whole to one worker, in the order collected (xdist's ``loadgroup`` would, but it cannot rename
     node ids under this pytest)."""
