@@ -5,6 +5,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -12,10 +13,11 @@ from typing import Any
 import numpy as np
 
 from kvpool.bench.children import SCRIPT, progress, stop_process
-from kvpool.bench.limits import measure
+from kvpool.bench.limits import measure, proc_cpu_s
 from kvpool.pool.config import MiB
 
 TARGET_MIN_BYTES = 160 * MiB  #: the raw NIXL target's segment (at least two of the largest values)
+IDLE_S = 5.0  #: how long :func:`idle_target_percent` watches a connected target move nothing
 
 
 def run_target(capacity: int) -> None:
@@ -96,3 +98,21 @@ def nixl_rows(sizes: list[int], total: int) -> list[dict[str, Any]]:
             transport.close()
         target.stop()
     return rows
+
+
+def idle_target_percent(capacity: int = TARGET_MIN_BYTES) -> float:
+    """Percent of a core a serving target uses while connected and moving nothing, over ``IDLE_S`` (what a pool node
+    costs between transfers: its UCX progress thread)."""
+    from kvpool.transport.nixl import NixlTransport
+
+    target = Target(capacity)
+    transport = NixlTransport()
+    try:
+        transport.connect(target.descriptor)
+        time.sleep(1.0)  # past the connection's wire-up
+        before = proc_cpu_s(target.proc.pid)
+        time.sleep(IDLE_S)
+        return 100 * (proc_cpu_s(target.proc.pid) - before) / IDLE_S
+    finally:
+        transport.close()
+        target.stop()

@@ -7,6 +7,8 @@ per GB under each figure:
   loopback socket and a raw Unix-domain socket (4 MiB socket buffers, ``recv_into`` a preallocated buffer);
 - raw NIXL: one-sided READ and WRITE of one value per call between two processes (``NixlTransport``; the
   target serves a ``DramSegment`` registered as ``dram0``);
+- an idle NIXL target: percent of a core a connected target uses while nothing moves (its UCX progress thread:
+  what a pool node costs between transfers);
 - the pool: a ``PoolClient`` on the second node of a local 2-node Ray cluster puts values onto the head
   node's ``PoolNode`` (NIXL WRITE) and reads them back with ``get_into_batch`` (NIXL READ, crc checked).
 
@@ -43,7 +45,7 @@ from rich.table import Table
 from kvpool.bench.children import SCRIPT, progress, run_child
 from kvpool.bench.limits import REPEAT, cell, transfer_limits
 from kvpool.bench.mooncake_peer import mooncake_figures, run_mooncake, run_mooncake_holder
-from kvpool.bench.raw_nixl import nixl_rows, run_target
+from kvpool.bench.raw_nixl import IDLE_S, idle_target_percent, nixl_rows, run_target
 from kvpool.pool.config import MiB
 
 SETTINGS = {  # name -> (label, UCX environment)
@@ -125,6 +127,7 @@ def run_worker(setting: str, sizes: list[int], total: int) -> None:
     t0 = time.perf_counter()
     result: dict[str, Any] = {"setting": setting, "ucx_tls": os.environ.get("UCX_TLS", "")}
     result["nixl"] = nixl_rows(sizes, total)
+    result["idle_target_percent"] = idle_target_percent()
     result["pool"] = pool_rows(sizes, total)
     result["seconds"] = time.perf_counter() - t0
     print("RESULT", json.dumps(result), flush=True)
@@ -238,6 +241,11 @@ def main() -> None:
     workers = {setting: spawn_worker(setting, args, console) for setting in SETTINGS}
     mooncake = mooncake_figures(args, console)
     console.print(render(floor, workers, mooncake, sizes, args.mib_per_size))
+    for setting, result in workers.items():
+        console.print(
+            f"idle NIXL target (connected, moving nothing, {IDLE_S:.0f} s), UCX_TLS={SETTINGS[setting][0]}: "
+            f"{result['idle_target_percent']:.2f} % of a core"
+        )
     console.print(mooncake["status"], markup=False)
     elapsed = time.perf_counter() - t0
     figures = {

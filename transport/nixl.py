@@ -11,7 +11,8 @@ NIXL's UCX progress thread, which sleeps in ``poll`` on the UCX worker's event f
 at once for any traffic, at the latest after ``PROGRESS_TIMEOUT_US``.  NIXL's Python wrapper hard-codes that
 timeout to 0, a thread that spins a whole core per process, so :func:`_agent` hands it ours.  Idle, a
 target costs ~0.1 % of a core (a thread of our own that progressed every millisecond cost ~4 %, each wake-up
-30-50 us on these VMs; figures.md, row progress).  Every call kvpool makes into the agent holds one lock.
+30-50 us on these VMs; figures.md, row progress; ``bench/transfer.py`` prints it).  Every call kvpool makes into
+the agent holds one lock.
 
 Fences: a READ that passes its deadline is not released.  NIXL's ``releaseXferReq`` on a handle still in
 progress asks the backend to cancel it; the UCX backend cancels its UCX requests (``ucp_request_cancel``) and
