@@ -26,6 +26,7 @@ from rich.console import Console
 
 from kvpool.bench.children import SCRIPT, progress, run_child, stop_process
 from kvpool.bench.limits import REPEAT, cell, proc_cpu_s
+from kvpool.core.net import free_port
 from kvpool.pool.config import MiB
 
 MOONCAKE_MASTER = "127.0.0.1"
@@ -54,12 +55,6 @@ def loopback_namespace() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         flags = struct.unpack("16sH22x", fcntl.ioctl(s, 0x8913, struct.pack("16sH22x", b"lo", 0)))[1]
         fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", flags | 0x1))
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def wait_listening(host: str, port: int, proc: subprocess.Popen[Any], timeout_s: float = 30) -> None:

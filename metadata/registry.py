@@ -63,8 +63,7 @@ class NodeRegistration:
 
     def update(self, record: NodeRecord) -> None:
         """Publish a new version of the record (e.g. segment usage) on the current lease."""
-        if record.node_id != self.node_id:
-            raise ValueError(f"record is for node {record.node_id!r}, this registration is {self.node_id!r}")
+        assert record.node_id == self.node_id, f"record of node {record.node_id!r} on {self.node_id!r}'s registration"
         with self._lock:
             self._record = replace(record, started=self._record.started)
             self.etcd.put(self.namespace.node(self.node_id), encode_node(self._record), lease=self.lease_id)

@@ -185,7 +185,7 @@ def _read(path: str) -> tuple[list[tuple[float, list[tuple[bytes, int]]]], int, 
                         rates.add(entry.rate)
                     elif isinstance(entry, _Lookup):
                         if len(entry.keys) != len(entry.sizes):
-                            raise ValueError(f"{len(entry.keys)} keys but {len(entry.sizes)} sizes")
+                            raise ConfigError(f"{where}: {len(entry.keys)} keys but {len(entry.sizes)} sizes")
                         rows.append(
                             (entry.t, [(bytes.fromhex(k), s) for k, s in zip(entry.keys, entry.sizes, strict=True)])
                         )

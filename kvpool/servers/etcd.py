@@ -27,10 +27,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kvpool.core.net import free_port, free_ports
 from kvpool.errors import ConfigError, MetadataUnavailable
 from kvpool.metadata.config import ETCD_BIN_ENV
 from kvpool.servers.certs import ServerTls
-from kvpool.servers.process import ServerProcess, free_port, free_ports, server_binary
+from kvpool.servers.process import ServerProcess, server_binary
 
 log = logging.getLogger(__name__)
 

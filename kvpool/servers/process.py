@@ -4,14 +4,13 @@ A :class:`ServerProcess` starts its command in a session of its own with the out
 waits until a readiness check passes (or the process exits, or a deadline passes: then the log's tail is in
 the error), and stops it with SIGTERM, then SIGKILL to its whole session after a grace period.  Stopping
 also runs at garbage collection and interpreter exit, so a server never outlives the process that started
-it.  Ports come from :func:`free_ports`.
+it.  Ports come from :func:`kvpool.core.net.free_ports`.
 """
 
 import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -38,19 +37,6 @@ def server_binary(name: str, env: str, candidates: Iterable[str | Path], install
         if os.access(path, os.X_OK):
             return str(path)
     raise SetupError(f"no executable {name} binary: {install}, or set {env}")
-
-
-def free_ports(host: str, n: int) -> list[int]:
-    """``n`` distinct ports free on ``host`` now (all bound at once, so they differ)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
-        for s in socks:
-            s.bind((host, 0))
-        return [int(s.getsockname()[1]) for s in socks]
-
-
-def free_port(host: str) -> int:
-    return free_ports(host, 1)[0]
 
 
 def log_tail(path: Path, lines: int = 8) -> str:

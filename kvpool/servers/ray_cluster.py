@@ -28,8 +28,9 @@ from msgspec import Meta
 
 from kvpool import ray_auth
 from kvpool.core.config import Positive, checked
+from kvpool.core.net import free_port
 from kvpool.errors import KvPoolError
-from kvpool.servers.process import ServerProcess, free_port
+from kvpool.servers.process import ServerProcess
 
 log = logging.getLogger(__name__)
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}

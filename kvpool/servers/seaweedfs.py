@@ -35,8 +35,9 @@ import botocore.exceptions
 from botocore import UNSIGNED
 
 from kvpool.core.config import Positive, Rule, checked, obey
+from kvpool.core.net import free_ports
 from kvpool.errors import RemoteUnavailable
-from kvpool.servers.process import ServerProcess, free_ports, server_binary
+from kvpool.servers.process import ServerProcess, server_binary
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from kvpool.servers.process import free_port
+from kvpool.core.net import free_port
 
 TORCHVISION = Path(sys.prefix) / "sglang-torchvision"  #: where the Makefile puts torchvision (see above)
 _ops: object = None  #: the op schemas, kept alive for the process

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import ray
 
+from kvpool.core.net import free_port
 from kvpool.pool.config import MiB
-from kvpool.servers.etcd import free_port
 from kvpool.servers.ray_cluster import RAY_ENV
 
 

@@ -80,7 +80,7 @@ def test_the_installed_script_explains_itself() -> None:
 
 def test_etcd_command_serves_until_terminated(tmp_path: Path) -> None:
     """``kvpool etcd`` (the head node's metadata server in cluster.yaml) serves, and SIGTERM stops etcd too."""
-    from kvpool.servers.etcd import free_port
+    from kvpool.core.net import free_port
 
     port, peer = free_port("127.0.0.2"), free_port("127.0.0.2")
     proc = subprocess.Popen(

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from http_asks import health
 
+from kvpool.core.net import free_port
 from kvpool.errors import KvPoolError, WorkerUnavailable
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
@@ -30,7 +31,7 @@ from kvpool.metadata.namespace import Namespace
 from kvpool.prefill_decode.reference.demo import demo_prompt
 from kvpool.prefill_decode.reference.model import converted_smollm2
 from kvpool.prefill_decode.sglang.config import StorageConfig
-from kvpool.servers.process import ServerProcess, free_port
+from kvpool.servers.process import ServerProcess
 
 HOST = "127.0.0.2"  #: the first node of ``kvpool up``'s local cluster, where the servers run
 CHUNK = 256  #: the connector's default chunk size

@@ -34,8 +34,8 @@ from pathlib import Path
 import psutil
 import yaml
 
+from kvpool.core.net import free_port
 from kvpool.metadata.config import MetadataConfig
-from kvpool.servers.etcd import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 HEAD, WORKER = "127.0.0.20", "127.0.0.21"

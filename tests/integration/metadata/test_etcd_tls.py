@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.core.net import free_ports
 from kvpool.core.types import Placement, Tier
 from kvpool.errors import ConfigError, MetadataUnavailable
 from kvpool.metadata.cache import MetadataCache
@@ -23,7 +24,6 @@ from kvpool.metadata.placement import PlacementStore
 from kvpool.metadata.tls import speaks_tls
 from kvpool.servers import certs
 from kvpool.servers.etcd import EmbeddedEtcd
-from kvpool.servers.process import free_ports
 
 
 @pytest.fixture(scope="module")

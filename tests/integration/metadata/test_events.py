@@ -15,6 +15,7 @@ import zmq
 from engine_needed import vllm_module
 
 from kvpool.core.keys import CacheIdentity, chunk_keys
+from kvpool.core.net import free_port
 from kvpool.core.types import Placement, Tier
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import MetadataConfig
@@ -23,7 +24,6 @@ from kvpool.metadata.identities import fingerprint
 from kvpool.metadata.namespace import Namespace
 from kvpool.metadata.placement import PlacementStore
 from kvpool.metadata.zmq_events import ZmqPublisher, vllm_batch
-from kvpool.servers.etcd import free_port
 
 IDENTITY = CacheIdentity(model="events", kv_dtype="u8", layout="b", chunk_size=1)
 KEYS, FP = chunk_keys(IDENTITY, range(6)), fingerprint(IDENTITY)

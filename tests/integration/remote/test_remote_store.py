@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 from msgspec.structs import replace
 
+from kvpool.core.net import free_ports
 from kvpool.errors import ChunkNotFound, ConfigError, RemoteUnavailable, SetupError
 from kvpool.pool.tiers import s3 as remote
 from kvpool.pool.tiers.s3 import RemoteStore
 from kvpool.pool.tiers.s3_config import RemoteConfig
-from kvpool.servers.seaweedfs import WEED_BIN_ENV, SeaweedServer, free_ports, weed_binary
+from kvpool.servers.seaweedfs import WEED_BIN_ENV, SeaweedServer, weed_binary
 
 MiB = 1 << 20
 

@@ -24,13 +24,14 @@ import torch
 from http_asks import health
 from sglang_needed import sglang_module
 
+from kvpool.core.net import free_port
 from kvpool.errors import WorkerUnavailable
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.client import EtcdClient
 from kvpool.metadata.config import ENDPOINTS_ENV
 from kvpool.metadata.namespace import Namespace
 from kvpool.pool.config import PoolConfig
-from kvpool.servers.process import ServerProcess, free_port
+from kvpool.servers.process import ServerProcess
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
