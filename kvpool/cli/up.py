@@ -1,6 +1,7 @@
 """``kvpool up``: a whole local pool (``kvpool.stack``), checked with a put and a get, the prefill/decode demo
 on it, its status; then it leaves, holds until Ctrl-C, or serves HTTP."""
 
+import shlex
 from contextlib import ExitStack, closing
 from typing import TYPE_CHECKING
 
@@ -69,6 +70,20 @@ def demo_lines(run: "DemoRun") -> list[str]:
     return lines
 
 
+def shell_exports(ray_address: str, mode: str, token_path: str, metadata: "MetadataConfig") -> str:
+    """The ``export`` line another shell runs to reach this pool: Ray's address, its authentication mode and token
+    file, etcd's endpoints.  With it, kvpool's commands and engines attach, and so does a user's own script with a
+    plain ``ray.init()`` and ``MetadataConfig.from_env()`` (the README's "Using the pool"; an etcd on TLS needs its
+    certificates too, which ``_hold`` says)."""
+    from kvpool.metadata.config import ENDPOINTS_ENV
+
+    env = {"RAY_ADDRESS": ray_address, ray_auth.MODE_ENV: mode}
+    if token_path:
+        env[ray_auth.TOKEN_PATH_ENV] = token_path
+    env[ENDPOINTS_ENV] = ",".join(metadata.endpoints)
+    return "export " + " ".join(f"{name}={shlex.quote(value)}" for name, value in env.items())
+
+
 def _hold(pool: PoolConfig) -> None:
     """Say how to reach the pool (kvpool status, vLLM, SGLang), then wait for Ctrl-C."""
     import ray
@@ -78,12 +93,11 @@ def _hold(pool: PoolConfig) -> None:
         root.console.print(f"etcd is TLS only: export {options.TLS_DIR_ENV}=<the --etcd-tls directory> in that shell")
     node_ip = min(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
     ray_address = ray.get_runtime_context().gcs_address
-    token = ray_auth.find_token() if ray_auth.current_mode() == "token" else None
+    mode = ray_auth.current_mode()
+    token = ray_auth.find_token() if mode == "token" else None
     token_path = str(token.path) if token is not None and token.path is not None else ""
-    if token_path:  # what kvpool put/get/down and engines attach with
-        root.console.print(
-            f"Ray asks for its token: export {ray_auth.TOKEN_PATH_ENV}={token_path} in that shell", soft_wrap=True
-        )
+    exports = shell_exports(ray_address, mode, token_path, pool.metadata)
+    root.console.print(f"In another shell, first: {exports}", soft_wrap=True, markup=False)
     root.console.print(f"pool up. In another shell: kvpool status {where}")
     args = f"{where} --namespace {pool.namespace} --ray-address {ray_address} --node-ip {node_ip}"
     root.console.print(f"vLLM on it: {serve_line(args)}", soft_wrap=True, markup=False)

@@ -1,12 +1,15 @@
 """The command line's tables, rendered in-process from constructed data: ``ls``, ``bench``, and ``up``'s check and demo."""
 
+import shlex
+
 from rich.console import Console
 
 from kvpool.bench.cluster import Results
 from kvpool.cli.bench import render_bench
 from kvpool.cli.chunks import chunks_table
-from kvpool.cli.up import check_line, demo_lines, demo_table
+from kvpool.cli.up import check_line, demo_lines, demo_table, shell_exports
 from kvpool.core.types import Placement, Tier
+from kvpool.metadata.config import MetadataConfig
 from kvpool.prefill_decode.reference.demo import DemoRun
 from kvpool.prefill_decode.reference.service import Completion
 from kvpool.prefill_decode.reference.workers import DecodeResult, PrefillResult, PrefillSummary
@@ -98,3 +101,18 @@ def test_up_demo_and_check() -> None:
     assert text(check_line(check)).strip() == (
         "check     put 16 MiB in 50 ms, prefix lookup 16/16 chunks, got 16 MiB back in 20 ms: verified"
     )
+
+
+def test_up_hold_s_export_line_sets_what_a_user_s_ray_init_and_from_env_read() -> None:
+    """What another shell runs first: Ray's address, its mode and token file (a path with a space stays one word),
+    etcd's endpoints; no token path where the cluster runs without authentication."""
+    metadata = MetadataConfig(endpoints=("127.0.0.1:2379", "127.0.0.1:2381"))
+    line = shell_exports("127.0.0.2:6379", "token", "/tmp/kvpool ray/auth_token", metadata)
+    words = shlex.split(line)
+    assert words[0] == "export" and dict(w.split("=", 1) for w in words[1:]) == {
+        "RAY_ADDRESS": "127.0.0.2:6379",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": "/tmp/kvpool ray/auth_token",
+        "KVPOOL_ETCD_ENDPOINTS": "127.0.0.1:2379,127.0.0.1:2381",
+    }
+    assert "RAY_AUTH_TOKEN_PATH" not in shell_exports("127.0.0.2:6379", "disabled", "", metadata)

@@ -42,11 +42,11 @@ VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nob
 
 
 class Held:
-    """What ``kvpool up --hold`` printed: the token export, the vLLM and SGLang server lines, the pool's etcd and
-    cluster."""
+    """What ``kvpool up --hold`` printed: the export line for another shell, the vLLM and SGLang server lines, the
+    pool's etcd and cluster."""
 
     def __init__(self, log: str) -> None:
-        self.token_export = _line(log, "Ray asks for its token: ").removesuffix(" in that shell")
+        self.exports = _line(log, "In another shell, first: ")
         self.server_line = _line(log, "vLLM on it: ")
         self.sglang_line = _line(log, "SGLang on it: ")
         where = _line(log, "In another shell: kvpool status ")
@@ -86,7 +86,7 @@ def serve(held: Held, model: Path, log: Path) -> tuple[ServerProcess, str]:
         " --no-enable-prefix-caching"
     )
     env = {k: v for k, v in os.environ.items() if k not in (ENDPOINTS_ENV, "RAY_ADDRESS")} | VLLM_CPU_ENV
-    server = ServerProcess("vLLM's OpenAI server", ["bash", "-c", f"{held.token_export}; {line} {extra}"], log, env=env)
+    server = ServerProcess("vLLM's OpenAI server", ["bash", "-c", f"{held.exports}; {line} {extra}"], log, env=env)
     url = f"http://{HOST}:{port}"
     server.start(lambda: health(url), 600, WorkerUnavailable, poll_s=1.0)
     return server, url
@@ -170,7 +170,7 @@ def test_the_sglang_line_carries_the_flags_sglang_config_prints(held: Held) -> N
     kvpool = str(Path(sys.executable).with_name("kvpool"))
     env = {k: v for k, v in os.environ.items() if k not in (ENDPOINTS_ENV, "RAY_ADDRESS")} | {"COLUMNS": "400"}
     printed = subprocess.run(
-        ["bash", "-c", f"{held.token_export}; {shlex.join([kvpool, 'sglang-config', *vllm_args])}"],
+        ["bash", "-c", f"{held.exports}; {shlex.join([kvpool, 'sglang-config', *vllm_args])}"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -180,4 +180,28 @@ def test_the_sglang_line_carries_the_flags_sglang_config_prints(held: Held) -> N
     assert words[5:] == shlex.split(printed.stdout)
     extra = StorageConfig.from_extra(json.loads(words[9]))
     assert (extra.etcd, extra.cluster) == ((held.etcd,), held.cluster)
-    assert extra.ray_token_path == held.token_export.split("=", 1)[1] and extra.node_ip == HOST
+    assert f"RAY_AUTH_TOKEN_PATH={extra.ray_token_path} " in held.exports and extra.node_ip == HOST
+
+
+def readme_block(heading: str) -> str:
+    """The first Python block of the README's section ``heading``."""
+    readme = (Path(__file__).parents[3] / "README.md").read_text()
+    section = readme.split(f"\n{heading}\n", 1)[1]
+    return section.split("```python\n", 1)[1].split("\n```", 1)[0]
+
+
+def test_the_readme_s_python_example_attaches_with_the_printed_line_alone(held: Held, tmp_path: Path) -> None:
+    """The README's "Using the pool" block as a user's script, in a fresh shell whose environment is what any shell
+    has (PATH, HOME) and the export line ``kvpool up --hold`` printed: nothing of this test's Ray or etcd."""
+    script = tmp_path / "user.py"
+    script.write_text(readme_block("## Using the pool"))
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ["HOME"]}
+    for _ in range(2):  # the second run finds the chunks held and reads them back
+        ran = subprocess.run(
+            ["bash", "-c", f"{held.exports}; exec {shlex.quote(sys.executable)} {shlex.quote(str(script))}"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert ran.returncode == 0, ran.stderr[-4000:]
