@@ -14,8 +14,9 @@ wall time of a 1-token generation (= TTFT):
 - kvpool, P/D: a producer engine on the other node prefills, engine B answers from that node's DRAM (one-sided):
   its first such request, and the median of the later ones;
 - model families beyond one full-attention group (tiny random-weight models, ``--families``): a sliding-window hybrid
-  (Gemma3) and MLA (DeepSeek-V2), each cold + save in one engine and from the pool in a fresh one, beside the
-  first engine's own prefix hit where vLLM's CPU engine has one (not for MLA);
+  (Gemma3) and MLA (DeepSeek-V2 on each CPU MLA backend: CPU_MLA, float32; AMX_MLA, bf16, where the CPU has AMX,
+  else a row says why not), each cold + save in one engine and from the pool in a fresh one, beside the first
+  engine's own prefix hit where vLLM keeps its prefix cache on (not under CPU_MLA);
 - vLLM OffloadingConnector (CPU) and SimpleCPUOffloadConnector: the prompt again after ``reset_prefix_cache``,
   served from their CPU store; ExampleConnector: the same from its disk files — each where it runs on this
   platform, else the reason it does not.
@@ -48,6 +49,7 @@ from kvpool.errors import WorkerUnavailable
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
+from kvpool.prefill_decode.vllm.cpu_backends import MLA_BACKENDS, unavailable
 from kvpool.prefill_decode.vllm.engine import EngineProcess
 from kvpool.prefill_decode.vllm.front import engine_keys, wait_saved
 from kvpool.servers.etcd import EmbeddedEtcd
@@ -158,15 +160,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         finally:
             stop_pool(pool)
 
-    return {
-        "model": args.model,
-        "tokens": tokens,
-        "chunk_size": args.chunk_size,
-        "kv_bytes": kv_bytes,
-        "repeat": args.repeat,
-        "limits": limits,
-        "rows": cases.rows,
-    }
+    run = {"model": args.model, "tokens": tokens, "chunk_size": args.chunk_size, "kv_bytes": kv_bytes}
+    return {**run, "repeat": args.repeat, "limits": limits, "rows": cases.rows}
 
 
 def plain_cases(settings: dict[str, Any], work: Path, cases: Cases) -> None:
@@ -246,27 +241,41 @@ def nvme_cases(engine: EngineProcess, pool: PoolConfig, node: str, cases: Cases)
             cases.add(name + ", request's prefetch hint", seconds, cached, note=note)
 
 
+def family_variants(name: str) -> list[tuple[str, dict[str, Any], bool, str]]:
+    """How family ``name`` runs: per variant its rows' label, its engine settings, whether vLLM keeps its own prefix
+    cache on, and why this host cannot run it ("": it can).  MLA runs once per CPU MLA backend (CPU_MLA, and AMX_MLA
+    where the CPU has AMX: :mod:`~kvpool.prefill_decode.vllm.cpu_backends`)."""
+    if not name.endswith("-mla"):
+        return [(name, {}, True, "")]
+    return [(f"{name} ({b.name}, {b.dtype})", b.settings(), b.prefix_caching, unavailable(b)) for b in MLA_BACKENDS]
+
+
 def family_cases(families: list[str], extra: dict[str, Any], work: Path, cases: Cases) -> None:
-    """Each family's tiny model: engine A computes and saves (then answers again from its own prefix cache), a fresh
-    engine B answers from the pool.  Their prompts are as long as the run's, within the tiny models' context."""
+    """Each family's tiny model (each MLA backend this host runs): engine A computes and saves (then answers again
+    from its own prefix cache), a fresh engine B answers from the pool.  Their prompts are as long as the run's,
+    within the tiny models' context."""
     from kvpool.prefill_decode.reference.tiny_models import COMMON, save_tiny
 
     tokens = min(cases.tokens, COMMON["max_position_embeddings"] - 8)
     for name in families:
-        settings = {"model": str(save_tiny(name, work)), "max_model_len": tokens + 8}
-        connector = {**extra, "node_ip": "127.0.0.2", "model_id": f"bench-{name}"}
-        prompts = cases.fresh(tokens)
-        with EngineProcess({**settings, "connector": connector}, work / f"{name}-a.log") as a:
-            ttft(a, [prompt(995, 64)])
-            cases.add(f"{name}: cold + save (kv_both)", *ttft(a, prompts))
-            if name.endswith("-mla"):  # vLLM's CPU engine turns its prefix cache off for MLA
-                cases.add(f"{name}: vLLM prefix-cache hit", None, note="vLLM's CPU engine has no prefix cache for MLA")
-            else:
-                cases.add(f"{name}: vLLM prefix-cache hit", *ttft(a, prompts))
-            wait_saved(a, len(prompts) * (tokens // extra["chunk_size"]) * extra["chunk_size"])
-        with EngineProcess({**settings, "connector": connector}, work / f"{name}-b.log") as b:
-            ttft(b, [prompt(994, 64)])
-            cases.add(f"{name}: restart, same node", *from_pool(b, prompts))
+        model = str(save_tiny(name, work))
+        for label, backend, own_cache, why_not in family_variants(name):
+            if why_not:
+                cases.add(f"{label}: not run", None, note=why_not)
+                continue
+            settings = {"model": model, "max_model_len": tokens + 8, **backend}
+            connector = {**extra, "node_ip": "127.0.0.2", "model_id": f"bench-{label}"}
+            prompts = cases.fresh(tokens)
+            log = work / f"{name}-{backend.get('attention_backend', 'auto')}"
+            with EngineProcess({**settings, "connector": connector}, log.with_suffix(".a.log")) as a:
+                ttft(a, [prompt(995, 64)])
+                cases.add(f"{label}: cold + save (kv_both)", *ttft(a, prompts))
+                hit = ttft(a, prompts) if own_cache else (None, 0, "vLLM turns its prefix cache off here")
+                cases.add(f"{label}: vLLM prefix-cache hit", *hit)
+                wait_saved(a, len(prompts) * (tokens // extra["chunk_size"]) * extra["chunk_size"])
+            with EngineProcess({**settings, "connector": connector}, log.with_suffix(".b.log")) as b:
+                ttft(b, [prompt(994, 64)])
+                cases.add(f"{label}: restart, same node", *from_pool(b, prompts))
 
 
 def vllm_cases(settings: dict[str, Any], connectors: dict[str, dict[str, Any]], work: Path, cases: Cases) -> None:
@@ -335,21 +344,17 @@ def show(result: dict[str, Any]) -> None:
             str(r["cached_tokens"]),
             r["note"],
         )
-    table.add_row(
-        "limit: move the KV at memcpy speed",
-        f"{floor * 1e3:.0f} ms",
-        "",
-        "",
-        "",
-        f"{result['kv_bytes'] / MiB:.0f} MiB at {result['limits']['memcpy_gbps']:.1f} GB/s (+ one step: the prefix hit)",
+    note = (
+        f"{result['kv_bytes'] / MiB:.0f} MiB at {result['limits']['memcpy_gbps']:.1f} GB/s (+ one step: the prefix hit)"
     )
+    table.add_row("limit: move the KV at memcpy speed", f"{floor * 1e3:.0f} ms", "", "", "", note)
     console.print(table)
 
 
 def _model(row: dict[str, Any]) -> str:
-    """The family a row belongs to ('' for the run's main model)."""
+    """The family (and backend) a row belongs to ('' for the run's main model)."""
     head = row["case"].split(":", 1)[0]
-    return head if head in FAMILY_NAMES else ""
+    return head if head.split(" (", 1)[0] in FAMILY_NAMES else ""
 
 
 def families(text: str) -> list[str]:

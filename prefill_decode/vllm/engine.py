@@ -16,6 +16,8 @@ each JSON line on stdin with a line ``RESULT <json>``:
 
 Settings: ``model`` (a directory), ``connector`` (kvpool's ``kv_connector_extra_config``; with ``role``) or
 ``kv_transfer`` (any vLLM ``KVTransferConfig``, e.g. vLLM's own connectors), ``max_model_len``, ``block_size``,
+``dtype`` (default float32), ``attention_backend`` (a vLLM backend name, e.g. ``CPU_MLA``; default: vLLM picks, see
+:mod:`~kvpool.prefill_decode.vllm.cpu_backends`),
 ``prefix_caching`` (false: vLLM's own prefix cache off, as Mamba hybrids need on CPU),
 ``kv_events`` (``{"endpoint", "topic"}``: vLLM publishes its prefix cache's block events there, see
 :mod:`~kvpool.prefill_decode.routing.engine_router`).
@@ -61,6 +63,8 @@ def start_engine(settings: dict[str, Any]) -> Any:
         kw["kv_transfer_config"] = KVTransferConfig(**settings["kv_transfer"])
     if settings.get("prefix_caching") is False:
         kw["enable_prefix_caching"] = False
+    if settings.get("attention_backend"):
+        kw["attention_backend"] = settings["attention_backend"]
     if settings.get("kv_events"):  # vLLM publishes its prefix cache's blocks there (what a router tracks)
         from vllm.config import KVEventsConfig
 
@@ -71,7 +75,7 @@ def start_engine(settings: dict[str, Any]) -> Any:
     return LLM(
         model=settings["model"],
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=settings.get("dtype", "float32"),
         block_size=settings.get("block_size", 32),
         max_model_len=settings.get("max_model_len", 4096),
         enforce_eager=True,

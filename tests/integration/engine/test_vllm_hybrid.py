@@ -18,6 +18,7 @@ from kvpool.pool.protocol import actor_name
 from kvpool.pool.segment import DramSegment
 from kvpool.prefill_decode.reference.tiny_models import FAMILIES, save_tiny
 from kvpool.prefill_decode.vllm.config import ConnectorConfig
+from kvpool.prefill_decode.vllm.cpu_backends import MLA_BACKENDS, MlaBackend, unavailable
 from kvpool.prefill_decode.vllm.engine import EngineProcess
 from kvpool.prefill_decode.vllm.groups import KvGroups, PoolLayer
 from kvpool.prefill_decode.vllm.scheduler import KvPoolMetadata, Transfer
@@ -85,15 +86,21 @@ def test_worker_side_moves_each_group_s_blocks_and_one_rank_writes_replicated_kv
 
 
 def from_the_pool(
-    pool: PoolConfig, model: str, name: str, logs: Path, then: Callable[[EngineProcess], None] | None = None
+    pool: PoolConfig,
+    model: str,
+    name: str,
+    logs: Path,
+    then: Callable[[EngineProcess], None] | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> tuple[tuple[dict[str, Any], dict[str, Any]], dict[str, Any], dict[str, float], dict[str, Any]]:
     """The answers of an engine with the connector that computes and saves P (the pool empty: the recomputed
     answer) and then answers ONE (which shares P's first chunk only; the engine's own prefix cache serves that
     chunk); its answer to P with its own prefix cache emptied, from the pool, and what the connector counted for it;
-    its connector state (before ``then(engine)``, if given, runs).  (An engine without the connector answers as it
-    does: test_vllm_connector.py checks that against transformers, the Mamba hybrid below here; a fresh engine in
-    another process takes its prompt from the pool as this one does: test_vllm_connector.py.)"""
-    settings = {"model": model, "connector": extra_config(pool, model_id=name)}
+    its connector state (before ``then(engine)``, if given, runs).  ``settings``: the engine's beyond its model and
+    connector.  (An engine without the connector answers as it does: test_vllm_connector.py checks that against
+    transformers, the Mamba hybrid below here; a fresh engine in another process takes its prompt from the pool as
+    this one does: test_vllm_connector.py.)"""
+    settings = {"model": model, "connector": extra_config(pool, model_id=name), **(settings or {})}
     with engine(settings, logs / f"{name}.log") as e:
         [computed] = e.generate([P])
         [other] = e.generate([ONE])
@@ -104,18 +111,67 @@ def from_the_pool(
     return (computed, other), loaded, moved, state
 
 
+def beside_its_own_cache(
+    pool: PoolConfig, model: str, name: str, logs: Path, settings: dict[str, Any]
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, float]], dict[str, Any]]:
+    """An engine that keeps vLLM's own prefix cache on answers T (two chunks and 20 tokens: its own cache holds the
+    same 512 tokens as the pool) cold (``cold``, saving both chunks), again from its own cache (``own``), from the
+    pool alone, its own cache emptied (``pool``), and from both (``both``): its own cache holding the first chunk
+    (left there by ONE, which took it from the pool), the pool's second chunk loaded from token 256 on.  Its answers,
+    what the connector counted for ``pool`` and ``both``, and its connector state.  ``own``, ``pool`` and ``both``
+    compute the same 20 tokens over the same 512 cached ones: the same answer, whatever the dtype rounds."""
+    t = P[: 2 * CHUNK + 20]
+    with engine(
+        {"model": model, "connector": extra_config(pool, model_id=name), **settings}, logs / f"{name}.log"
+    ) as e:
+        [cold] = e.generate([t])
+        [own] = e.generate([t])
+        from_pool, moved = reloaded(e, t, 2 * CHUNK)
+        e.generate([ONE], reset=True)
+        before = e.ask(connector=True)["totals"]
+        [both] = e.generate([t])
+        after = e.ask(connector=True)["totals"]
+        state = e.ask(connector=True)
+    answers = {"cold": cold, "own": own, "pool": from_pool, "both": both}
+    return answers, {"pool": moved, "both": {k: v - before.get(k, 0) for k, v in after.items()}}, state
+
+
+#: vLLM's CPU MLA backends; one this host cannot run is skipped, saying why
+MLA = [
+    pytest.param(b, id=b.name, marks=pytest.mark.skipif(bool(unavailable(b)), reason=unavailable(b)))
+    for b in MLA_BACKENDS
+]
+
+
+@pytest.mark.parametrize("backend", MLA)
 def test_mla_stores_one_copy_for_every_rank_and_takes_its_prompt_from_the_pool(
-    engine_pool: PoolConfig, models: dict[str, str], tmp_path: Path
+    backend: MlaBackend, engine_pool: PoolConfig, models: dict[str, str], tmp_path: Path
 ) -> None:
-    """DeepSeek-V2's latent KV (CPU_MLA: ``[blocks, 16, 576]``; vLLM turns its own prefix cache and chunked prefill
-    off for MLA on CPU, and still loads the connector's tokens) is keyed with no TP rank: one copy for all."""
-    (computed, _), loaded, moved, state = from_the_pool(engine_pool, models["deepseek-v2-mla"], "dsv2", tmp_path)
-    assert computed["cached"] == 0
-    assert loaded["cached"] == 2 * CHUNK and loaded["tokens"] == computed["tokens"]
-    assert moved["loaded_tokens"] == 2 * CHUNK and moved["load_errors"] == 0
+    """DeepSeek-V2's latent KV (``[blocks, block size, 576]``) is keyed with no TP rank: one copy for all.  CPU_MLA
+    (float32, block 16): vLLM turns its own prefix cache and chunked prefill off, and still loads the connector's
+    tokens; the answer from the pool is the one computed.  AMX_MLA (bf16, block 32): vLLM keeps both on, so the pool
+    serves a prompt alone or after vLLM's own hit, loading from mid-prompt; each answer is the one vLLM's own prefix
+    cache gives (bf16 rounds a 532-token prefill otherwise than 20 tokens over a cached 512)."""
+    model = models["deepseek-v2-mla"]
+    if not backend.prefix_caching:
+        (computed, _), loaded, moved, state = from_the_pool(
+            engine_pool, model, "dsv2", tmp_path, None, backend.settings()
+        )
+        assert computed["cached"] == 0
+        assert loaded["cached"] == 2 * CHUNK and loaded["tokens"] == computed["tokens"]
+        assert moved["loaded_tokens"] == 2 * CHUNK and moved["load_errors"] == 0
+    else:
+        answers, moved, state = beside_its_own_cache(engine_pool, model, "dsv2", tmp_path, backend.settings())
+        assert answers["cold"]["cached"] == 0 and all(
+            answers[k]["cached"] == 2 * CHUNK for k in ("own", "pool", "both")
+        )
+        assert answers["pool"]["tokens"] == answers["own"]["tokens"] == answers["both"]["tokens"]
+        assert moved["pool"]["loaded_tokens"] == 2 * CHUNK and moved["both"]["loaded_tokens"] == CHUNK
+        assert moved["pool"]["load_errors"] == moved["both"]["load_errors"] == 0
     identity = state["identity"]
-    assert (identity["tp_size"], identity["tp_rank"]) == (1, 0)
-    assert "MLAAttentionSpec:kv_heads=1:head_size=576:block=16" in identity["layout"]
+    assert (identity["tp_size"], identity["tp_rank"], identity["kv_dtype"]) == (1, 0, backend.dtype)
+    assert f":{backend.name}:" in identity["layout"]
+    assert f"MLAAttentionSpec:kv_heads=1:head_size=576:block={backend.block_size}" in identity["layout"]
 
 
 def test_a_sliding_window_hybrid_takes_its_prompt_from_the_pool(
