@@ -169,18 +169,19 @@ def test_the_sglang_line_carries_the_flags_sglang_config_prints(held: Held) -> N
     vllm_args = shlex.split(held.server_line.split("vllm-config ", 1)[1].removesuffix(')"'))
     kvpool = str(Path(sys.executable).with_name("kvpool"))
     env = {k: v for k, v in os.environ.items() if k not in (ENDPOINTS_ENV, "RAY_ADDRESS")} | {"COLUMNS": "400"}
-    printed = subprocess.run(
-        ["bash", "-c", f"{held.exports}; {shlex.join([kvpool, 'sglang-config', *vllm_args])}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    printed = after_exports(held, shlex.join([kvpool, "sglang-config", *vllm_args]), env)
     assert printed.returncode == 0, printed.stderr
     assert words[5:] == shlex.split(printed.stdout)
     extra = StorageConfig.from_extra(json.loads(words[9]))
     assert (extra.etcd, extra.cluster) == ((held.etcd,), held.cluster)
     assert f"RAY_AUTH_TOKEN_PATH={extra.ray_token_path} " in held.exports and extra.node_ip == HOST
+
+
+def after_exports(held: Held, command: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``command`` run in a shell with environment ``env`` after the export line ``held`` printed."""
+    return subprocess.run(
+        ["bash", "-c", f"{held.exports}; {command}"], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 def readme_block(heading: str) -> str:
@@ -197,11 +198,5 @@ def test_the_readme_s_python_example_attaches_with_the_printed_line_alone(held: 
     script.write_text(readme_block("## Using the pool"))
     env = {"PATH": os.environ["PATH"], "HOME": os.environ["HOME"]}
     for _ in range(2):  # the second run finds the chunks held and reads them back
-        ran = subprocess.run(
-            ["bash", "-c", f"{held.exports}; exec {shlex.quote(sys.executable)} {shlex.quote(str(script))}"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-        )
+        ran = after_exports(held, shlex.join([sys.executable, str(script)]), env)
         assert ran.returncode == 0, ran.stderr[-4000:]
