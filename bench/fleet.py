@@ -7,9 +7,13 @@ what the paper reports:
 
 - hit rate against the pool's total capacity (1e4..1e9 tokens), exact replay and `kvpool advise`'s miss-ratio curve
   of the same replay's access logs;
-- 16 nodes x 3M tokens: local caches behind a prefix-aware (cache-aware) scheduler against kvpool's global pool,
-  then with NVMe and S3 below DRAM; the prefill GPU time saved; the NVMe below a smaller DRAM (500k tokens a node) at
-  which each trace reaches 95 % of its infinite-cache hit rate;
+- the paper's Figure 10 setup, 10 nodes x 3M tokens: local caches behind the prefix-following (cache-aware)
+  scheduler against kvpool's global pool, and one 3M-token cache alone (what the paper's local bars are about),
+  beside the paper's figures: the global pool's hit rate against the paper's and the infinite cache's, prefill time
+  global / local against the paper's;
+- the fleet run (16 nodes x 3M tokens, not the paper's setup): local caches under each scheduler against the global
+  pool, then with NVMe and S3 below DRAM; the prefill GPU time saved; the NVMe below a smaller DRAM (500k tokens a
+  node) at which each trace reaches 95 % of its infinite-cache hit rate;
 - cost as the fleet grows (16 / 128 / 1,024 nodes): placements published, watch events, etcd bandwidth and store,
   bytes per link kind (bench/fleet_cost.py).
 
@@ -60,20 +64,30 @@ class Runner:
 
 
 def paper_rows(run: Runner, name: str, requests: Sequence[Request], base: FleetSettings) -> list[dict[str, Any]]:
-    """The paper's configuration (``base``: 16 x 3M tokens): local caches under each policy, the global pool, then
-    with NVMe (``base.nvme_tokens``, or 4x DRAM) and S3 below DRAM."""
+    """The paper's Figure 10 setup (10 nodes x 3M tokens: local caches under the prefix-following scheduler, and the
+    global pool) and one of its 3M-token caches alone; then the fleet run (``base``, 16 x 3M tokens): local caches
+    under each policy, the global pool, then with NVMe (``base.nvme_tokens``, or 4x DRAM) and S3 below DRAM."""
+    dram = replace(base, nvme_tokens=0, s3=False)
+    paper = replace(dram, nodes=fleet_report.PAPER_NODES, dram_tokens=fleet_report.PAPER_NODE_TOKENS)
     nvme = base.nvme_tokens or 4 * base.dram_tokens
-    configs = [(f"local, {p}", replace(base, shared=False, nvme_tokens=0, s3=False, policy=p)) for p in POLICIES]
+    fig10, fleet = fleet_report.PAPER_SETUP, "fleet"
+    configs = [
+        (fig10, fleet_report.LOCAL, replace(paper, shared=False, policy="cache-aware")),
+        (fig10, fleet_report.GLOBAL, paper),
+        (fig10, fleet_report.ONE_CACHE, replace(paper, nodes=1, shared=False)),
+    ]
+    configs += [(fleet, f"local, {p}", replace(dram, shared=False, policy=p)) for p in POLICIES]
     configs += [
-        ("kvpool global, DRAM", replace(base, nvme_tokens=0, s3=False)),
-        ("kvpool global, round-robin", replace(base, nvme_tokens=0, s3=False, policy="round-robin")),
-        (f"kvpool global, DRAM + NVMe {nvme / 1e6:g}M", replace(base, nvme_tokens=nvme, s3=False)),
-        (f"kvpool global, DRAM + NVMe {nvme / 1e6:g}M + S3", replace(base, nvme_tokens=nvme, s3=True)),
+        (fleet, fleet_report.GLOBAL, dram),
+        (fleet, "kvpool global, round-robin", replace(dram, policy="round-robin")),
+        (fleet, f"kvpool global, DRAM + NVMe {nvme / 1e6:g}M", replace(base, nvme_tokens=nvme, s3=False)),
+        (fleet, f"kvpool global, DRAM + NVMe {nvme / 1e6:g}M + S3", replace(base, nvme_tokens=nvme, s3=True)),
     ]
     rows = []
-    for label, settings in configs:
-        r = run.replay(f"{name}: {label}", requests, settings)
-        rows.append({"trace": name, "config": label, **r.summary()})
+    for setup, label, settings in configs:
+        r = run.replay(f"{name}: {settings.nodes} x {settings.dram_tokens / 1e6:g}M, {label}", requests, settings)
+        shape = {"setup": setup, "nodes": settings.nodes, "dram_tokens": settings.dram_tokens}
+        rows.append({"trace": name, "config": label, **shape, **r.summary(), "prefill_s": r.prefill_s})
     return rows
 
 
@@ -148,9 +162,9 @@ def main() -> None:
     ap.add_argument("--traces", default="conversation,synthetic", help="conversation, synthetic or both")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"what to run, of {', '.join(PARTS)}")
     ap.add_argument("--span-s", type=float, default=None, help="replay only the first S seconds of each trace")
-    ap.add_argument("--nodes", type=int, default=16)
+    ap.add_argument("--nodes", type=int, default=16, help="the fleet run's nodes (the paper's setup is 10 x 3M)")
     ap.add_argument("--dram-tokens", type=int, default=3_000_000, help="DRAM per node, in tokens (320 KiB each)")
-    ap.add_argument("--nvme-tokens", type=int, default=0, help="NVMe per node in the paper rows (0: 4x DRAM)")
+    ap.add_argument("--nvme-tokens", type=int, default=0, help="NVMe per node in the fleet run (0: 4x DRAM)")
     ap.add_argument("--policy", default="cache-aware", help="the global pool's routing policy")
     ap.add_argument("--nvme-dram-tokens", type=int, default=500_000, help="DRAM a node in the NVMe search (tokens)")
     ap.add_argument("--flush-after-s", type=float, default=300.0, help="NVMe chunks idle this long go to S3")

@@ -8,17 +8,39 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpool.bench.fleet_cost import MEASURED
+from kvpool.bench.fleet_trace import TRACES
 
 
-#: what the paper reports (the README beside the traces: its Figures 9 and 10)
 @dataclass(frozen=True)
-class Paper:
-    ratio: tuple[float, float] = (2.22, 2.38)  #: global pool's hit rate / local caches' (prefix-aware scheduler)
-    prefill_saved: float = 0.48  #: "prefill GPU time falls by up to 48 %"
-    of_max_at_3m: tuple[float, float] = (0.41, 0.75)  #: a 3M-token cache reaches this part of the maximum
+class PaperTrace:
+    """One trace's figures in the Mooncake FAST'25 paper (the README beside the traces, corrected): Figure 10, 10
+    prefill nodes x 3M tokens, local caches under a prefix-match scheduler against a global pool; Figure 9's label
+    at 3M tokens (one cache)."""
+
+    local_hit: float  #: Fig. 10: hit rate of the local caches
+    global_hit: float  #: Fig. 10: hit rate of the global pool
+    prefill: float  #: Fig. 10: prefill time, global / local
+    of_max_at_3m: float  #: Fig. 9: what one 3M-token cache gets, as a part of the trace's maximum
+
+    @property
+    def ratio(self) -> float:
+        return self.global_hit / self.local_hit
 
 
-PAPER = Paper()
+#: by trace; tool & agent's trace is not shipped (quoted for completeness)
+PAPER = {
+    "conversation": PaperTrace(0.169, 0.375, 0.76, 0.41),
+    "tool & agent": PaperTrace(0.420, 0.581, 0.74, 0.75),
+    "synthetic": PaperTrace(0.264, 0.622, 0.52, 0.46),
+}
+PAPER_NODES = 10  #: Fig. 10's prefill nodes (the paper's 16 nodes are its scheduling experiment's, Sec. 4.2)
+PAPER_NODE_TOKENS = 3_000_000  #: Fig. 10's cache a node (one node's DRAM in their setup)
+PAPER_SETUP = "paper"  #: the ``setup`` of the rows replaying Fig. 10's setup (the others: ``fleet``)
+
+# the configs of the paper part's rows that the report compares
+LOCAL = "local, cache-aware"  #: local caches under the prefix-following scheduler (the paper's local bars)
+GLOBAL = "kvpool global, DRAM"  #: kvpool's global pool, DRAM only
+ONE_CACHE = "one 3M-token cache (1 node)"  #: what a single cache of Fig. 10's size gets (Fig. 9 at 3M)
 
 
 def _pct(x: float) -> str:
@@ -50,14 +72,72 @@ def render(out: dict[str, Any], console: Console) -> None:
 def _paper(out: dict[str, Any], console: Console) -> None:
     if not out["paper"]:
         return
+    t = Table(title="the paper (Mooncake FAST'25): Fig. 10, 10 prefill nodes x 3M tokens; Fig. 9, one 3M-token cache")
+    cols = ("trace", "local caches", "global pool", "global / local", "prefill time global / local", "Fig. 9: of max")
+    for col in cols:
+        t.add_column(col, justify="left" if col == "trace" else "right")
+    for name, p in PAPER.items():
+        t.add_row(
+            name if name in TRACES else f"{name} (trace not shipped)",
+            _pct(p.local_hit),
+            _pct(p.global_hit),
+            f"{p.ratio:.2f}x",
+            f"{p.prefill:.2f}x",
+            f"{100 * p.of_max_at_3m:.0f} %",
+        )
+    console.print(t)
+    _paper_setup(out, console)
+    _fleet_setup(out, console)
+
+
+def _paper_setup(out: dict[str, Any], console: Console) -> None:
+    rows = [r for r in out["paper"] if r.get("setup") == PAPER_SETUP]
+    if not rows:
+        return
     t = Table(
-        title="16 nodes x 3M tokens: local caches against kvpool's global pool (paper: global / local "
-        f"{PAPER.ratio[0]}-{PAPER.ratio[1]}x, prefill time down by up to {PAPER.prefill_saved:.0%})"
+        title=f"the paper's setup replayed: {PAPER_NODES} nodes x {PAPER_NODE_TOKENS / 1e6:g}M tokens (the paper's "
+        "local bars are about what one 3M-token cache gets: what compares is the global pool's hit rate, against the "
+        "paper's and the infinite cache's, and prefill time global / local)"
+    )
+    cols = ("trace", "config", "hit rate", "paper", "vs paper", "of infinite", "x local", "prefill time / local")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("trace", "config") else "right")
+    for row in rows:
+        paper = PAPER[row["trace"]]
+        local = next(r for r in rows if r["trace"] == row["trace"] and r["config"] == LOCAL)
+        quoted = {LOCAL: paper.local_hit, GLOBAL: paper.global_hit, ONE_CACHE: paper.local_hit}[row["config"]]
+        note = f" (local; Fig. 9: {100 * paper.of_max_at_3m:.0f} % of max)" if row["config"] == ONE_CACHE else ""
+        ratio = row["hit_rate"] / local["hit_rate"] if local["hit_rate"] else float("inf")
+        prefill = row["prefill_s"] / local["prefill_s"] if local["prefill_s"] else float("inf")
+        ours = {
+            GLOBAL: (f"{ratio:.2f}x (paper {paper.ratio:.2f}x)", f"{prefill:.2f}x (paper {paper.prefill:.2f}x)"),
+            LOCAL: ("1.00x", "1.00x"),
+        }.get(row["config"], ("-", "-"))
+        t.add_row(
+            row["trace"],
+            row["config"],
+            _pct(row["hit_rate"]),
+            _pct(quoted) + note,
+            f"{100 * (row['hit_rate'] - quoted):+.1f} pt",
+            _pct(row["hit_rate"] / out["ceiling"][row["trace"]]["replayed"]),
+            *ours,
+        )
+    console.print(t)
+
+
+def _fleet_setup(out: dict[str, Any], console: Console) -> None:
+    rows = [r for r in out["paper"] if r.get("setup") != PAPER_SETUP]
+    if not rows:
+        return
+    nodes, tokens = rows[0]["nodes"], rows[0]["dram_tokens"]
+    t = Table(
+        title=f"{nodes} nodes x {tokens / 1e6:g}M tokens (kvpool's fleet run, not the paper's Fig. 10 setup): local "
+        "caches under each scheduler against kvpool's global pool, then NVMe and S3 below DRAM"
     )
     for col in ("trace", "config", "hit rate", "x local cache-aware", "of infinite", "prefill saved", "hits by path"):
         t.add_column(col, justify="left" if col in ("trace", "config", "hits by path") else "right")
-    for row in out["paper"]:
-        local = next(r for r in out["paper"] if r["trace"] == row["trace"] and r["config"] == "local, cache-aware")
+    for row in rows:
+        local = next(r for r in rows if r["trace"] == row["trace"] and r["config"] == LOCAL)
         ratio = row["hit_rate"] / local["hit_rate"] if local["hit_rate"] else float("inf")
         paths = ", ".join(f"{k} {v / row['chunks']:.1%}" for k, v in sorted(row["hits_by_path"].items()))
         inf = out["ceiling"][row["trace"]]["replayed"]
@@ -78,7 +158,7 @@ def _sweep(out: dict[str, Any], console: Console) -> None:
         return
     t = Table(
         title="hit rate against the pool's total DRAM: exact replay and `kvpool advise`'s curve "
-        f"(paper: 3M tokens reach {PAPER.of_max_at_3m[0]:.0%}-{PAPER.of_max_at_3m[1]:.0%} of the maximum)"
+        f"(paper, Fig. 9: one 3M-token cache gets {_of_max_at_3m(out)} of the maximum)"
     )
     rates = list(out["sweep"][0]["advisor"])
     for col in ("trace", "tokens", "exact", *(f"advisor, log {r:g}: - exact" for r in rates)):
@@ -87,6 +167,11 @@ def _sweep(out: dict[str, Any], console: Console) -> None:
         advised = [f"{_pct(a)}: {100 * (a - row['exact']):+.1f} pt" for a in row["advisor"].values()]
         t.add_row(row["trace"], f"{row['tokens']:.3g}", _pct(row["exact"]), *advised)
     console.print(t)
+
+
+def _of_max_at_3m(out: dict[str, Any]) -> str:
+    names = [n for n in PAPER if any(r["trace"] == n for r in out["sweep"])]
+    return " / ".join(f"{100 * PAPER[n].of_max_at_3m:.0f} %" for n in names) + f" ({' / '.join(names)})"
 
 
 def _nvme(out: dict[str, Any], console: Console) -> None:
@@ -175,11 +260,7 @@ def plot(out: dict[str, Any], path: Path) -> None:
     ax.set(xscale="log", xlabel="pool capacity (tokens)", ylabel="hit rate", title="hit rate against capacity")
     if out["sweep"]:
         ax.legend(fontsize=7)
-    rows = out["paper"]
-    if rows:
-        bx.barh([f"{r['trace'][:4]}: {r['config']}" for r in rows], [r["hit_rate"] for r in rows], color="tab:green")
-    bx.set(xlabel="hit rate", title="16 nodes x 3M tokens")
-    bx.tick_params(axis="y", labelsize=6)
+    _plot_paper(bx, out["paper"])
     cost = out.get("cost", [])
     if cost:
         xs = [r["nodes"] for r in cost]
@@ -192,3 +273,19 @@ def plot(out: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_paper(bx: Any, rows: list[dict[str, Any]]) -> None:
+    """The paper part's hit rates as bars; the paper's Fig. 10 figure beside each row of its setup (a black mark)."""
+    if rows:
+        labels = [f"{r['trace'][:4]} {r['nodes']}x: {r['config']}" for r in rows]
+        bx.barh(labels, [r["hit_rate"] for r in rows], color="tab:green")
+        for label, r in zip(labels, rows, strict=True):
+            if r.get("setup") == PAPER_SETUP:
+                p = PAPER[r["trace"]]
+                bx.plot(p.global_hit if r["config"] == GLOBAL else p.local_hit, label, "k|", ms=12)
+    bx.set(
+        xlabel="hit rate (black: the paper's Fig. 10)",
+        title=f"{PAPER_NODES} nodes x 3M (the paper's setup), then the fleet run",
+    )
+    bx.tick_params(axis="y", labelsize=6)

@@ -1,12 +1,14 @@
 """The fleet simulator (bench/fleet*.py): trace keys, the simulated node over the pool's real store, the fleet's
 lookups, routing, tiers and counts, the cost table's arithmetic."""
 
+import io
 import sys
 from collections import Counter
 
 import pytest
+from rich.console import Console
 
-from kvpool.bench import fleet, fleet_cost
+from kvpool.bench import fleet, fleet_cost, fleet_report
 from kvpool.bench.fleet_node import Byteless, SimNode, put, read
 from kvpool.bench.fleet_sim import Fleet, FleetResult, FleetSettings, replay
 from kvpool.bench.fleet_trace import (
@@ -134,6 +136,30 @@ def test_the_cost_row_prices_each_change_by_the_pools_own_encoders() -> None:
     assert row["etcd_write_bytes_s"] == (100 * sizes["placement"] + 50 * sizes["drop"]) / 10
     assert row["link_bytes_s_per_node"] == {"read DRAM (peer)": 50.0}
     assert row["etcd_cpu_cores"][0] == 20 * 4 * fleet_cost.MEASURED.etcd_us_per_event_per_watch[0] / 1e6
+
+
+def test_the_paper_part_replays_figure_10s_setup_beside_the_fleet_run_and_quotes_the_paper_exactly() -> None:
+    reqs = [request(0.0, (1, 2, 3)), request(1.0, (1, 2, 3, 4)), request(2.0, (1, 2, 3, 4, 5))]
+    printed = io.StringIO()
+    console = Console(file=printed, width=400)
+    rows = fleet.paper_rows(fleet.Runner(console), "conversation", reqs, settings())
+    fig10 = [r for r in rows if r["setup"] == fleet_report.PAPER_SETUP]
+    assert [(r["nodes"], r["dram_tokens"]) for r in fig10] == [(10, 3_000_000)] * 2 + [(1, 3_000_000)]
+    assert {r["nodes"] for r in rows if r not in fig10} == {2} and len(rows) == len(fig10) + 7
+    local, pool, one = fig10
+    assert (local["config"], pool["config"]) == (fleet_report.LOCAL, fleet_report.GLOBAL)
+    assert pool["hit_rate"] == one["hit_rate"] == ceiling(reqs) and pool["prefill_s"] > 0
+    out = {
+        "paper": rows,
+        "sweep": [],
+        "nvme": [],
+        "ceiling": {"conversation": {"replayed": ceiling(reqs), "readme": 0}},
+    }
+    fleet_report.render(out, console)
+    text = printed.getvalue()
+    quoted = ("16.9 %", "37.5 %", "2.22x", "0.76x", "41 %", "26.4 %", "62.2 %", "2.36x", "0.52x", "46 %")
+    assert all(f in text for f in quoted) and "tool & agent (trace not shipped)" in text
+    assert "2.38" not in text and "10 nodes x 3M tokens" in text and "not the paper's Fig. 10 setup" in text
 
 
 def test_the_bench_has_a_help(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
