@@ -10,6 +10,7 @@ they print goes through a :class:`Report`, so the library itself stays quiet.
 import json
 import logging
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from kvpool.core.config import Config, Positive, checked, one_of
 from kvpool.errors import ConfigError
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.config import PoolConfig
+from kvpool.servers import watchdog
 
 if TYPE_CHECKING:
     from kvpool.pool.tenants import Tenants
@@ -34,6 +36,9 @@ if TYPE_CHECKING:
     from kvpool.prefill_decode.vllm.front import EngineFront
 
 log = logging.getLogger(__name__)
+
+#: what removes the segment files of pool nodes that are gone (the directories as arguments)
+REAP = "import sys; from kvpool.pool.segment import reap_stale_segments; reap_stale_segments(*sys.argv[1:])"
 
 
 class Report(Protocol):
@@ -114,6 +119,8 @@ def running_pool(config: StackConfig, report: Report | None = None) -> Iterator[
         with report.busy("starting PoolNode actors"):
             start_pool(pool)
         stack.callback(stop_pool, pool)
+        # if this process is killed, its watchdog stops Ray (and with it the PoolNodes), then removes their segments
+        watchdog.at_end([sys.executable, "-c", REAP, pool.shm_dir, pool.nvme_dir or tempfile.gettempdir()])
         yield pool
 
 

@@ -377,10 +377,15 @@ def reap_stale_segments(*directories: str) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (killed, not yet reaped by a parent that may never come) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc here: a pid that answers is alive

@@ -30,6 +30,7 @@ from typing import Any
 from kvpool.core.net import free_port, free_ports
 from kvpool.errors import ConfigError, MetadataUnavailable
 from kvpool.metadata.config import ETCD_BIN_ENV
+from kvpool.servers import watchdog
 from kvpool.servers.certs import ServerTls
 from kvpool.servers.process import ServerProcess, server_binary
 
@@ -129,6 +130,8 @@ class EmbeddedEtcd:
             self._server = ServerProcess(
                 "embedded etcd", self._args(), self.base_dir / "etcd.log", cleanup=self._cleanup
             )
+        if self._own_dir:
+            watchdog.remove_at_end(self.base_dir)
         self._server.start(self._healthy if wait else self._listening, timeout_s, MetadataUnavailable)
         log.info("embedded etcd %s up on %s (data in %s)", self.pid, self.url, self.data_dir)
         return self

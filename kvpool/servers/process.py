@@ -4,7 +4,8 @@ A :class:`ServerProcess` starts its command in a session of its own with the out
 waits until a readiness check passes (or the process exits, or a deadline passes: then the log's tail is in
 the error), and stops it with SIGTERM, then SIGKILL to its whole session after a grace period.  Stopping
 also runs at garbage collection and interpreter exit, so a server never outlives the process that started
-it.  Ports come from :func:`kvpool.core.net.free_ports`.
+it; where that process is killed and runs no exit code, :mod:`~kvpool.servers.watchdog` stops the server's whole
+session.  Ports come from :func:`kvpool.core.net.free_ports`.
 """
 
 import contextlib
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from kvpool.errors import KvPoolError, SetupError
+from kvpool.servers import watchdog
 
 #: a readiness check: None once the server serves, else what is still missing (it goes into the timeout error)
 Ready = Callable[[], str | None]
@@ -87,6 +89,7 @@ class ServerProcess:
             self._proc = subprocess.Popen(
                 self.args, stdout=logfile, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
             )
+        watchdog.guard(self._proc.pid)  # its session dies with this process, however this process dies
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _stop, self._proc, self.grace_s, self._cleanup)
         deadline, missing = time.monotonic() + timeout_s, "no answer yet"
@@ -142,5 +145,7 @@ def _stop(proc: "subprocess.Popen[bytes] | None", grace_s: float, cleanup: Calla
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             _kill(proc)
+    if proc is not None:
+        watchdog.release(proc.pid)
     if cleanup is not None:
         cleanup()

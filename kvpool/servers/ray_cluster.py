@@ -30,6 +30,7 @@ from kvpool import ray_auth
 from kvpool.core.config import Positive, checked
 from kvpool.core.net import free_port
 from kvpool.errors import KvPoolError
+from kvpool.servers import watchdog
 from kvpool.servers.process import ServerProcess
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class LocalRayCluster:
         deadline = time.monotonic() + timeout_s
         self._saved_env = ray_auth.saved_env()
         self._log_dir = Path(tempfile.mkdtemp(prefix="kvpool-ray-"))  # 0700: only its owner reads the token
+        watchdog.remove_at_end(self._log_dir)
         try:
             if self.token_path is not None:
                 ray_auth.write_token(self.token_path)

@@ -37,6 +37,7 @@ from botocore import UNSIGNED
 from kvpool.core.config import Positive, Rule, checked, obey
 from kvpool.core.net import free_ports
 from kvpool.errors import RemoteUnavailable
+from kvpool.servers import watchdog
 from kvpool.servers.process import ServerProcess, server_binary
 
 log = logging.getLogger(__name__)
@@ -177,6 +178,7 @@ class SeaweedServer:
             return self
         (self.base_dir / "data").mkdir(parents=True, exist_ok=True)
         (self.base_dir / "tmp").mkdir(exist_ok=True)
+        watchdog.remove_at_end(self.base_dir)
         started = time.monotonic()
         self._server.start(self._serving, timeout_s, RemoteUnavailable, poll_s=0.1)
         log.info(
