@@ -6,14 +6,14 @@ traceback.  One module per group of commands: :mod:`~kvpool.cli.up`, :mod:`~kvpo
 down), :mod:`~kvpool.cli.status`, :mod:`~kvpool.cli.chunks` (ls, put, get), :mod:`~kvpool.cli.events`, :mod:`~kvpool.cli.explain`, :mod:`~kvpool.cli.bench`,
 :mod:`~kvpool.cli.plan`, :mod:`~kvpool.cli.advise`, :mod:`~kvpool.cli.gc`, :mod:`~kvpool.cli.servers` (etcd, s3),
 :mod:`~kvpool.cli.keys` (keys new), :mod:`~kvpool.cli.tenants` (tenants new-secret, check) and
-:mod:`~kvpool.cli.vllm` (vllm-config), :mod:`~kvpool.cli.sglang` (sglang-config); the app, consoles and error translation are in :mod:`~kvpool.cli.root`,
+:mod:`~kvpool.cli.vllm` (vllm-config), :mod:`~kvpool.cli.sglang` (sglang-config), :mod:`~kvpool.cli.route` (route); the app, consoles and error translation are in :mod:`~kvpool.cli.root`,
 the shared options in :mod:`~kvpool.cli.options`.
 """
 
 # Importing a module registers its commands, in this order in --help.
 # isort: off
 from kvpool.cli import up, nodes, status, chunks, events, explain, vllm, sglang, bench, plan  # noqa: F401
-from kvpool.cli import advise, gc, servers, keys, tenants  # noqa: F401
+from kvpool.cli import advise, gc, servers, keys, tenants, route  # noqa: F401
 from kvpool.cli.root import app
 
 # isort: on

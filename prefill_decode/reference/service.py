@@ -13,26 +13,24 @@ import logging
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Annotated, Any
 
-import msgspec
 import ray
 from aiohttp import web
 from msgspec import Meta
 
 from kvpool.core.config import Positive, checked, validated
-from kvpool.core.keys import TokenId
 from kvpool.errors import ConfigError, KvPoolError, TenantRefused, WorkerUnavailable
 from kvpool.pool.tenants import Scope, Tenants
+from kvpool.prefill_decode.front.openai import completion_request, error_response, front_app, untenanted
 from kvpool.prefill_decode.reference.model import tokenize
 from kvpool.prefill_decode.reference.workers import DecodeResult, PrefillResult
 from kvpool.prefill_decode.routing.router import LaneRouter, Policy, Quote, one_identity
 
 log = logging.getLogger(__name__)
-Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
 @dataclass(frozen=True)
@@ -57,12 +55,6 @@ class Lane:
 
 
 _LANES = "a Lane(prefill, decode), or a list of at least one"
-
-
-def untenanted(api_key: str | None, namespace: str, hint: str = "") -> None:
-    """A request to a front that serves no tenants must name none (``hint``: where tenants are served)."""
-    if api_key or namespace:
-        raise ConfigError(f"this front serves no tenants: send no API key or cache_namespace{hint}")
 
 
 class Service:
@@ -158,10 +150,6 @@ def lane_router(lanes: Sequence[Lane], replicas: Any, policy: "Policy | str" = P
     )
 
 
-def error_response(status: int, message: str, kind: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
-
-
 def _completion(service: Service, tokens: list[int], done: Completion) -> dict[str, Any]:
     """The OpenAI-style body of a finished completion, with kvpool's timings beside it."""
     finish = "stop" if service.eos is not None and done.tokens[-1] == service.eos else "length"
@@ -193,30 +181,6 @@ def _completion(service: Service, tokens: list[int], done: Completion) -> dict[s
             "decode": asdict(done.decode.summary),
         },
     }
-
-
-class CompletionRequest(msgspec.Struct, frozen=True):
-    """What kvpool reads of a ``/v1/completions`` body; the other fields an OpenAI client sends (``model``,
-    ``temperature``...) are not refused, and not used."""
-
-    prompt: Annotated[
-        Annotated[str, Meta(min_length=1)] | Annotated[list[TokenId], Meta(min_length=1)],
-        Meta(description="a string or a list of token ids, not empty"),
-    ]
-    max_tokens: Annotated[int, Meta(ge=1, le=4096, description="an int in [1, 4096]")] = 16
-    #: a shared namespace of the tenants file; "": the tenant's own
-    cache_namespace: Annotated[str, Meta(description="a shared namespace of the tenants file")] = ""
-    chat: bool = False  #: the prompt is a user's message, put in the model's chat template
-
-
-async def completion_request(request: web.Request) -> CompletionRequest:
-    """A ``/v1/completions`` body, or a ``ConfigError`` naming the field that is wrong (the front answers it with
-    a 400)."""
-    try:
-        body = await request.json()
-    except ValueError:
-        raise ConfigError("the body must be JSON") from None
-    return validated(CompletionRequest, body, "the /v1/completions body")
 
 
 def make_app(service: Service) -> web.Application:
@@ -252,21 +216,3 @@ def make_app(service: Service) -> web.Application:
         return web.json_response({"lanes": lanes, "router": router, "tenants": tenants})
 
     return front_app(service.model, completions, stats)
-
-
-def front_app(model: str, completions: Handler, stats: Handler) -> web.Application:
-    """What every OpenAI-style front of kvpool serves: ``POST /v1/completions`` and ``GET /stats`` (the front's own),
-    ``GET /v1/models`` (``model``) and ``GET /health``."""
-
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": model, "object": "model"}]})
-
-    async def health(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/stats", stats)
-    return app

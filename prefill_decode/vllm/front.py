@@ -281,9 +281,9 @@ def make_engine_app(front: EngineFront, model: str, tokenizer: Any = None, vocab
     above it are refused before they reach an engine.  Tenants are not served here (see docs/routing.md)."""
     from aiohttp import web
 
+    from kvpool.prefill_decode.front.openai import completion_request, error_response, front_app, untenanted
     from kvpool.prefill_decode.reference.model import tokenize
     from kvpool.prefill_decode.reference.runner import prompt_array
-    from kvpool.prefill_decode.reference.service import completion_request, error_response, front_app, untenanted
 
     async def completions(request: web.Request) -> web.Response:
         try:

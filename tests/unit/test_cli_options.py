@@ -35,6 +35,7 @@ COMMANDS = (
     "ray-token",
     "keys",
     "tenants",
+    "route",
 )
 group: Any = typer.main.get_command(app)  # a click-style group: .commands by name, each with .params
 

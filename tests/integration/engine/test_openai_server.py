@@ -115,30 +115,36 @@ def saved_chunks(held: Held) -> int:
         etcd.close()
 
 
+@pytest.fixture(scope="module")
+def server(held: Held, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """vLLM's OpenAI server started as the printed line says, for the module's tests; its URL."""
+    proc, url = serve(held, converted_smollm2(), tmp_path_factory.mktemp("server") / "server.log")
+    try:
+        yield url
+    finally:
+        proc.stop()
+
+
 @pytest.mark.timeout(1200)
-def test_an_openai_server_answers_a_prompt_again_from_the_chunks_it_saved(held: Held, tmp_path: Path) -> None:
+def test_an_openai_server_answers_a_prompt_again_from_the_chunks_it_saved(held: Held, server: str) -> None:
     """vLLM's own prefix cache off (the user's ``--no-enable-prefix-caching``): the repeated prompt's cached tokens
     can only come from the pool.  (A fresh engine in another process loading what another saved:
     test_vllm_connector.py's fresh-engine test.)"""
     model = converted_smollm2()
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
-    prompt = demo_prompt()
+    prompt, url = demo_prompt(), server
     before = saved_chunks(held)  # kvpool up's own check
-    server, url = serve(held, model, tmp_path / "server.log")
-    try:
-        cold = complete(url, model, prompt)
-        tokens = cold["usage"]["prompt_tokens"]
-        assert tokens > CHUNK and not (cold["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-        full = (tokens - 1) // CHUNK * CHUNK  # vLLM computes the prompt's last token itself
-        deadline = time.monotonic() + 120  # the saves finish after the answer
-        while saved_chunks(held) - before < full // CHUNK * layers and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert saved_chunks(held) - before == full // CHUNK * layers, "the server's chunks never reached the pool"
-        counted = kvpool_metrics(url)
-        warm = complete(url, model, prompt, PREFETCH_HINT)  # as a router that wants the prefix in DRAM first
-        metrics = {k: n - counted.get(k, 0) for k, n in kvpool_metrics(url).items()}  # the warm request's
-    finally:
-        server.stop()
+    cold = complete(url, model, prompt)
+    tokens = cold["usage"]["prompt_tokens"]
+    assert tokens > CHUNK and not (cold["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    full = (tokens - 1) // CHUNK * CHUNK  # vLLM computes the prompt's last token itself
+    deadline = time.monotonic() + 120  # the saves finish after the answer
+    while saved_chunks(held) - before < full // CHUNK * layers and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert saved_chunks(held) - before == full // CHUNK * layers, "the server's chunks never reached the pool"
+    counted = kvpool_metrics(url)
+    warm = complete(url, model, prompt, PREFETCH_HINT)  # as a router that wants the prefix in DRAM first
+    metrics = {k: n - counted.get(k, 0) for k, n in kvpool_metrics(url).items()}  # the warm request's
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == full
     assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
     # the connector's counts in the engine's own /metrics (vLLM's KVConnectorStats), beside its cached tokens
@@ -147,6 +153,50 @@ def test_an_openai_server_answers_a_prompt_again_from_the_chunks_it_saved(held: 
     assert not metrics.get(("errors", "load")) and not [k for k, n in metrics.items() if k[0] == "misses" and n]
     # the hint reached the scheduler through the server: one prefetch, which found the prefix in DRAM already
     assert metrics[("prefetches", "started")] == 1 and not metrics.get(("prefetches", "failed"))
+
+
+@pytest.mark.timeout(600)
+def test_kvpool_route_passes_requests_and_streams_to_the_engine(server: str, tmp_path: Path) -> None:
+    """``kvpool route --upstream URL`` as a user starts it, in front of that server: the engine's own answer, a
+    streamed answer passed through chunk by chunk, the engine's model list, a body it cannot read refused, and its
+    /metrics counting what went where.  (Its policies: tests/unit/test_route.py.)"""
+    model, port = converted_smollm2(), free_port(HOST)
+    kvpool = str(Path(sys.executable).with_name("kvpool"))
+    args = [kvpool, "route", "--upstream", server, "--host", HOST, "--port", str(port), "--policy", "least-loaded"]
+    router = ServerProcess("kvpool route", args, tmp_path / "route.log")
+    url = f"http://{HOST}:{port}"
+    router.start(lambda: health(url), 120, KvPoolError, poll_s=0.5)
+    try:
+        prompt = "A pool of memory that outlives the engines: what does it keep, and for whom?"
+        direct, routed = complete(server, model, prompt), complete(url, model, prompt)
+        chunks = streamed(url, model, prompt)
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=60) as r:
+            models = json.loads(r.read())
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(f"{url}/v1/completions", b"not json"), timeout=60)
+        with urllib.request.urlopen(f"{url}/metrics", timeout=60) as r:
+            metrics = r.read().decode()
+    finally:
+        router.stop()
+    assert routed["choices"][0]["text"] == direct["choices"][0]["text"]
+    assert len(chunks) > 1 and "".join(chunks) == direct["choices"][0]["text"]
+    assert models["data"][0]["id"] == str(model) and refused.value.code == 400
+    assert f'kvpool_route_requests_total{{upstream="{server}",policy="least-loaded"}} 2' in metrics
+
+
+def streamed(url: str, model: Path, prompt: str) -> list[str]:
+    """The text pieces of a streamed completion, as its server-sent events brought them."""
+    body = {"model": str(model), "prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True}
+    ask = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    pieces = []
+    with urllib.request.urlopen(ask, timeout=300) as r:
+        for line in r:
+            data = line.decode().strip().removeprefix("data: ")
+            if data and data != "[DONE]":
+                pieces.append(json.loads(data)["choices"][0]["text"])
+    return pieces
 
 
 def kvpool_metrics(url: str) -> dict[tuple[str, str], float]:

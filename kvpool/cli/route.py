@@ -1,0 +1,55 @@
+"""``kvpool route``: the router in front of OpenAI-compatible engines kvpool did not start
+(:mod:`~kvpool.prefill_decode.front.upstream`), in the foreground until Ctrl-C."""
+
+import typer
+
+from kvpool.cli import root
+from kvpool.core.config import default_of
+from kvpool.prefill_decode.front.upstream import RouteConfig
+
+POLICY_HELP = (
+    "round-robin (each in turn), least-loaded (the fewest requests in flight) or prefix-aware (the engine that was "
+    "sent the longest prefix of the prompt, unless it is --max-skew requests busier than the least loaded)."
+)
+
+
+@root.app.command("route")
+def route(
+    upstreams: list[str] = typer.Option(
+        [],
+        "--upstream",
+        help="An engine's OpenAI server, http://host:port (vLLM's api_server, SGLang's launch_server); once per "
+        "engine.",
+        show_default=False,
+    ),
+    policy: str = typer.Option("prefix-aware", "--policy", help=POLICY_HELP),
+    host: str = typer.Option("127.0.0.1", "--host", help="Where the router listens (0.0.0.0: every address)."),
+    port: int = typer.Option(8000, "--port", help="Its port."),
+    block_chars: int = typer.Option(
+        default_of(RouteConfig, "block_chars"), "--block-chars", help="prefix-aware: characters of a prompt block."
+    ),
+    max_skew: int = typer.Option(
+        default_of(RouteConfig, "max_skew"),
+        "--max-skew",
+        help="prefix-aware: requests in flight beyond the least loaded.",
+    ),
+) -> None:
+    """Route OpenAI requests (/v1/completions, /v1/chat/completions) over engines you started, streamed answers
+    passed through as they come; /metrics counts requests, errors and prefix matches per engine.
+
+    Example: kvpool route --upstream http://127.0.0.2:8001 --upstream http://127.0.0.3:8001 --policy round-robin.
+    With kvpool below the engines, any engine finds the pool's chunks, so load-only routing keeps its hits.
+    """
+    from aiohttp import web
+
+    from kvpool.prefill_decode.front.upstream import Router, route_config
+
+    with root.errors():
+        config = route_config(upstreams, policy, block_chars=block_chars, max_skew=max_skew)
+        where = f"http://{host}:{port}"
+        root.console.print(
+            f"routing   {where}/v1/completions over {len(config.upstreams)} engine(s), {config.policy}; "
+            f"{where}/metrics (Ctrl-C stops)",
+            soft_wrap=True,
+        )
+        web.run_app(Router(config).app(), host=host, port=port, print=lambda _: None)  # it stops on Ctrl-C and kill

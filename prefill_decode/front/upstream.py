@@ -1,0 +1,250 @@
+"""The router over engines kvpool did not start: ``kvpool route --upstream URL ...`` in front of OpenAI-compatible
+servers (vLLM's ``api_server``, SGLang's ``launch_server``), whatever KV-cache layer they run (kvpool, LMCache,
+Mooncake Store, none).  Each ``/v1/completions`` or ``/v1/chat/completions`` request goes to the upstream the policy
+picks, its body and headers as the client sent them; the answer comes back as the upstream gives it, a streamed one
+chunk by chunk.  ``/metrics`` counts requests, errors and requests in flight per upstream, and how far each request's
+prompt matched what its upstream had been sent.
+
+Policies (:class:`Picker`):
+
+- ``round-robin``: each upstream in turn;
+- ``least-loaded``: the fewest requests in flight;
+- ``prefix-aware``: the upstream that was sent the longest prefix of this prompt, whose own prefix cache likely holds
+  it, unless it has ``max_skew`` requests in flight more than the least loaded (then the least loaded): the policy of
+  vLLM's production-stack router and of the Mooncake paper's "local cache-aware" scheduler.  Prompts are compared in
+  blocks of ``block_chars`` characters, hashed as a chain (a block's hash covers every block before it), each upstream
+  remembering the ``capacity`` blocks it was sent last.  It needs no tokenizer, so it routes any model's traffic.
+
+The router holds no KV and asks no engine: with kvpool below the engines, a request any engine takes finds the
+pool's chunks wherever they were computed, which is what lets load-only routing keep its hits.
+"""
+
+import hashlib
+import itertools
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import msgspec
+from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from msgspec import Meta
+
+from kvpool.core.config import Config, validated
+from kvpool.errors import ConfigError
+from kvpool.prefill_decode.front.openai import error_response
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("round-robin", "least-loaded", "prefix-aware")
+_URL = re.compile(r"^https?://[^/\s:]+(:\d{1,5})?$")
+#: request headers not passed on (hop-by-hop, or the router's own connection's)
+_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade"}
+
+
+class RouteConfig(Config, frozen=True):
+    """The router: its upstreams and how it picks among them."""
+
+    upstreams: Annotated[tuple[str, ...], Meta(min_length=1, description="one or more http://host:port URLs")]
+    policy: Annotated[Literal["round-robin", "least-loaded", "prefix-aware"], Meta(description=", ".join(POLICIES))]
+    block_chars: Annotated[int, Meta(ge=16, description="an int >= 16")] = 256  #: about 64 tokens of English
+    capacity: Annotated[int, Meta(ge=1, description="an int >= 1")] = 100_000  #: blocks remembered per upstream
+    max_skew: Annotated[int, Meta(ge=0, description="an int >= 0")] = 4  #: prefix-aware: in flight beyond the least
+    timeout_s: Annotated[float, Meta(gt=0, description="seconds > 0")] = 600.0  #: one upstream request, end to end
+
+    def check(self) -> None:
+        for url in self.upstreams:
+            if not _URL.match(url):
+                raise ConfigError(f"--upstream {url!r} is not http://host:port (an OpenAI server's base URL)")
+        if len(set(self.upstreams)) != len(self.upstreams):
+            raise ConfigError("--upstream names one server twice: name each once")
+
+
+def prefix_blocks(text: str, block_chars: int) -> list[bytes]:
+    """The chain hashes of ``text``'s full blocks of ``block_chars`` characters (a trailing partial block: none)."""
+    hashes, h = [], b""
+    for start in range(0, len(text) - block_chars + 1, block_chars):
+        h = hashlib.blake2b(h + text[start : start + block_chars].encode(), digest_size=16).digest()
+        hashes.append(h)
+    return hashes
+
+
+@dataclass
+class Upstream:
+    url: str
+    in_flight: int = 0
+    requests: int = 0
+    errors: int = 0
+    matched_blocks: int = 0  #: of the prompts sent here, blocks it had been sent before
+    prompt_blocks: int = 0
+    seen: "OrderedDict[bytes, None]" = field(default_factory=OrderedDict)  #: the blocks sent here, oldest first
+
+
+class Picker:
+    """Which upstream takes a request (see the module's docstring); pure: :meth:`pick` and :meth:`done` bracket it."""
+
+    def __init__(self, config: RouteConfig) -> None:
+        self.config = config
+        self.upstreams = [Upstream(url) for url in config.upstreams]
+        self._turn = itertools.cycle(range(len(self.upstreams)))
+
+    def pick(self, prompt: str) -> int:
+        """The upstream for a request with ``prompt``, counted in flight until :meth:`done`."""
+        blocks = prefix_blocks(prompt, self.config.block_chars) if self.config.policy == "prefix-aware" else []
+        matched = [self._matched(u, blocks) for u in self.upstreams]
+        #: ties go to the one that took fewest requests, so light traffic spreads too
+        least = min(range(len(self.upstreams)), key=lambda i: (self.upstreams[i].in_flight, self.upstreams[i].requests))
+        if self.config.policy == "round-robin":
+            chosen = next(self._turn)
+        elif self.config.policy == "least-loaded" or not any(matched):
+            chosen = least
+        else:
+            fair = [
+                i
+                for i, u in enumerate(self.upstreams)
+                if u.in_flight <= self.upstreams[least].in_flight + self.config.max_skew
+            ]
+            chosen = max(fair, key=lambda i: (matched[i], -self.upstreams[i].in_flight, -i))
+        up = self.upstreams[chosen]
+        up.in_flight += 1
+        up.requests += 1
+        up.matched_blocks += matched[chosen]
+        up.prompt_blocks += len(blocks)
+        for h in blocks:  # its prefix cache holds them now, the newest last
+            up.seen[h] = None
+            up.seen.move_to_end(h)
+        while len(up.seen) > self.config.capacity:
+            up.seen.popitem(last=False)
+        return chosen
+
+    def done(self, i: int, failed: bool = False) -> None:
+        self.upstreams[i].in_flight -= 1
+        self.upstreams[i].errors += failed
+
+    @staticmethod
+    def _matched(up: Upstream, blocks: Sequence[bytes]) -> int:
+        """How many leading ``blocks`` ``up`` was sent (a chain: the first one missing ends the match)."""
+        n = 0
+        while n < len(blocks) and blocks[n] in up.seen:
+            n += 1
+        return n
+
+
+def prompt_text(body: Any) -> str:
+    """The text a request's prefix is: a completion's ``prompt`` (token ids as text), or a chat's messages in order."""
+    if not isinstance(body, dict):
+        raise ConfigError("the body must be a JSON object")
+    if "messages" in body:
+        messages = body["messages"] if isinstance(body["messages"], list) else []
+        return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in messages if isinstance(m, dict))
+    prompt = body.get("prompt", "")
+    return prompt if isinstance(prompt, str) else msgspec.json.encode(prompt).decode()
+
+
+class Router:
+    """The HTTP side: an aiohttp app passing requests to the picked upstream."""
+
+    def __init__(self, config: RouteConfig) -> None:
+        self.config = config
+        self.picker = Picker(config)
+        self._session: ClientSession | None = None
+
+    async def _client(self) -> ClientSession:
+        if self._session is None:
+            self._session = ClientSession(timeout=ClientTimeout(total=self.config.timeout_s), auto_decompress=False)
+        return self._session
+
+    async def close(self, _: web.Application | None = None) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            text = prompt_text(msgspec.json.decode(raw))
+        except (msgspec.DecodeError, ConfigError) as exc:
+            return error_response(400, f"the body must be a JSON object: {exc}", "invalid_request_error")
+        i = self.picker.pick(text)
+        url = self.picker.upstreams[i].url + request.rel_url.path_qs
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        failed = True
+        try:
+            session = await self._client()
+            async with session.post(url, data=raw, headers=headers) as upstream:
+                answer = web.StreamResponse(status=upstream.status, headers=_passed(upstream.headers))
+                answer.headers["x-kvpool-upstream"] = str(i)
+                await answer.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    await answer.write(chunk)
+                await answer.write_eof()
+                failed = upstream.status >= 500
+                return answer
+        except (TimeoutError, ClientError) as exc:
+            log.warning("upstream %s failed: %s", url, exc)
+            return error_response(502, f"upstream {self.picker.upstreams[i].url} failed: {exc}", "server_error")
+        finally:
+            self.picker.done(i, failed)
+
+    async def models(self, _: web.Request) -> web.Response:
+        session = await self._client()
+        for up in self.picker.upstreams:
+            try:
+                async with session.get(up.url + "/v1/models") as got:
+                    if got.status == 200:
+                        return web.json_response(await got.json())
+            except (TimeoutError, ClientError):
+                continue
+        return error_response(502, "no upstream answered /v1/models", "server_error")
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "upstreams": len(self.picker.upstreams)})
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        return web.Response(text=render_metrics(self.picker), content_type="text/plain")
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.forward)
+        app.router.add_post("/v1/chat/completions", self.forward)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.on_cleanup.append(self.close)
+        return app
+
+
+def _passed(headers: Any) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP | {"content-encoding"}}
+
+
+def render_metrics(picker: Picker) -> str:
+    """Prometheus text: per upstream, requests, errors, in flight, and prompt blocks sent and matched."""
+    policy = picker.config.policy
+    lines = []
+    for name, kind, what in (
+        ("requests_total", "counter", "requests passed to the upstream"),
+        ("errors_total", "counter", "requests that failed there (a 5xx, or no answer)"),
+        ("in_flight", "gauge", "requests passed and not answered yet"),
+        ("prompt_blocks_total", "counter", "prompt blocks of the requests (prefix-aware only)"),
+        ("matched_blocks_total", "counter", "of those, blocks the upstream had been sent before"),
+    ):
+        lines += [f"# HELP kvpool_route_{name} {what}", f"# TYPE kvpool_route_{name} {kind}"]
+        field_name = {"requests_total": "requests", "errors_total": "errors", "in_flight": "in_flight"}.get(
+            name, name.removesuffix("_total")
+        )
+        for up in picker.upstreams:
+            lines.append(f'kvpool_route_{name}{{upstream="{up.url}",policy="{policy}"}} {getattr(up, field_name)}')
+    return "\n".join(lines) + "\n"
+
+
+def route_config(upstreams: Sequence[str], policy: str, **settings: Any) -> RouteConfig:
+    """``kvpool route``'s options as a config, or one ``ConfigError`` saying what is wrong."""
+    if not upstreams:
+        raise ConfigError("kvpool route needs the engines' servers: pass --upstream http://host:port once per engine")
+    return validated(
+        RouteConfig,
+        {"upstreams": tuple(u.rstrip("/") for u in upstreams), "policy": policy, **settings},
+        "kvpool route",
+    )
