@@ -106,7 +106,7 @@ class Picker:
                 for i, u in enumerate(self.upstreams)
                 if u.in_flight <= self.upstreams[least].in_flight + self.config.max_skew
             ]
-            chosen = max(fair, key=lambda i: (matched[i], -self.upstreams[i].in_flight, -i))
+            chosen = max(fair, key=lambda i: (matched[i], -self.upstreams[i].in_flight, -self.upstreams[i].requests))
         up = self.upstreams[chosen]
         up.in_flight += 1
         up.requests += 1
@@ -219,23 +219,23 @@ def _passed(headers: Any) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in _HOP | {"content-encoding"}}
 
 
+#: what /metrics says of each upstream: (metric, kind, help, the Upstream field)
+METRICS = (
+    ("requests_total", "counter", "requests passed to the upstream", "requests"),
+    ("errors_total", "counter", "requests that failed there (a 5xx, or no answer)", "errors"),
+    ("in_flight", "gauge", "requests passed and not answered yet", "in_flight"),
+    ("prompt_blocks_total", "counter", "prompt blocks of the requests (prefix-aware only)", "prompt_blocks"),
+    ("matched_blocks_total", "counter", "of those, blocks the upstream had been sent before", "matched_blocks"),
+)
+
+
 def render_metrics(picker: Picker) -> str:
     """Prometheus text: per upstream, requests, errors, in flight, and prompt blocks sent and matched."""
-    policy = picker.config.policy
-    lines = []
-    for name, kind, what in (
-        ("requests_total", "counter", "requests passed to the upstream"),
-        ("errors_total", "counter", "requests that failed there (a 5xx, or no answer)"),
-        ("in_flight", "gauge", "requests passed and not answered yet"),
-        ("prompt_blocks_total", "counter", "prompt blocks of the requests (prefix-aware only)"),
-        ("matched_blocks_total", "counter", "of those, blocks the upstream had been sent before"),
-    ):
+    lines, policy = [], picker.config.policy
+    for name, kind, what, attr in METRICS:
         lines += [f"# HELP kvpool_route_{name} {what}", f"# TYPE kvpool_route_{name} {kind}"]
-        field_name = {"requests_total": "requests", "errors_total": "errors", "in_flight": "in_flight"}.get(
-            name, name.removesuffix("_total")
-        )
         for up in picker.upstreams:
-            lines.append(f'kvpool_route_{name}{{upstream="{up.url}",policy="{policy}"}} {getattr(up, field_name)}')
+            lines.append(f'kvpool_route_{name}{{upstream="{up.url}",policy="{policy}"}} {getattr(up, attr)}')
     return "\n".join(lines) + "\n"
 
 
