@@ -23,10 +23,14 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from typing import Annotated
 
-from kvpool.errors import ConfigError
+from msgspec import Meta
+
+from kvpool.core.config import validated
 
 log = logging.getLogger(__name__)
+_Argv = Annotated[list[str], Meta(min_length=1, description="a list of strings, the program first")]
 
 GRACE_S = 10.0  #: between SIGTERM and SIGKILL of what a dead starter left
 KILLED_S = 5.0  #: how long SIGKILLed processes are given to be gone
@@ -92,9 +96,7 @@ def remove_at_end(path: "str | os.PathLike[str]") -> None:
 
 def at_end(argv: Sequence[str]) -> None:
     """Run ``argv`` once this process is gone, after its sessions are stopped (each at most ``END_COMMAND_S``)."""
-    if not argv or not all(isinstance(word, str) for word in argv):
-        raise ConfigError(f"an end command is a list of strings, got {argv!r:.200}")
-    _link.send(json.dumps({"at_end": list(argv)}))
+    _link.send(json.dumps({"at_end": validated(_Argv, list(argv), "an end command")}))
 
 
 # -- the watchdog process --------------------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ pool's chunks wherever they were computed, which is what lets load-only routing 
 import hashlib
 import itertools
 import logging
-import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,13 +32,13 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, web
 from msgspec import Meta
 
 from kvpool.core.config import Config, validated
-from kvpool.errors import ConfigError
 from kvpool.prefill_decode.front.openai import error_response
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("round-robin", "least-loaded", "prefix-aware")
-_URL = re.compile(r"^https?://[^/\s:]+(:\d{1,5})?$")
+#: an upstream: an OpenAI server's base URL
+_Url = Annotated[str, Meta(pattern=r"^https?://[^/\s:]+(:\d{1,5})?$", description="http://host:port (a server's URL)")]
 #: request headers not passed on (hop-by-hop, or the router's own connection's)
 _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade"}
 
@@ -47,19 +46,12 @@ _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding
 class RouteConfig(Config, frozen=True):
     """The router: its upstreams and how it picks among them."""
 
-    upstreams: Annotated[tuple[str, ...], Meta(min_length=1, description="one or more http://host:port URLs")]
+    upstreams: Annotated[tuple[_Url, ...], Meta(min_length=1, description="at least one --upstream http://host:port")]
     policy: Annotated[Literal["round-robin", "least-loaded", "prefix-aware"], Meta(description=", ".join(POLICIES))]
     block_chars: Annotated[int, Meta(ge=16, description="an int >= 16")] = 256  #: about 64 tokens of English
     capacity: Annotated[int, Meta(ge=1, description="an int >= 1")] = 100_000  #: blocks remembered per upstream
     max_skew: Annotated[int, Meta(ge=0, description="an int >= 0")] = 4  #: prefix-aware: in flight beyond the least
     timeout_s: Annotated[float, Meta(gt=0, description="seconds > 0")] = 600.0  #: one upstream request, end to end
-
-    def check(self) -> None:
-        for url in self.upstreams:
-            if not _URL.match(url):
-                raise ConfigError(f"--upstream {url!r} is not http://host:port (an OpenAI server's base URL)")
-        if len(set(self.upstreams)) != len(self.upstreams):
-            raise ConfigError("--upstream names one server twice: name each once")
 
 
 def prefix_blocks(text: str, block_chars: int) -> list[bytes]:
@@ -132,10 +124,8 @@ class Picker:
         return n
 
 
-def prompt_text(body: Any) -> str:
+def prompt_text(body: dict[str, Any]) -> str:
     """The text a request's prefix is: a completion's ``prompt`` (token ids as text), or a chat's messages in order."""
-    if not isinstance(body, dict):
-        raise ConfigError("the body must be a JSON object")
     if "messages" in body:
         messages = body["messages"] if isinstance(body["messages"], list) else []
         return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in messages if isinstance(m, dict))
@@ -163,8 +153,8 @@ class Router:
     async def forward(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         try:
-            text = prompt_text(msgspec.json.decode(raw))
-        except (msgspec.DecodeError, ConfigError) as exc:
+            text = prompt_text(msgspec.json.decode(raw, type=dict[str, Any]))
+        except msgspec.DecodeError as exc:  # a ValidationError too: JSON, but not an object
             return error_response(400, f"the body must be a JSON object: {exc}", "invalid_request_error")
         i = self.picker.pick(text)
         url = self.picker.upstreams[i].url + request.rel_url.path_qs
@@ -241,10 +231,5 @@ def render_metrics(picker: Picker) -> str:
 
 def route_config(upstreams: Sequence[str], policy: str, **settings: Any) -> RouteConfig:
     """``kvpool route``'s options as a config, or one ``ConfigError`` saying what is wrong."""
-    if not upstreams:
-        raise ConfigError("kvpool route needs the engines' servers: pass --upstream http://host:port once per engine")
-    return validated(
-        RouteConfig,
-        {"upstreams": tuple(u.rstrip("/") for u in upstreams), "policy": policy, **settings},
-        "kvpool route",
-    )
+    urls = tuple(dict.fromkeys(u.rstrip("/") for u in upstreams))  # one server named twice is one upstream
+    return validated(RouteConfig, {"upstreams": urls, "policy": policy, **settings}, "kvpool route")

@@ -63,9 +63,11 @@ def test_what_the_router_reads_of_a_body_and_what_it_refuses() -> None:
     assert prompt_text({"prompt": "hi"}) == "hi" and prompt_text({"prompt": [1, 2]}) == "[1,2]"
     chat = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}
     assert prompt_text(chat) == "system: be brief\nuser: hi"
-    with pytest.raises(ConfigError, match="JSON object"):
-        prompt_text([1, 2])
-    for bad, match in (([], "--upstream http://host:port once per engine"), (["127.0.0.1:80"], "not http://")):
+    assert route_config([URLS[0], URLS[0] + "/"], "round-robin").upstreams == (URLS[0],)  # one server, named twice
+    for bad, match in (
+        ([], "at least one --upstream http://host:port"),
+        (["127.0.0.1:80"], "must be http://host:port"),
+    ):
         with pytest.raises(ConfigError, match=match):
             route_config(bad, "round-robin")
     with pytest.raises(ConfigError, match="round-robin, least-loaded, prefix-aware"):

@@ -56,5 +56,6 @@ def test_a_killed_starter_s_guarded_sessions_go_and_its_end_command_runs(tmp_pat
 
 
 def test_an_end_command_is_a_list_of_words() -> None:
-    with pytest.raises(ConfigError, match="list of strings"):
-        watchdog.at_end([])
+    for bad in ([], ["ls", 3]):
+        with pytest.raises(ConfigError, match="a list of strings, the program first"):
+            watchdog.at_end(bad)  # type: ignore[list-item]
