@@ -27,6 +27,7 @@ import numpy as np
 from msgspec import Meta
 
 from kvpool.core.config import checked, validated
+from kvpool.core.procs import proc_stat
 from kvpool.errors import ConfigError, PoolFull, SetupError
 from kvpool.pool.buffers import byte_view
 
@@ -384,8 +385,5 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True  # no /proc here: a pid that answers is alive
+    fields = proc_stat(pid)
+    return fields is None or fields[0] != "Z"  # no /proc here: a pid that answers is alive

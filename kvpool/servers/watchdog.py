@@ -28,6 +28,7 @@ from typing import Annotated
 from msgspec import Meta
 
 from kvpool.core.config import validated
+from kvpool.core.procs import proc_stat
 
 log = logging.getLogger(__name__)
 _Argv = Annotated[list[str], Meta(min_length=1, description="a list of strings, the program first")]
@@ -102,18 +103,9 @@ def at_end(argv: Sequence[str]) -> None:
 # -- the watchdog process --------------------------------------------------------------------------------------------
 
 
-def _stat(pid: int) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` after ``pid (comm)``: state, ppid, pgrp, session, ... (None: no such pid)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def _started(pid: int) -> int:
     """When ``pid`` started, in clock ticks since boot (0: no such pid): with the pid, which process it is."""
-    fields = _stat(pid)
+    fields = proc_stat(pid)
     return int(fields[19]) if fields is not None else 0
 
 
@@ -121,7 +113,7 @@ def session_members(sessions: set[int]) -> list[int]:
     """The pids of live processes in ``sessions``."""
     found = []
     for entry in os.scandir("/proc"):
-        fields = _stat(int(entry.name)) if entry.name.isdigit() else None
+        fields = proc_stat(int(entry.name)) if entry.name.isdigit() else None
         if fields is not None and int(fields[3]) in sessions and fields[0] != "Z":
             found.append(int(entry.name))
     return found

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.core.procs import proc_stat
 from kvpool.metadata.config import ENDPOINTS_ENV
 
 pytestmark = pytest.mark.timeout(600)
@@ -20,22 +21,16 @@ pytestmark = pytest.mark.timeout(600)
 
 def started(pid: int) -> int | None:
     """When ``pid`` started (clock ticks since boot); None once it is gone (a zombie is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == "Z" else int(fields[19])
+    fields = proc_stat(pid)
+    return None if fields is None or fields[0] == "Z" else int(fields[19])
 
 
 def below(root: int) -> dict[int, int]:
     """Every live process descended from ``root``: pid -> when it started."""
     parents: dict[int, int] = {}
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int(Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
+        if entry.name.isdigit() and (fields := proc_stat(int(entry.name))) is not None:
+            parents[int(entry.name)] = int(fields[1])
     found: dict[int, int] = {}
     frontier = [root]
     while frontier:
