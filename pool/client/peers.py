@@ -3,8 +3,19 @@
 It owns the client's transport: started on the first transfer, a staging buffer registered once and grown on
 demand, a connection per peer made from the transfer address in the peer's node record, and the caller's own
 buffers registered so that READs land in them directly.
+
+A READ that passes its deadline may still land later (``transport/nixl.py``): over TCP its bytes are written by this
+process's own UCX worker whenever it is progressed again, whatever was done to the handle or the peer meanwhile
+(measured: a cancelled READ, a dropped peer and a deregistered region all landed once the worker was polled).  An
+engine recomputes a failed load into the same blocks at once, so those late bytes would overwrite what it computed: a
+wrong token.  So such a transport is set aside for good, never progressed, closed or touched again (its staging
+buffer kept with it), and a new one takes over, with the caller's buffers registered anew: the READ can never land,
+and the caller's memory is free as soon as the read returns.  Costs: a NIXL agent (and its staging) a timed-out READ,
+and reconnecting to the peers.  Over RDMA a late READ is written by the NIC with no progress at all; that path has no
+RDMA NIC here to be checked on.
 """
 
+import ctypes
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -63,12 +74,20 @@ class Peers:
         self._connected: dict[str, str] = {}  #: node id -> the transport's peer name
         self._registered: dict[str, tuple[int, int]] = {}  #: caller buffers: region name -> (address, nbytes)
         self._failed: dict[str, float] = {}  #: node id -> when a transfer with it last failed
+        self._set_aside = 0  #: transports set aside (the module's docstring)
 
     @property
     def transport(self) -> NixlTransport:
         if self._transport is None:
             self._transport = NixlTransport(scope=self.scope)
+            for name, (address, nbytes) in self._registered.items():
+                self._transport.register(name, address, nbytes)
         return self._transport
+
+    @property
+    def set_aside(self) -> int:
+        """Transports set aside because a READ of theirs passed its deadline (the module's docstring)."""
+        return self._set_aside
 
     @property
     def registrations(self) -> int:
@@ -104,18 +123,6 @@ class Peers:
             out.append(int(address))
         return out
 
-    def refuse_fenced(self, pieces: Sequence[Sequence[memoryview]]) -> None:
-        """``TransferInFlight`` if a READ that passed its deadline may still land in any of ``pieces``: whatever
-        path filled them now (a copy from this node's segment, another replica), late bytes could overwrite it after
-        it was verified, so none of them may be handed back as loaded until NIXL says that READ ended."""
-        transport = self._transport  # none yet: no READ of this client ever timed out (and none is started here)
-        if transport is None or not transport.fencing:
-            return
-        for chunk in pieces:
-            for piece in chunk:
-                if piece.nbytes and transport.fenced(np.frombuffer(piece, np.uint8).ctypes.data, piece.nbytes):
-                    raise TransferInFlight("a READ that timed out may still land in this buffer: treat it as a miss")
-
     def staging(self, nbytes: int) -> np.ndarray:
         """A buffer registered with the transport, at least ``nbytes`` long (grown on demand)."""
         if self._stage is None or self._stage.nbytes < nbytes:
@@ -149,28 +156,47 @@ class Peers:
         return self._connected[node_id]
 
     def write(self, node_id: str, ops: list[Op]) -> None:
-        """One batched one-sided WRITE to ``node_id``; ``TransferError`` if it failed."""
-        self.transport.write(self._peer(node_id), ops, timeout_s=self.timeout_s)
+        """One batched one-sided WRITE to ``node_id``; ``TransferError`` if it failed (one past its deadline sets
+        the transport aside, as a READ's does: its source, the staging buffer, is refilled by the next write)."""
+        try:
+            self.transport.write(self._peer(node_id), ops, timeout_s=self.timeout_s)
+        except TransferInFlight:
+            self._connected.pop(node_id, None)
+            self._set_transport_aside()
+            raise
 
     def read(self, node_id: str, ops: list[Op], pinned: bool = True) -> bool:
         """One batched one-sided READ from ``node_id``; False (logged) if the transfer failed.  A READ of chunks not
-        pinned on the holder (``pinned`` False) has a short deadline (:data:`UNPINNED_TIMEOUT_S`).  A READ that passed
-        its deadline and may still land (:class:`TransferInFlight`) is raised, not answered False: its destination is
-        the caller's memory, and no retry from another replica may fill it and call it verified while late bytes can
-        still overwrite it, so the whole read fails and the caller's chunks are misses."""
+        pinned on the holder (``pinned`` False) has a short deadline (:data:`UNPINNED_TIMEOUT_S`).  One that passed
+        its deadline and may still land (:class:`TransferInFlight`) sets the transport aside (the module's
+        docstring): it cannot land, and the caller may fill or reuse that memory at once."""
         timeout_s = self.timeout_s if pinned else UNPINNED_TIMEOUT_S + sum(o.length for o in ops) / 1e8
         try:
             self.transport.read(self._peer(node_id), ops, timeout_s=timeout_s)
         except TransferError as exc:  # NodeUnreachable included
-            if isinstance(exc, TransferInFlight):
-                self._failed[node_id] = time.monotonic()
-                raise
             log.warning("reading from %s failed: %s", node_id[:12], exc)
-            self._connected.pop(node_id, None)
             self._failed[node_id] = time.monotonic()
+            self._connected.pop(node_id, None)
+            if isinstance(exc, TransferInFlight):
+                self._set_transport_aside()
             return False
         self._failed.pop(node_id, None)
         return True
+
+    def _set_transport_aside(self) -> None:
+        """Keep the transport and its staging buffer from ever being progressed, closed or freed; the next transfer
+        starts a new one (the module's docstring)."""
+        assert self._transport is not None
+        for kept in (self._transport, self._stage):  # a reference never dropped: NIXL's agent, freed with a
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))  # READ in flight, crashes the process
+        self._transport, self._stage = None, None
+        self._connected.clear()
+        self._set_aside += 1
+        log.warning(
+            "a READ passed its deadline and may still land: its transport is set aside for good (%d so far), a new "
+            "one takes over",
+            self._set_aside,
+        )
 
     def trusted(self, node_id: str) -> bool:
         """Whether no transfer with ``node_id`` failed in the last :data:`SUSPECT_S` (else: read it pinned only)."""

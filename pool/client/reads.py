@@ -115,9 +115,7 @@ class NodeReads:
         straight out of the mapped segment into their ``pieces`` (each checksummed as it lands:
         :func:`copy_checked`), a peer's by one batched READ per peer; the indexes that came out intact.  A chunk
         moved, evicted or overwritten meanwhile fails its checksum, and the caller reads it the pinned way.  The
-        nodes are told of the hits afterwards (LRU order, counters), without waiting.  Buffers a timed-out READ may
-        still write into are refused first (``TransferInFlight``): every later path of the read fills the same ones."""
-        self.peers.refuse_fenced(pieces)
+        nodes are told of the hits afterwards (LRU order, counters), without waiting."""
         read: set[int] = set()
 
         def mark(i: int, intact: bool) -> None:
