@@ -37,7 +37,7 @@ from rich.progress import Progress
 
 from kvpool.bench import fleet_cost, fleet_report
 from kvpool.bench.fleet_sim import FleetResult, FleetSettings, replay
-from kvpool.bench.fleet_trace import README_CEILING, Request, ceiling, load
+from kvpool.bench.workloads.mooncake import README_CEILING, Request, ceiling, load
 from kvpool.pool.advisor import AccessLog, curve_of_log, read_access_logs, usable_bytes
 from kvpool.pool.reuse import MissRatioCurve
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpool.bench.fleet_sim import FleetSettings, replay
-from kvpool.bench.fleet_trace import Request, load
+from kvpool.bench.workloads.mooncake import Request, load
 from kvpool.pool.client import PoolClient
 
 TOKENS_PER_BLOCK = 16  #: a trace block scaled down: one chunk of 16 tokens

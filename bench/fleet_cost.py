@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from kvpool.bench.fleet_sim import NIC_BYTES_S, FleetResult, FleetSettings
-from kvpool.bench.fleet_trace import Request, load
+from kvpool.bench.workloads.mooncake import Request, load
 from kvpool.core.keys import KEY_BYTES
 from kvpool.core.types import DropCause, Placement, Tier, Tombstone
 from kvpool.metadata.namespace import Namespace

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpool.bench.fleet_cost import MEASURED
-from kvpool.bench.fleet_trace import TRACES
+from kvpool.bench.workloads.mooncake import TRACES
 
 
 @dataclass(frozen=True)

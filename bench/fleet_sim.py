@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.bench.fleet_node import Queues, SimNode, put, read
-from kvpool.bench.fleet_trace import BLOCK_TOKENS, Request
+from kvpool.bench.workloads.mooncake import BLOCK_TOKENS, Request
 from kvpool.clock import ManualClock
 from kvpool.core.types import Placement, Tier, nearest
 from kvpool.metadata.lookup import AccessRecorder

@@ -21,7 +21,7 @@ import numpy as np
 from kvpool.core.keys import CacheIdentity, chunk_keys
 from kvpool.errors import ConfigError
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "mooncake-fast25"
+DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "mooncake-fast25"
 TRACES = {"conversation": "conversation_trace.jsonl", "synthetic": "synthetic_trace.jsonl"}
 BLOCK_TOKENS = 512  #: tokens per trace block (the README)
 #: what the README reports of each trace: the hit rate of an infinite cache over blocks

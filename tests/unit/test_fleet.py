@@ -11,7 +11,7 @@ from rich.console import Console
 from kvpool.bench import fleet, fleet_cost, fleet_report
 from kvpool.bench.fleet_node import Byteless, SimNode, put, read
 from kvpool.bench.fleet_sim import Fleet, FleetResult, FleetSettings, replay
-from kvpool.bench.fleet_trace import (
+from kvpool.bench.workloads.mooncake import (
     Request,
     block_tokens,
     ceiling,

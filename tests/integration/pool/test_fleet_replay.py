@@ -8,7 +8,7 @@ import pytest
 from pools import PoolShelf, names
 
 from kvpool.bench.fleet_check import Check, real, simulated
-from kvpool.bench.fleet_trace import trace_path
+from kvpool.bench.workloads.mooncake import trace_path
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
 
