@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvpool-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast lint typecheck pytest bench clean system-deps sglang
+.PHONY: run test test-fast lint typecheck pytest bench bench-peers bench-peer-lmcache bench-peer-mooncake clean system-deps sglang
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -78,6 +78,30 @@ system-deps:
 	      { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $(SYSTEM_PKGS) >/dev/null; }; \
 	  else echo "note: tests/integration/launcher needs $(SYSTEM_PKGS) (not root or no apt-get): it will be skipped"; fi; \
 	fi
+
+# The serving bench's peers (bench/serve.py's lmcache and mooncake layers), as benchmark extras: never in make test's
+# path, never kvpool dependencies.
+bench-peers: bench-peer-lmcache bench-peer-mooncake
+
+bench-peer-lmcache: $(STAMP)
+	$(PY) -m pip install --quiet --no-deps 'lmcache==0.5.6' 'aiofile==3.12.3' 'caio==0.12.10' 'aiofiles==25.1.0'
+	$(PY) -c "import torch, vllm; from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl; print('lmcache', __import__('lmcache').__version__, 'beside torch', torch.__version__)"
+
+bench-peer-mooncake: $(STAMP)
+# Mooncake Store under vLLM's own MooncakeStoreConnector (bench/serving/mooncake.py).  The wheel asks only for aiohttp,
+# requests and msgpack, which vLLM brought: pip adds the wheel alone, and torch stays the CPU build (checked).
+	$(PY) -m pip install --quiet 'mooncake-transfer-engine-non-cuda==0.3.13.post1'
+	$(PY) -c 'import torch; assert torch.__version__.endswith("+cpu"), f"torch is now {torch.__version__}"'
+# Its binaries link libibverbs (and libnl-3, libnl-route-3, librdmacm) even over TCP.  Where the system has none,
+# Debian's cached packages are unpacked, not installed, into .venv/mooncake-sysroot: the layer puts its lib folders on
+# the Mooncake processes' LD_LIBRARY_PATH.
+	@if ldconfig -p | grep -q 'libibverbs\.so\.1 '; then echo "libibverbs.so.1 is installed: no sysroot needed"; \
+	elif ls $(VENV)/mooncake-sysroot/usr/lib/*/libibverbs.so.1 >/dev/null 2>&1; then echo "$(VENV)/mooncake-sysroot is there"; \
+	else for p in libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200; do \
+	  deb=$$(ls /var/cache/apt/archives/$${p}_*_$$(dpkg --print-architecture 2>/dev/null).deb 2>/dev/null | tail -n 1); \
+	  if [ -z "$$deb" ]; then echo "bench-peer-mooncake: no cached $$p package: apt-get install libibverbs1 librdmacm1"; exit 1; fi; \
+	  dpkg-deb -x "$$deb" $(VENV)/mooncake-sysroot && echo "unpacked $$deb into $(VENV)/mooncake-sysroot" || exit 1; \
+	done; fi
 
 bench: $(STAMP)
 	$(PY) bench/metadata.py

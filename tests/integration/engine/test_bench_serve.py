@@ -1,0 +1,48 @@
+"""``bench/serve.py`` end to end at toy size, so that the serving bench cannot rot: a random Llama with SmolLM2's
+tokenizer (``vllm bench serve`` builds its prompts from text), one vLLM OpenAI server a layer (none, and kvpool on the
+session's engine pool), ``kvpool route`` in front, six requests of one conversation of Mooncake's trace replayed by
+``vllm bench serve``, then the restart scenario.  What it checks is that every part ran and counted: every request
+answered, a fresh engine that took nothing from below without a layer and took the first half's prompts from the
+pool with kvpool.  The figures are the benchmark's business, not this test's."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpool.pool.config import PoolConfig
+
+
+@pytest.fixture(scope="module")
+def toy_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer random Llama saved with SmolLM2's tokenizer (its vocabulary the tokenizer's)."""
+    from transformers import AutoTokenizer
+
+    from kvpool.prefill_decode.reference.model import converted_smollm2, tiny_llama
+
+    path = tmp_path_factory.mktemp("toy-serve-model")
+    tokenizer = AutoTokenizer.from_pretrained(converted_smollm2(), local_files_only=True)
+    tiny = tiny_llama(layers=4, hidden=256, heads=4, kv_heads=2, vocab=len(tokenizer), max_positions=4096)
+    tiny.model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.timeout(1200)
+def test_the_serving_bench_runs_end_to_end(engine_pool: PoolConfig, toy_model: Path, tmp_path: Path) -> None:
+    from kvpool.bench import serve
+
+    result = tmp_path / "serve.json"
+    args = ["--layers", "none,kvpool", "--routes", "round-robin", "--engines", "1", "--model", str(toy_model)]
+    args += ["--sample", "1000", "--requests", "6", "--max-input", "512", "--max-output", "4", "--speedup", "1000"]
+    out = serve.main([*args, "--json", str(result)], pool=engine_pool)
+
+    rows = {(r["layer"], r["route"]): r for r in out["rows"]}
+    assert set(rows) == {(layer, route) for layer in ("none", "kvpool") for route in ("round-robin", "restart")}
+    for (layer, route), r in rows.items():
+        assert "error" not in r, r
+        assert (r["completed"], r["failed"]) == ((6, 0) if route == "round-robin" else (3, 0)), (layer, route)
+        assert sum(r["tokens"].values()) > 0, (layer, route)
+    assert rows["none", "restart"]["fresh_tokens"]["layer below"] == 0
+    assert rows["kvpool", "restart"]["fresh_tokens"]["layer below"] > 0  # the first half's prompt, saved to the pool
+    assert json.loads(result.read_text())["rows"] and result.with_suffix(".png").stat().st_size > 0
