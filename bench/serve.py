@@ -132,7 +132,18 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-output", type=int, default=8, help="output tokens of every request")
     ap.add_argument("--speedup", type=float, default=20.0, help="the trace's time compressed this many times")
     ap.add_argument("--engines", type=int, default=2, help="vLLM engines (one per Ray node)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        help="the engines' (vLLM's CPU default is bfloat16, which CPUs without AVX-512 BF16 or AMX emulate slowly)",
+    )
+    ap.add_argument(
+        "--bind-cores", action="store_true", help="engine i computes on core i alone (engines on separate hosts)"
+    )
     ap.add_argument("--engine-blocks", type=int, default=64, help="KV blocks (32 tokens) of each engine's own cache")
+    ap.add_argument(
+        "--kvpool-chunk", type=int, default=256, help="tokens a kvpool chunk holds (the connector's default; x 32)"
+    )
     ap.add_argument("--pool-mib", type=int, default=512, help="memory of the layer below, per engine (MiB)")
     ap.add_argument("--model", type=Path, help="a vLLM model directory with its tokenizer (default: SmolLM2-135M)")
     ap.add_argument("--json", type=Path, default=Path("bench/results/serve.json"), help="the rows (the PNG beside)")

@@ -9,9 +9,10 @@ import re
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from kvpool.bench.serving.layers import Layer
@@ -76,22 +77,39 @@ def health(url: str) -> str | None:
 
 @contextmanager
 def engine(args: argparse.Namespace, layer: Layer, i: int, log: Path) -> Iterator[str]:
-    """vLLM OpenAI server ``i`` on 127.0.0.{2 + i mod engines}, with a small KV cache of its own (``--engine-blocks``)
-    and the layer's config; its URL once it answers ``/health``."""
+    """vLLM OpenAI server ``i`` on 127.0.0.{2 + i mod engines}, with a small KV cache of its own (``--engine-blocks``),
+    in ``--dtype``, on core ``i`` alone with ``--bind-cores``, and the layer's config; its URL once it answers
+    ``/health``."""
+    cores = {"VLLM_CPU_OMP_THREADS_BIND": str(i % args.engines % (os.cpu_count() or 1))} if args.bind_cores else {}
+    with engine_process(args, layer, i, log, ["--dtype", args.dtype], cores) as (url, _):
+        yield url
+
+
+@contextmanager
+def engine_process(
+    args: argparse.Namespace,
+    layer: Layer,
+    i: int,
+    log: Path,
+    flags: Sequence[str] = (),
+    env: Mapping[str, str] = MappingProxyType({}),
+) -> Iterator[tuple[str, ServerProcess]]:
+    """:func:`engine`'s URL and its process (to kill it: ``bench/chaos.py``), with vLLM's ``flags`` and ``env``
+    besides."""
     host = f"127.0.0.{2 + i % args.engines}"
     port = free_port(host)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model_dir)]
     cmd += ["--host", host, "--port", str(port), "--enforce-eager", "--seed", "0", "--block-size", "32"]
     cmd += ["--max-model-len", str(args.max_input + args.max_output + 64)]
-    cmd += ["--num-gpu-blocks-override", str(args.engine_blocks), "--disable-uvicorn-access-log"]
+    cmd += ["--num-gpu-blocks-override", str(args.engine_blocks), "--disable-uvicorn-access-log", *flags]
     kv_transfer = layer.kv_transfer(i, host)
     if kv_transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]
-    server = ServerProcess(f"engine {i}", cmd, log, env={**os.environ, **ENGINE_ENV, **layer.env}, grace_s=30)
+    server = ServerProcess(f"engine {i}", cmd, log, env={**os.environ, **ENGINE_ENV, **layer.env, **env}, grace_s=30)
     url = f"http://{host}:{port}"
     server.start(functools.partial(health, url), 900, WorkerUnavailable, poll_s=1.0)
     try:
-        yield url
+        yield url, server
     finally:
         server.stop()
 

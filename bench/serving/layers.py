@@ -45,7 +45,8 @@ def none(args: argparse.Namespace, work: Path) -> Iterator[Layer]:
 
 @contextmanager
 def kvpool(args: argparse.Namespace, work: Path) -> Iterator[Layer]:
-    """A local pool of ``--engines`` Ray nodes (``--pool-mib`` of DRAM each), every engine's connector on its node;
+    """A local pool of ``--engines`` Ray nodes (``--pool-mib`` of DRAM each), every engine's connector on its node
+    with chunks of ``--kvpool-chunk`` tokens;
     or ``args.pool``, a pool running already (one node an engine on 127.0.0.2 and up: the tests' session pool)."""
     import ray
 
@@ -61,6 +62,7 @@ def kvpool(args: argparse.Namespace, work: Path) -> Iterator[Layer]:
             "namespace": pool.namespace,
             "ray_address": ray.get_runtime_context().gcs_address,
             "model_id": "bench-serve",
+            "chunk_size": args.kvpool_chunk,
         }
 
         def config(i: int, host: str) -> dict[str, Any]:
