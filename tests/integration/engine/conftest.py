@@ -1,6 +1,7 @@
 """Fixtures of the engine tests: a small random Llama saved for vLLM, a pool for the engines, engines in processes."""
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pools
@@ -35,6 +36,22 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("tiny-llama-vllm")
     tiny_llama(layers=4, hidden=256, heads=4, kv_heads=2, vocab=4096, max_positions=4096).model.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def toy_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer random Llama saved with SmolLM2's tokenizer (its vocabulary the tokenizer's), for the serving
+    benches' tests (``vllm bench serve`` builds its prompts from text)."""
+    from transformers import AutoTokenizer
+
+    from kvpool.prefill_decode.reference.model import converted_smollm2, tiny_llama
+
+    path = tmp_path_factory.mktemp("toy-serve-model")
+    tokenizer = AutoTokenizer.from_pretrained(converted_smollm2(), local_files_only=True)
+    tiny = tiny_llama(layers=4, hidden=256, heads=4, kv_heads=2, vocab=len(tokenizer), max_positions=4096)
+    tiny.model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 @pytest.fixture

@@ -13,21 +13,6 @@ import pytest
 from kvpool.pool.config import PoolConfig
 
 
-@pytest.fixture(scope="module")
-def toy_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 4-layer random Llama saved with SmolLM2's tokenizer (its vocabulary the tokenizer's)."""
-    from transformers import AutoTokenizer
-
-    from kvpool.prefill_decode.reference.model import converted_smollm2, tiny_llama
-
-    path = tmp_path_factory.mktemp("toy-serve-model")
-    tokenizer = AutoTokenizer.from_pretrained(converted_smollm2(), local_files_only=True)
-    tiny = tiny_llama(layers=4, hidden=256, heads=4, kv_heads=2, vocab=len(tokenizer), max_positions=4096)
-    tiny.model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 @pytest.mark.timeout(1200)
 def test_the_serving_bench_runs_end_to_end(engine_pool: PoolConfig, toy_model: Path, tmp_path: Path) -> None:
     from kvpool.bench import serve

@@ -1,0 +1,35 @@
+"""``bench/chaos.py`` at toy size, failing on any wrong token: a random Llama with SmolLM2's tokenizer on two vLLM
+OpenAI servers over the session's engine pool (their own prefix caches off, as the bench runs them), ``kvpool route``
+in front, four turns of one conversation of Mooncake's trace (the same 1024-token prompt, so every turn after the first
+reads its chunks from the pool, turns 2 and 4 from the other engine's node) replayed without a fault, then once under
+each fault the bench can inject on a pool it did not start, just before turn 2 (a PoolNode stopped past a READ's
+deadline, bytes flipped in its DRAM, the PoolNode killed and started again, an engine killed; etcd is the session's,
+not the test's to restart).  Every answer must be the reference's, token for token, log-probabilities within 1e-3; a
+request fails only where it went to the killed engine."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpool.pool.config import PoolConfig
+
+
+@pytest.mark.timeout(900)
+def test_no_fault_makes_a_wrong_token(engine_pool: PoolConfig, toy_model: Path, tmp_path: Path) -> None:
+    from kvpool.bench import chaos
+
+    result = tmp_path / "chaos.json"
+    args = ["--faults", "node-kill,peer-stall,byte-flip,engine-kill", "--hold-s", "3", "--model", str(toy_model)]
+    args += ["--sample", "1000", "--requests", "4", "--max-output", "4", "--json", str(result)]
+    out = chaos.main(args, pool=engine_pool)
+
+    rows = {r["fault"]: r for r in out["rows"]}
+    assert set(rows) == {"none (reference)", "node-kill", "peer-stall", "byte-flip", "engine-kill"}
+    for kind, r in rows.items():
+        assert r["wrong_tokens"] == r["logprobs_off"] == 0, (kind, r["mismatches"])
+        assert not r.get("error"), (kind, r["error"])
+        assert r["failed"] == (2 if kind == "engine-kill" else 0), (kind, r["errors"])
+    assert rows["none (reference)"]["pool_tokens"] > 0  # the second turn read the first's chunks
+    assert rows["byte-flip"]["figures"]["caught"] > 0  # and failed their checksums where they were flipped
+    assert json.loads(result.read_text())["rows"]
