@@ -166,27 +166,36 @@ class NodeHandle:
 
     def __init__(self, node_id: str, actor: ActorHandle) -> None:
         self.node_id, self.actor = node_id, actor
+        self.dead = False  #: a call found the actor dead: :class:`NodeHandles` looks the node's actor up again
+
+    def _call(self, ref: ray.ObjectRef, timeout_s: float | None = CALL_TIMEOUT_S) -> Any:
+        """:func:`call`, noting an actor found dead (a node started again on this Ray node is a new actor)."""
+        try:
+            return call(ref, timeout_s)
+        except NodeUnreachable as exc:
+            self.dead = self.dead or isinstance(exc.__cause__, ray.exceptions.RayActorError)
+            raise
 
     def info(self) -> NodeInfo:
-        info: NodeInfo = call(self.actor.info.remote())
+        info: NodeInfo = self._call(self.actor.info.remote())
         return info
 
     def prepare_store(self, length: int) -> Room:
-        room: Room = call(self.actor.prepare_store.remote(length))
+        room: Room = self._call(self.actor.prepare_store.remote(length))
         return room
 
     def complete_store(
         self, room: Room, chunks: Sequence[Filled], replicated: bool, origin: Origin, next_length: int
     ) -> Stored:
         wire = [msgspec.structs.astuple(c) for c in chunks]
-        stored: Stored = call(self.actor.complete_store.remote(room.id, wire, replicated, next_length, origin))
+        stored: Stored = self._call(self.actor.complete_store.remote(room.id, wire, replicated, next_length, origin))
         return stored
 
     def abort_store(self, room_id: int) -> None:
         self.actor.abort_store.remote(room_id)
 
     def prepare_load(self, keys: list[bytes], promote: bool | None = None, copy_nvme: bool = False) -> Loaded:
-        loaded: Loaded = call(self.actor.prepare_load.remote(keys, promote, copy_nvme))
+        loaded: Loaded = self._call(self.actor.prepare_load.remote(keys, promote, copy_nvme))
         return loaded
 
     def complete_load(self, keys: list[bytes]) -> None:
@@ -196,34 +205,37 @@ class NodeHandle:
         self.actor.touch.remote(keys)
 
     def remove(self, keys: list[bytes], corrupt: bool = False) -> Settled:
-        settled: Settled = call(self.actor.remove.remote(keys, corrupt))
+        settled: Settled = self._call(self.actor.remove.remote(keys, corrupt))
         return settled
 
     def move(self, keys: list[bytes], tier: Tier) -> Settled:
-        settled: Settled = call(self.actor.move.remote(keys, tier))
+        settled: Settled = self._call(self.actor.move.remote(keys, tier))
         return settled
 
     def report_clients(self, stats: object) -> None:
         self.actor.report_clients.remote(stats)
 
     def stats(self, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
-        figures: dict[str, Any] = call(self.actor.stats.remote(), timeout_s)
+        figures: dict[str, Any] = self._call(self.actor.stats.remote(), timeout_s)
         return figures
 
     def audit(self) -> list[str]:
-        problems: list[str] = call(self.actor.audit.remote())
+        problems: list[str] = self._call(self.actor.audit.remote())
         return problems
 
 
 class NodeHandles:
-    """The actor handles of the pool's nodes in one Ray namespace, looked up once each."""
+    """The actor handles of the pool's nodes in one Ray namespace, looked up once each (again after one died)."""
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
         self._handles: dict[str, NodeHandle] = {}
 
     def __getitem__(self, node_id: str) -> NodeHandle:
-        if node_id not in self._handles:
+        """The node's handle, looked up again once a call found its actor dead (the node may have been started again
+        since; if not, the lookup says so)."""
+        handle = self._handles.get(node_id)
+        if handle is None or handle.dead:
             try:
                 actor = ray.get_actor(actor_name(node_id), namespace=self.namespace)
             except ValueError:  # Ray's way of saying there is no such actor

@@ -72,6 +72,7 @@ class Peers:
         self._transport: NixlTransport | None = None
         self._stage: np.ndarray | None = None
         self._connected: dict[str, str] = {}  #: node id -> the transport's peer name
+        self._descriptors: dict[str, bytes] = {}  #: node id -> the descriptor it was connected from
         self._registered: dict[str, tuple[int, int]] = {}  #: caller buffers: region name -> (address, nbytes)
         self._failed: dict[str, float] = {}  #: node id -> when a transfer with it last failed
         self._set_aside = 0  #: transports set aside (the module's docstring)
@@ -144,7 +145,12 @@ class Peers:
     # -- transfers -------------------------------------------------------------------------------------
 
     def _peer(self, node_id: str) -> str:
-        """The transport peer of a pool node, connected from the descriptor in its node record."""
+        """The transport peer of a pool node, connected from the descriptor in its node record; connected anew when
+        the record's descriptor changed (the node was started again on its Ray node: a new agent)."""
+        if node_id in self._connected and node_id in self._descriptors:
+            record = node_record(self.cache, node_id)
+            if record is not None and record.address and record.address != self._descriptors[node_id]:
+                self.transport.disconnect(self._connected.pop(node_id))
         if node_id not in self._connected:
             record = node_record(self.cache, node_id)
             if record is None or not record.address:
@@ -153,6 +159,7 @@ class Peers:
                 self._connected[node_id] = self.transport.connect(record.address)
             except TransferError as exc:
                 raise NodeUnreachable(f"pool node {node_id[:12]} cannot be reached: {exc}") from exc
+            self._descriptors[node_id] = record.address
         return self._connected[node_id]
 
     def write(self, node_id: str, ops: list[Op]) -> None:
