@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None, pool: Any = None) -> dict[str, Any]:
             (work / name).mkdir()
             write_trace(rows, work / name / "trace.jsonl")
             out["rows"] += run_layer(name, args, rows, work / name)
+            report.save(out, args.json)
     report.write(out, args.json)
     return out
 

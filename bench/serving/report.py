@@ -126,10 +126,15 @@ def plot(out: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def write(out: dict[str, Any], path: Path) -> None:
-    """The table on the console, the rows as JSON at ``path`` and the CDF as PNG beside it."""
+def save(out: dict[str, Any], path: Path) -> None:
+    """The rows so far as JSON at ``path`` (after each layer: a run cut short keeps what it measured)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
+
+
+def write(out: dict[str, Any], path: Path) -> None:
+    """The table on the console, the rows as JSON at ``path`` and the CDF as PNG beside it."""
+    save(out, path)
     plot(out, path.with_suffix(".png"))
     console.print(table(out))
     console.print(f"written {path} and {path.with_suffix('.png')}")

@@ -33,6 +33,11 @@ def route(
         "--max-skew",
         help="prefix-aware: requests in flight beyond the least loaded.",
     ),
+    down_s: float = typer.Option(
+        default_of(RouteConfig, "down_s"),
+        "--down-s",
+        help="Seconds an engine that refused a connection is left out (its request goes to another at once).",
+    ),
 ) -> None:
     """Route OpenAI requests (/v1/completions, /v1/chat/completions) over engines you started, streamed answers
     passed through as they come; /metrics counts requests, errors and prefix matches per engine.
@@ -45,7 +50,7 @@ def route(
     from kvpool.prefill_decode.front.upstream import Router, route_config
 
     with root.errors():
-        config = route_config(upstreams, policy, block_chars=block_chars, max_skew=max_skew)
+        config = route_config(upstreams, policy, block_chars=block_chars, max_skew=max_skew, down_s=down_s)
         where = f"http://{host}:{port}"
         root.console.print(
             f"routing   {where}/v1/completions over {len(config.upstreams)} engine(s), {config.policy}; "

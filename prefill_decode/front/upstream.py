@@ -15,20 +15,26 @@ Policies (:class:`Picker`):
   blocks of ``block_chars`` characters, hashed as a chain (a block's hash covers every block before it), each upstream
   remembering the ``capacity`` blocks it was sent last.  It needs no tokenizer, so it routes any model's traffic.
 
+An upstream that refuses the connection (a dead or restarting engine) is left out for ``down_s`` and the request,
+which it never saw, goes to the next pick; one that fails inside a streamed answer ends that stream with an error
+event (``data: {"error": ...}``, as vLLM writes one), not with a second HTTP status on the same connection.
+
 The router holds no KV and asks no engine: with kvpool below the engines, a request any engine takes finds the
 pool's chunks wherever they were computed, which is what lets load-only routing keep its hits.
 """
 
+import contextlib
 import hashlib
 import itertools
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import msgspec
-from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from aiohttp import ClientConnectorError, ClientError, ClientSession, ClientTimeout, web
 from msgspec import Meta
 
 from kvpool.core.config import Config, validated
@@ -52,6 +58,9 @@ class RouteConfig(Config, frozen=True):
     capacity: Annotated[int, Meta(ge=1, description="an int >= 1")] = 100_000  #: blocks remembered per upstream
     max_skew: Annotated[int, Meta(ge=0, description="an int >= 0")] = 4  #: prefix-aware: in flight beyond the least
     timeout_s: Annotated[float, Meta(gt=0, description="seconds > 0")] = 600.0  #: one upstream request, end to end
+    down_s: Annotated[float, Meta(ge=0, description="seconds >= 0")] = (
+        5.0  #: an upstream refusing connections: left out
+    )
 
 
 def prefix_blocks(text: str, block_chars: int) -> list[bytes]:
@@ -71,6 +80,7 @@ class Upstream:
     errors: int = 0
     matched_blocks: int = 0  #: of the prompts sent here, blocks it had been sent before
     prompt_blocks: int = 0
+    down_until: float = 0.0  #: refused a connection: left out of the picks until then (``time.monotonic()``)
     seen: "OrderedDict[bytes, None]" = field(default_factory=OrderedDict)  #: the blocks sent here, oldest first
 
 
@@ -82,21 +92,22 @@ class Picker:
         self.upstreams = [Upstream(url) for url in config.upstreams]
         self._turn = itertools.cycle(range(len(self.upstreams)))
 
-    def pick(self, prompt: str) -> int:
-        """The upstream for a request with ``prompt``, counted in flight until :meth:`done`."""
+    def pick(self, prompt: str, now: float = 0.0, skip: frozenset[int] = frozenset()) -> int:
+        """The upstream for a request with ``prompt``, counted in flight until :meth:`done`; of those not down at
+        ``now`` (:meth:`down`) and not in ``skip`` (every one, if that leaves none)."""
+        up_now = [i for i, u in enumerate(self.upstreams) if u.down_until <= now and i not in skip]
+        live = up_now or [i for i in range(len(self.upstreams)) if i not in skip] or list(range(len(self.upstreams)))
         blocks = prefix_blocks(prompt, self.config.block_chars) if self.config.policy == "prefix-aware" else []
-        matched = [self._matched(u, blocks) for u in self.upstreams]
+        matched = [self._matched(u, blocks) if i in live else 0 for i, u in enumerate(self.upstreams)]
         #: ties go to the one that took fewest requests, so light traffic spreads too
-        least = min(range(len(self.upstreams)), key=lambda i: (self.upstreams[i].in_flight, self.upstreams[i].requests))
+        least = min(live, key=lambda i: (self.upstreams[i].in_flight, self.upstreams[i].requests))
         if self.config.policy == "round-robin":
-            chosen = next(self._turn)
+            chosen = next(i for i in self._turn if i in live)
         elif self.config.policy == "least-loaded" or not any(matched):
             chosen = least
         else:
             fair = [
-                i
-                for i, u in enumerate(self.upstreams)
-                if u.in_flight <= self.upstreams[least].in_flight + self.config.max_skew
+                i for i in live if self.upstreams[i].in_flight <= self.upstreams[least].in_flight + self.config.max_skew
             ]
             chosen = max(fair, key=lambda i: (matched[i], -self.upstreams[i].in_flight, -self.upstreams[i].requests))
         up = self.upstreams[chosen]
@@ -114,6 +125,10 @@ class Picker:
     def done(self, i: int, failed: bool = False) -> None:
         self.upstreams[i].in_flight -= 1
         self.upstreams[i].errors += failed
+
+    def down(self, i: int, now: float) -> None:
+        """Upstream ``i`` refused a connection at ``now``: left out of the picks for ``down_s``."""
+        self.upstreams[i].down_until = now + self.config.down_s
 
     @staticmethod
     def _matched(up: Upstream, blocks: Sequence[bytes]) -> int:
@@ -156,10 +171,24 @@ class Router:
             text = prompt_text(msgspec.json.decode(raw, type=dict[str, Any]))
         except msgspec.DecodeError as exc:  # a ValidationError too: JSON, but not an object
             return error_response(400, f"the body must be a JSON object: {exc}", "invalid_request_error")
-        i = self.picker.pick(text)
-        url = self.picker.upstreams[i].url + request.rel_url.path_qs
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        failed = True
+        refused: set[int] = set()
+        while True:
+            i = self.picker.pick(text, time.monotonic(), frozenset(refused))
+            try:
+                return await self._pass(request, i, raw, headers)
+            except ClientConnectorError as exc:  # it never saw the request: another upstream may take it
+                log.warning("upstream %s refused the connection: %s", self.picker.upstreams[i].url, exc)
+                self.picker.down(i, time.monotonic())
+                refused.add(i)
+                if len(refused) == len(self.picker.upstreams):
+                    return error_response(502, f"no upstream accepted a connection: {exc}", "server_error")
+
+    async def _pass(self, request: web.Request, i: int, raw: bytes, headers: dict[str, str]) -> web.StreamResponse:
+        """The request to upstream ``i``, its answer passed back; ``ClientConnectorError`` if it refused the
+        connection (counted as an error there)."""
+        url = self.picker.upstreams[i].url + request.rel_url.path_qs
+        failed, answer = True, None
         try:
             session = await self._client()
             async with session.post(url, data=raw, headers=headers) as upstream:
@@ -171,9 +200,19 @@ class Router:
                 await answer.write_eof()
                 failed = upstream.status >= 500
                 return answer
+        except ClientConnectorError:
+            raise
         except (TimeoutError, ClientError) as exc:
             log.warning("upstream %s failed: %s", url, exc)
-            return error_response(502, f"upstream {self.picker.upstreams[i].url} failed: {exc}", "server_error")
+            why = f"upstream {self.picker.upstreams[i].url} failed: {exc}"
+            if answer is None or not answer.prepared:
+                return error_response(502, why, "server_error")
+            # the status went out already: end the stream with an error event, as vLLM ends one
+            error = {"error": {"message": why, "type": "server_error", "code": 502}}
+            with contextlib.suppress(ConnectionError):
+                await answer.write(b"data: " + msgspec.json.encode(error) + b"\n\n")
+                await answer.write_eof()
+            return answer
         finally:
             self.picker.done(i, failed)
 

@@ -81,3 +81,18 @@ def test_metrics_name_each_upstream() -> None:
     assert f'kvpool_route_requests_total{{upstream="{URLS[0]}",policy="prefix-aware"}} 1' in text
     assert f'kvpool_route_errors_total{{upstream="{URLS[0]}",policy="prefix-aware"}} 1' in text
     assert "# TYPE kvpool_route_in_flight gauge" in text
+
+
+def test_an_upstream_that_refused_a_connection_is_left_out_for_down_s() -> None:
+    for policy in ("round-robin", "least-loaded", "prefix-aware"):
+        p = picker(policy, down_s=5.0)
+        p.down(1, now=100.0)
+        picks = [p.pick(A, now=101.0) for _ in range(4)]
+        assert 1 not in picks, policy
+        assert p.pick(A, now=101.0, skip=frozenset({0, 2})) == 1  # the others refused this request too: try it
+        for i in range(3):
+            p.down(i, now=100.0)
+        assert p.pick(A, now=102.0) in (0, 1, 2)  # every one down: still one of them
+        for j in range(len(p.upstreams)):
+            p.done(j, failed=False)
+        assert 1 in [p.pick(f"{i}" * 64, now=105.0) for i in range(3)], policy  # back after down_s

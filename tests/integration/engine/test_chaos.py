@@ -29,7 +29,9 @@ def test_no_fault_makes_a_wrong_token(engine_pool: PoolConfig, toy_model: Path, 
     for kind, r in rows.items():
         assert r["wrong_tokens"] == r["logprobs_off"] == 0, (kind, r["mismatches"])
         assert not r.get("error"), (kind, r["error"])
-        assert r["failed"] == (2 if kind == "engine-kill" else 0), (kind, r["errors"])
+        # a killed engine fails only what it had in flight (here at most the one request sent before the kill): the
+        # router sends the rest, refused by it, to the live engine
+        assert r["failed"] <= (1 if kind == "engine-kill" else 0), (kind, r["errors"])
     assert rows["none (reference)"]["pool_tokens"] > 0  # the second turn read the first's chunks
     assert rows["byte-flip"]["figures"]["caught"] > 0  # and failed their checksums where they were flipped
     assert json.loads(result.read_text())["rows"]

@@ -157,12 +157,15 @@ def test_an_openai_server_answers_a_prompt_again_from_the_chunks_it_saved(held: 
 
 @pytest.mark.timeout(600)
 def test_kvpool_route_passes_requests_and_streams_to_the_engine(server: str, tmp_path: Path) -> None:
-    """``kvpool route --upstream URL`` as a user starts it, in front of that server: the engine's own answer, a
-    streamed answer passed through chunk by chunk, the engine's model list, a body it cannot read refused, and its
-    /metrics counting what went where.  (Its policies: tests/unit/test_route.py.)"""
-    model, port = converted_smollm2(), free_port(HOST)
+    """``kvpool route --upstream URL`` as a user starts it, in front of that server and of one that is down (a port
+    nothing listens on, named first, so least-loaded picks it first): the engine's own answer, a streamed answer
+    passed through chunk by chunk, the engine's model list, a body it cannot read refused, and its /metrics counting
+    what went where: the dead upstream's refusals as its errors, every request answered by the live one.  (Its
+    policies: tests/unit/test_route.py.)"""
+    model, port, dead = converted_smollm2(), free_port(HOST), f"http://{HOST}:{free_port(HOST)}"
     kvpool = str(Path(sys.executable).with_name("kvpool"))
-    args = [kvpool, "route", "--upstream", server, "--host", HOST, "--port", str(port), "--policy", "least-loaded"]
+    args = [kvpool, "route", "--upstream", dead, "--upstream", server, "--host", HOST, "--port", str(port)]
+    args += ["--policy", "least-loaded"]
     router = ServerProcess("kvpool route", args, tmp_path / "route.log")
     url = f"http://{HOST}:{port}"
     router.start(lambda: health(url), 120, KvPoolError, poll_s=0.5)
@@ -182,6 +185,10 @@ def test_kvpool_route_passes_requests_and_streams_to_the_engine(server: str, tmp
     assert len(chunks) > 1 and "".join(chunks) == direct["choices"][0]["text"]
     assert models["data"][0]["id"] == str(model) and refused.value.code == 400
     assert f'kvpool_route_requests_total{{upstream="{server}",policy="least-loaded"}} 2' in metrics
+    refusals = re.findall(
+        rf'^kvpool_route_errors_total{{upstream="{dead}",policy="least-loaded"}} (\d+)$', metrics, re.M
+    )
+    assert refusals and int(refusals[0]) >= 1
 
 
 def streamed(url: str, model: Path, prompt: str) -> list[str]:
