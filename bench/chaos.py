@@ -42,11 +42,11 @@ from ray.exceptions import RayError
 from rich.console import Console
 
 from kvpool.bench import serve
-from kvpool.bench.serve import names, quantiles
+from kvpool.bench.serve import quantiles
 from kvpool.bench.serving import chaos_report, client, layers, report
 from kvpool.bench.serving.faults import KINDS, Fault, Victim, fault
 from kvpool.bench.serving.harness import engine_process, health, reset, router, scaled_trace, tokens_by_source
-from kvpool.bench.workloads.mooncake import TRACES
+from kvpool.bench.serving.options import names, scale_options
 from kvpool.errors import KvPoolError
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.config import MiB, PoolConfig
@@ -147,7 +147,7 @@ def started(stack: ExitStack, servers: list[AbstractContextManager[T]]) -> list[
 def run_faults(args: argparse.Namespace, bodies: list[dict[str, Any]], at_s: list[float], work: Path) -> list[Any]:
     """The warm-up, the reference run, then a run per fault kind asked, on ``args.pool`` (its etcd ``args.etcd``
     where this process runs it): their rows."""
-    flags = ["--dtype", args.dtype, *([] if args.own_cache else ["--no-enable-prefix-caching"])]
+    flags = [] if args.own_cache else ["--no-enable-prefix-caching"]
     with layers.kvpool(args, work) as layer, ExitStack() as stack:
         layer = dataclasses.replace(layer, env={**layer.env, "UCX_TLS": "tcp"})
         engines = started(
@@ -178,19 +178,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--hold-s", type=float, default=8.0, help="how long node-kill, peer-stall, etcd-restart last")
     ap.add_argument("--tolerance", type=float, default=1e-3, help="log-probabilities equal within this (absolute)")
     ap.add_argument("--own-cache", action="store_true", help="keep the engines' own prefix caches on")
-    ap.add_argument("--trace", choices=sorted(TRACES), default="conversation")
-    ap.add_argument("--sample", type=int, default=100, help="one conversation in N (by its second block's hash id)")
-    ap.add_argument("--requests", type=int, default=60, help="the sample's first N requests")
-    ap.add_argument("--hash-block", type=int, default=32, help="tokens a hash id stands for (512 in the trace)")
-    ap.add_argument("--max-input", type=int, default=1024, help="prompt tokens at most")
-    ap.add_argument("--max-output", type=int, default=8, help="output tokens of every request")
-    ap.add_argument("--speedup", type=float, default=20.0, help="the trace's time compressed this many times")
-    ap.add_argument("--engines", type=int, default=2, help="vLLM engines (one per Ray node)")
-    ap.add_argument("--dtype", default="float32", help="the engines' (the module's docstring)")
-    ap.add_argument("--engine-blocks", type=int, default=64, help="KV blocks (32 tokens) of each engine's own cache")
-    ap.add_argument("--kvpool-chunk", type=int, default=256, help="tokens a kvpool chunk holds (a multiple of 32)")
-    ap.add_argument("--pool-mib", type=int, default=512, help="the pool's DRAM (and NVMe) per engine (MiB)")
-    ap.add_argument("--model", type=Path, help="a vLLM model directory with its tokenizer (default: SmolLM2-135M)")
+    scale_options(ap)
     ap.add_argument("--json", type=Path, default=Path("bench/results/chaos.json"), help="the rows")
     ap.add_argument("--logs", type=Path, help="keep the engines' and routers' logs there (default: removed)")
     return ap

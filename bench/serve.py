@@ -26,7 +26,7 @@ with ``PYTHONHASHSEED=0``, so every run sends the same prompts.
 import argparse
 import statistics
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from typing import Any
 from kvpool.bench.serving import report
 from kvpool.bench.serving.harness import engine, reset, scaled_trace, served, tokens_by_source, write_trace
 from kvpool.bench.serving.layers import LAYERS, Layer, LayerUnavailable, factory
-from kvpool.bench.workloads.mooncake import TRACES
+from kvpool.bench.serving.options import names, scale_options
 from kvpool.errors import KvPoolError
 
 ROUTES = ("round-robin", "least-loaded", "prefix-aware")
@@ -107,45 +107,12 @@ def quantiles(ttfts: list[float]) -> dict[str, float]:
     return {"p50_ttft_ms": cuts[49] * 1000, "p99_ttft_ms": cuts[98] * 1000}
 
 
-def names(known: tuple[str, ...]) -> Callable[[str], list[str]]:
-    """An option's parser: names of ``known``, comma-separated."""
-
-    def parse(text: str) -> list[str]:
-        given = [w for w in text.split(",") if w]
-        if not given or set(given) - set(known):
-            raise argparse.ArgumentTypeError(f"name some of {', '.join(known)}, comma-separated")
-        return given
-
-    return parse
-
-
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=names(tuple(LAYERS)), default=list(LAYERS), help=f"of {', '.join(LAYERS)}")
     ap.add_argument("--routes", type=names(ROUTES), default=list(ROUTES), help=f"of {', '.join(ROUTES)}")
     ap.add_argument("--no-restart", dest="restart", action="store_false", help="skip the restart scenario")
-    ap.add_argument("--trace", choices=sorted(TRACES), default="conversation")
-    ap.add_argument("--sample", type=int, default=100, help="one conversation in N (by its second block's hash id)")
-    ap.add_argument("--requests", type=int, default=60, help="the sample's first N requests")
-    ap.add_argument("--hash-block", type=int, default=32, help="tokens a hash id stands for (512 in the trace)")
-    ap.add_argument("--max-input", type=int, default=1024, help="prompt tokens at most")
-    ap.add_argument("--max-output", type=int, default=8, help="output tokens of every request")
-    ap.add_argument("--speedup", type=float, default=20.0, help="the trace's time compressed this many times")
-    ap.add_argument("--engines", type=int, default=2, help="vLLM engines (one per Ray node)")
-    ap.add_argument(
-        "--dtype",
-        default="float32",
-        help="the engines' (vLLM's CPU default is bfloat16, which CPUs without AVX-512 BF16 or AMX emulate slowly)",
-    )
-    ap.add_argument(
-        "--bind-cores", action="store_true", help="engine i computes on core i alone (engines on separate hosts)"
-    )
-    ap.add_argument("--engine-blocks", type=int, default=64, help="KV blocks (32 tokens) of each engine's own cache")
-    ap.add_argument(
-        "--kvpool-chunk", type=int, default=256, help="tokens a kvpool chunk holds (the connector's default; x 32)"
-    )
-    ap.add_argument("--pool-mib", type=int, default=512, help="memory of the layer below, per engine (MiB)")
-    ap.add_argument("--model", type=Path, help="a vLLM model directory with its tokenizer (default: SmolLM2-135M)")
+    scale_options(ap)
     ap.add_argument("--json", type=Path, default=Path("bench/results/serve.json"), help="the rows (the PNG beside)")
     return ap
 

@@ -80,8 +80,7 @@ def engine(args: argparse.Namespace, layer: Layer, i: int, log: Path) -> Iterato
     """vLLM OpenAI server ``i`` on 127.0.0.{2 + i mod engines}, with a small KV cache of its own (``--engine-blocks``),
     in ``--dtype``, on core ``i`` alone with ``--bind-cores``, and the layer's config; its URL once it answers
     ``/health``."""
-    cores = {"VLLM_CPU_OMP_THREADS_BIND": str(i % args.engines % (os.cpu_count() or 1))} if args.bind_cores else {}
-    with engine_process(args, layer, i, log, ["--dtype", args.dtype], cores) as (url, _):
+    with engine_process(args, layer, i, log) as (url, _):
         yield url
 
 
@@ -101,7 +100,10 @@ def engine_process(
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model_dir)]
     cmd += ["--host", host, "--port", str(port), "--enforce-eager", "--seed", "0", "--block-size", "32"]
     cmd += ["--max-model-len", str(args.max_input + args.max_output + 64)]
-    cmd += ["--num-gpu-blocks-override", str(args.engine_blocks), "--disable-uvicorn-access-log", *flags]
+    cmd += ["--num-gpu-blocks-override", str(args.engine_blocks), "--disable-uvicorn-access-log"]
+    cmd += ["--dtype", args.dtype, *flags]
+    if args.bind_cores:  # engine i computes on core i alone
+        env = {**env, "VLLM_CPU_OMP_THREADS_BIND": str(i % args.engines % (os.cpu_count() or 1))}
     kv_transfer = layer.kv_transfer(i, host)
     if kv_transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]
