@@ -23,7 +23,7 @@ cannot delay.  They compute in float32 (``--dtype``; in bfloat16, vLLM's CPU def
 2**-7 when the batch around a request changes).  The trace is scaled as ``bench/serve.py`` scales it; the harness's
 settings this bench has no option for are ``bench/serve.py``'s defaults.
 
-    python bench/chaos.py [--faults peer-stall,...] [--requests 60] [--hold-s 8] [--own-cache] [--model DIR]
+    python bench/chaos.py [--faults peer-stall,...] [--requests 30] [--hold-s 8] [--own-cache] [--model DIR]
 """
 
 import argparse

@@ -20,7 +20,7 @@ to ``--hash-block`` tokens (512 in the trace), inputs cut to ``--max-input`` tok
 (temperature 0, EOS ignored), time compressed ``--speedup`` times.  ``vllm bench serve`` draws each hash id's tokens
 with ``PYTHONHASHSEED=0``, so every run sends the same prompts.
 
-    python bench/serve.py [--layers none,kvpool,...] [--routes round-robin,...] [--requests 60] [--model DIR]
+    python bench/serve.py [--layers none,kvpool,...] [--routes round-robin,...] [--requests 30] [--model DIR]
 """
 
 import argparse

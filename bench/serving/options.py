@@ -23,10 +23,10 @@ def names(known: tuple[str, ...]) -> Callable[[str], list[str]]:
 def scale_options(ap: argparse.ArgumentParser) -> None:
     """The trace's scaling (``bench/serve.py``'s docstring) and the engines' settings."""
     ap.add_argument("--trace", choices=sorted(TRACES), default="conversation")
-    ap.add_argument("--sample", type=int, default=100, help="one conversation in N (by its second block's hash id)")
-    ap.add_argument("--requests", type=int, default=60, help="the sample's first N requests")
+    ap.add_argument("--sample", type=int, default=300, help="one conversation in N (by its second block's hash id)")
+    ap.add_argument("--requests", type=int, default=30, help="the sample's first N requests")
     ap.add_argument("--hash-block", type=int, default=32, help="tokens a hash id stands for (512 in the trace)")
-    ap.add_argument("--max-input", type=int, default=1024, help="prompt tokens at most")
+    ap.add_argument("--max-input", type=int, default=768, help="prompt tokens at most")
     ap.add_argument("--max-output", type=int, default=8, help="output tokens of every request")
     ap.add_argument("--speedup", type=float, default=20.0, help="the trace's time compressed this many times")
     ap.add_argument("--engines", type=int, default=2, help="vLLM engines (one per Ray node)")
