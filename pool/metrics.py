@@ -2,7 +2,7 @@
 ``PoolNode`` of their Ray node, which serves them with its own metrics (:mod:`kvpool.pool.node.collector`)."""
 
 import bisect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -159,15 +159,20 @@ class ClientStats:
 
 
 class StatsReporter:
-    """A client's :class:`ClientStats`, handed to its node's ``PoolNode`` (``node``; None: the client's Ray node has
-    no pool node, so nobody to report to) at most about once every ``period_s``, without waiting."""
+    """A client's :class:`ClientStats`, handed to its node's ``PoolNode`` (``node()``: the node's actor at the time, or
+    None when the client's Ray node has no pool node, so nobody to report to) at most about once every ``period_s``,
+    without waiting."""
 
-    def __init__(self, node: NodeHandle | None, period_s: float = 1.0, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(
+        self, node: Callable[[], NodeHandle | None], period_s: float = 1.0, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
         self.node, self.period_s, self.clock = node, period_s, clock
         self.seen, self._sent_at = ClientStats(), clock.monotonic()
 
     def report(self, force: bool = False) -> None:
-        if self.node is None or not self.seen or (not force and self.clock.monotonic() - self._sent_at < self.period_s):
+        if not self.seen or (not force and self.clock.monotonic() - self._sent_at < self.period_s):
             return
-        self.node.report_clients(self.seen)
+        if (node := self.node()) is None:
+            return
+        node.report_clients(self.seen)
         self.seen, self._sent_at = ClientStats(), self.clock.monotonic()

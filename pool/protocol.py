@@ -64,6 +64,7 @@ class NodeInfo(msgspec.Struct, frozen=True):
     nvme_path: str  #: the NVMe segment's file ("" without one), which a same-node client reads into device memory
     metrics_address: str  #: host:port of its Prometheus endpoint ("" if off)
     restart: str = ""  #: what it took back of its last run's NVMe chunks (warm restart; "" if nothing was there)
+    pid: int = 0  #: its process, as its node record names it: a node started again is another process
 
 
 class Settled(msgspec.Struct, frozen=True):
@@ -235,15 +236,18 @@ class NodeHandles:
         """The node's handle, looked up again once a call found its actor dead (the node may have been started again
         since; if not, the lookup says so)."""
         handle = self._handles.get(node_id)
-        if handle is None or handle.dead:
-            try:
-                actor = ray.get_actor(actor_name(node_id), namespace=self.namespace)
-            except ValueError:  # Ray's way of saying there is no such actor
-                raise NodeUnreachable(
-                    f"no pool node actor for node {node_id[:12]} (it died or was stopped): see kvpool status"
-                ) from None
-            self._handles[node_id] = NodeHandle(node_id, actor)
-        return self._handles[node_id]
+        return self.renew(node_id) if handle is None or handle.dead else handle
+
+    def renew(self, node_id: str) -> NodeHandle:
+        """The node's handle, looked up now: the actor that holds its name today (one started again is another)."""
+        try:
+            actor = ray.get_actor(actor_name(node_id), namespace=self.namespace)
+        except ValueError:  # Ray's way of saying there is no such actor
+            raise NodeUnreachable(
+                f"no pool node actor for node {node_id[:12]} (it died or was stopped): see kvpool status"
+            ) from None
+        self._handles[node_id] = handle = NodeHandle(node_id, actor)
+        return handle
 
     def stats(self, node_ids: Sequence[str], timeout_s: float) -> dict[str, dict[str, Any]]:
         """Each node's :meth:`NodeHandle.stats`, or ``{"error": ...}`` for one dying right now (the view goes on)."""

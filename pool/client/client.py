@@ -3,7 +3,8 @@
 Works from a Ray driver, task or actor (``ray.init`` done).  Lookups (``exists``, ``lookup_prefix``, the
 replicas of a chunk) are answered by a local watch-synced copy of etcd, without a round trip.  Data:
 
-- **same node**: the client maps its node's DRAM segment; a put writes straight into the room the node holds for
+- **same node**: the client maps its node's DRAM segment (:mod:`~kvpool.pool.client.local`: mapped anew, with the
+  node's new actor, once the node was started again); a put writes straight into the room the node holds for
   it and hands the batch over (one call, which opens the next room); a get copies the chunk out of the mapping at
   the offset its placement gives and verifies the checksum — no call at all; only if that fails (the chunk moved or
   is being evicted) does it pin the chunk (one call), copy it and unpin.
@@ -25,7 +26,6 @@ a kind of :class:`ChunkNotFound` — a miss, never wrong bytes.
 """
 
 import contextlib
-import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +49,7 @@ from kvpool.pool.buffers import joined, one_per_key, pieces_of, tensor_bytes
 from kvpool.pool.chunks import Fingerprint, Origin
 from kvpool.pool.client.args import Counts, GraceS, MaybeOnDone, NodeId, NodeIds, NodeTier, ReplicaCount, Tensors
 from kvpool.pool.client.device_reads import DeviceReads
+from kvpool.pool.client.local import LocalNode
 from kvpool.pool.client.peers import Peers, node_record
 from kvpool.pool.client.prefetch import Prefetched, plan
 from kvpool.pool.client.reads import NodeReads, at, landed, settle
@@ -58,12 +59,9 @@ from kvpool.pool.client.writes import Item, Rooms, put_local, put_peer, targets
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.metrics import SOURCES, StatsReporter
 from kvpool.pool.protocol import NodeHandle, NodeHandles, NodeInfo, Settled
-from kvpool.pool.segment import DramSegment
 from kvpool.pool.tenants import TenantName
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.pool.tiers.s3_config import GC_GRACE_S
-
-log = logging.getLogger(__name__)
 
 
 class PoolClient:
@@ -88,21 +86,10 @@ class PoolClient:
         self.remote = RemoteReads(
             config.remote, config.metadata.cluster, self.cache, self.placements, self.put_batch, self._wait_s
         )
-        self._segment: DramSegment | None = None
-        self._local: NodeHandle | None = None
-        info: NodeInfo | None = None
-        try:
-            self._local = self.nodes[self.node_id]
-            info = self._local.info()
-            self._segment = DramSegment.attach(info.dram_path, info.dram_capacity)
-        except NodeUnreachable:
-            log.info("no pool node on this Ray node (%s): every transfer goes to peers", self.node_id[:12])
-        self._stats = StatsReporter(self._local)  #: what this client saw, for its node's metrics
-        self.info = info  #: what the pool node on this Ray node told of itself (None: there is none)
-        self.reads = NodeReads(
-            self.node_id, self.nodes, self.peers, self._segment, self._local, info, config.encryption.keyring()
-        )
-        self.device = DeviceReads(self.node_id, info, self._local)
+        self.local = LocalNode(self.node_id, self.nodes, self.cache)  #: the pool node here, bound anew once restarted
+        self._stats = StatsReporter(self.local.handle)  #: what this client saw, for its node's metrics
+        self.reads = NodeReads(self.node_id, self.nodes, self.peers, self.local, config.encryption.keyring())
+        self.device = DeviceReads(self.node_id, self.local)
         self.replicas = Replicas(
             self.node_id, self.cache, self.nodes, self.reads, self.remote, self._wait_s, self._caught_up
         )
@@ -114,12 +101,15 @@ class PoolClient:
         self.rooms.close()
         self.peers.close()
         self.remote.close()
-        self.device.close()
-        self.reads.close()
         self.cache.close()
         self.etcd.close()
-        if self._segment is not None:
-            self._segment.close()
+        self.local.close()
+
+    @property
+    def info(self) -> NodeInfo | None:
+        """What the pool node on this Ray node told of itself (None: there is none)."""
+        bound = self.local.current()
+        return bound.info if bound is not None else None
 
     def __enter__(self) -> "PoolClient":
         return self
@@ -160,20 +150,21 @@ class PoolClient:
         live = {n.node_id for n in self.cache.nodes()}
         if unknown := [n for n in nodes if n not in live]:
             raise NodeUnreachable(f"no live pool node {', '.join(u[:12] for u in unknown)}: pick from kvpool status")
-        here = self.node_id if self._segment is not None else None
+        bound = self.local.current()
+        here = self.node_id if bound is not None else None
         chosen = list(dict.fromkeys(nodes)) or targets(self.cache.nodes(), here, replicas)
         formats = [TensorFormat.of_pieces(d) for _, d in items]
         replicated = len(chosen) > 1
-        segment = self._segment if self.node_id in chosen else None
+        local = bound if self.node_id in chosen else None
         with ThreadPoolExecutor(1, thread_name_prefix="kvpool-put") as pool:  # this node's copy beside the peers'
             mine = None
-            if segment is not None and self._local is not None:
+            if local is not None:
                 mine = pool.submit(
-                    put_local, self._local, self.node_id, self.rooms, segment, views, formats, replicated, origin
+                    put_local, local.handle, self.node_id, self.rooms, local.segment, views, formats, replicated, origin
                 )
             revision = 0
             for node_id in chosen:
-                if node_id != self.node_id or segment is None:  # peers one at a time: they share the staging buffer
+                if node_id != self.node_id or local is None:  # peers one at a time: they share the staging buffer
                     revision = max(revision, self._put_peer(node_id, views, formats, replicated, origin))
             if mine is not None:
                 revision = max(revision, mine.result())

@@ -13,9 +13,7 @@ from kvpool.core.types import Placement, Tier
 from kvpool.errors import KvPoolError
 from kvpool.pool.buffers import byte_view
 from kvpool.pool.chunks import checksum, short
-from kvpool.pool.gds import DeviceIO
-from kvpool.pool.protocol import NodeHandle, NodeInfo
-from kvpool.pool.segment import NvmeSegment
+from kvpool.pool.client.local import LocalNode
 
 if TYPE_CHECKING:
     import torch
@@ -31,23 +29,11 @@ def _host_like(t: torch.Tensor) -> torch.Tensor:
 
 
 class DeviceReads:
-    """``info`` and ``local``: what the pool node on this Ray node told of itself, and the node (None: there is
-    none)."""
+    """``local``: the pool node on this Ray node, as the client bound it (its NVMe segment file opened there)."""
 
-    def __init__(self, node_id: str, info: NodeInfo | None, local: NodeHandle | None) -> None:
-        self.node_id, self.info, self.local = node_id, info, local
-        self._io: DeviceIO | None = None  #: this node's NVMe segment, opened on first use
+    def __init__(self, node_id: str, local: LocalNode) -> None:
+        self.node_id, self.local = node_id, local
         self.counts = {"direct": 0, "direct_bytes": 0, "via_host": 0, "via_host_bytes": 0}
-
-    def close(self) -> None:
-        if self._io is not None:
-            self._io.close()
-            self._io.segment.close()
-
-    def _nvme(self) -> DeviceIO | None:
-        if self._io is None and self.info is not None and self.info.nvme_path:
-            self._io = DeviceIO(NvmeSegment.attach(self.info.nvme_path, self.info.nvme_capacity))
-        return self._io
 
     def get_into(
         self,
@@ -77,11 +63,12 @@ class DeviceReads:
     def _direct(self, keys: Sequence[bytes], flats: list[torch.Tensor], direct: list[int]) -> set[int]:
         """Pin the chunks at ``direct`` (not promoted) and read them from the segment file into their tensors;
         the indexes that landed intact."""
-        io = self._nvme()
-        if io is None or self.local is None:
+        bound = self.local.current()
+        io = bound.device_io() if bound is not None else None
+        if bound is None or io is None:
             return set()
         landed: set[int] = set()
-        chunks = self.local.prepare_load([keys[i] for i in direct], promote=False).chunks
+        chunks = bound.handle.prepare_load([keys[i] for i in direct], promote=False).chunks
         try:
             for i, c in zip(direct, chunks, strict=True):
                 if c is None or c.tier is not Tier.NVME or c.codec != "raw" or c.stored != flats[i].numel():
@@ -96,5 +83,5 @@ class DeviceReads:
                     self.counts["direct"] += 1
                     self.counts["direct_bytes"] += c.stored
         finally:
-            self.local.complete_load([keys[i] for i in direct])
+            bound.handle.complete_load([keys[i] for i in direct])
         return landed

@@ -18,9 +18,9 @@ from kvpool.core.types import Placement, Tier
 from kvpool.errors import ChunkNotFound, NodeUnreachable, UndecodableChunk
 from kvpool.pool.buffers import byte_view, scatter
 from kvpool.pool.chunks import SEGMENT_NAMES, StoredChunk, checksum, checksum_of, copy_checked, short
+from kvpool.pool.client.local import Binding, LocalNode
 from kvpool.pool.client.peers import STAGING_BYTES, Peers, rounds
-from kvpool.pool.protocol import NodeHandle, NodeHandles, NodeInfo
-from kvpool.pool.segment import DramSegment, NvmeSegment
+from kvpool.pool.protocol import NodeHandles
 from kvpool.pool.tiers.codecs import decode
 from kvpool.pool.tiers.crypto import Keyring, unseal
 from kvpool.transport.base import Op
@@ -86,27 +86,14 @@ def fill(
 
 
 class NodeReads:
-    """Reads by a client on Ray node ``node_id``; ``segment`` and ``local`` are the mapped DRAM segment and the
-    actor of the pool node there (None when the Ray node has none), ``info`` what that node told of itself."""
+    """Reads by a client on Ray node ``node_id``; ``local``: the pool node there, as the client bound it (each read
+    uses its binding of the moment: the node's actor and mapped segment, or none)."""
 
     def __init__(
-        self,
-        node_id: str,
-        handles: NodeHandles,
-        peers: Peers,
-        segment: DramSegment | None,
-        local: NodeHandle | None,
-        info: NodeInfo | None = None,
-        keys: Keyring | None = None,
+        self, node_id: str, handles: NodeHandles, peers: Peers, local: LocalNode, keys: Keyring | None = None
     ) -> None:
-        self.node_id, self.handles, self.peers, self.segment, self.local = node_id, handles, peers, segment, local
+        self.node_id, self.handles, self.peers, self.local = node_id, handles, peers, local
         self.keys = keys  #: opens chunks left on an encrypted NVMe tier
-        self._nvme_file = (info.nvme_path, info.nvme_capacity) if info is not None and info.nvme_path else None
-        self._nvme: NvmeSegment | None = None  #: the node's NVMe segment file, opened read-only on first use
-
-    def close(self) -> None:
-        if self._nvme is not None:
-            self._nvme.close()
 
     def unpinned(
         self, nearest: list[Placement], pieces: list[list[memoryview]], on_done: Callable[[int], None] | None
@@ -124,6 +111,7 @@ class NodeReads:
                 if on_done is not None:
                     on_done(i)
 
+        bound = self.local.current()
         by_peer: dict[str, list[tuple[int, Placement]]] = {}
         for i, p in enumerate(nearest):
             if p.tier is not Tier.DRAM or p.stored != sum(d.nbytes for d in pieces[i]):
@@ -131,8 +119,8 @@ class NodeReads:
             if p.node != self.node_id:
                 if self.peers.trusted(p.node):
                     by_peer.setdefault(p.node, []).append((i, p))
-            elif self.segment is not None and p.offset + p.stored <= self.segment.capacity:
-                with self.segment.view(p.offset, p.stored) as src:
+            elif bound is not None and p.offset + p.stored <= bound.segment.capacity:
+                with bound.segment.view(p.offset, p.stored) as src:
                     mark(i, copy_checked(src, pieces[i]) == p.checksum)
         for node_id, located in by_peer.items():
             self._read_dram(node_id, located, pieces, mark, pinned=False)
@@ -141,9 +129,7 @@ class NodeReads:
             hits.setdefault(nearest[i].node, []).append(nearest[i].key)
         for node_id, keys in hits.items():
             with contextlib.suppress(NodeUnreachable):
-                (self.local if node_id == self.node_id and self.local is not None else self.handles[node_id]).touch(
-                    keys
-                )
+                (bound.handle if node_id == self.node_id and bound is not None else self.handles[node_id]).touch(keys)
         return read
 
     def pinned(
@@ -156,9 +142,9 @@ class NodeReads:
         """Pin ``keys`` on ``node_id``, move their bytes into ``pieces`` (per key, the buffers its bytes fill in
         order), release them; an :data:`Outcome` per key (``NodeUnreachable`` if the node is gone).  ``on_done(j)`` as
         soon as ``keys[j]`` is in place, intact."""
-        local = node_id == self.node_id and self.segment is not None and self.local is not None
-        node = self.local if local and self.local is not None else self.handles[node_id]
-        loaded = node.prepare_load(keys, copy_nvme=not local)  # a peer's NVMe chunks come back with this one call
+        bound = self.local.current() if node_id == self.node_id else None
+        node = bound.handle if bound is not None else self.handles[node_id]
+        loaded = node.prepare_load(keys, copy_nvme=bound is None)  # a peer's NVMe chunks come back with this one call
         chunks = loaded.chunks
         result: list[Outcome] = [None] * len(keys)
 
@@ -171,35 +157,31 @@ class NodeReads:
             usable = [
                 (j, c) for j, c in enumerate(chunks) if c is not None and c.size == sum(p.nbytes for p in pieces[j])
             ]
-            if local:
+            if bound is not None:
                 for j, c in usable:
                     with contextlib.suppress(ChunkNotFound):
-                        mark(j, self._copy_local(c, pieces[j]))
+                        mark(j, self._copy_local(bound, c, pieces[j]))
             else:
                 self._from_peer(node_id, usable, loaded.copies, pieces, mark)
             return result
         finally:
             node.complete_load(keys)
 
-    def _copy_local(self, chunk: StoredChunk, pieces: list[memoryview]) -> bool:
-        """Copy a pinned chunk of this node into ``pieces``; whether it came out intact.  One left on NVMe (not
-        promoted: promote_on_hit off, or DRAM full) is read from the segment file, no byte through the node."""
-        assert self.segment is not None
+    def _copy_local(self, bound: Binding, chunk: StoredChunk, pieces: list[memoryview]) -> bool:
+        """Copy a chunk pinned on this node (``bound``: as the client bound it) into ``pieces``; whether it came out
+        intact.  One left on NVMe (not promoted: promote_on_hit off, or DRAM full) is read from the segment file, no
+        byte through the node."""
         if chunk.tier is Tier.DRAM:
-            with self.segment.view(chunk.offset, chunk.stored) as src:
+            with bound.segment.view(chunk.offset, chunk.stored) as src:
                 return copy_checked(src, pieces) == chunk.checksum
-        if self._nvme is None and self._nvme_file is not None:
-            self._nvme = NvmeSegment.attach(*self._nvme_file)
-        if self._nvme is None:
+        if (nvme := bound.nvme()) is None:
             raise ChunkNotFound(f"chunk {short(chunk.key)} is on an NVMe segment this client cannot open")
         if chunk.codec == "raw":
             at = chunk.offset
             for piece in pieces:
-                at += self._nvme.read_into(at, piece)
+                at += nvme.read_into(at, piece)
             return checksum_of(pieces) == chunk.checksum
-        return fill(
-            pieces, self._nvme.read(chunk.offset, chunk.stored), chunk.codec, chunk.checksum, chunk.key, self.keys
-        )
+        return fill(pieces, nvme.read(chunk.offset, chunk.stored), chunk.codec, chunk.checksum, chunk.key, self.keys)
 
     def _from_peer(
         self,

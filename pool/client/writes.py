@@ -61,12 +61,14 @@ class Rooms:
 
     def take(self, node_id: str, node: NodeHandle, sizes: Sequence[int]) -> tuple[Room, list[int]]:
         """A room on ``node_id``  for chunks of ``sizes``, and their offsets in it: the room
-        held there if they fit and it is fresh, else a new one (the one held is closed, not waited for)."""
+        held there if they fit, it is fresh and ``node`` opened it, else a new one (the one held is closed, not waited
+        for).  A room another handle opened is an earlier actor's, if the node was started again: its offsets may hold
+        the new node's chunks."""
         with self._lock:
             holder, held, received = self._held.pop(node_id, (node, None, 0.0))
         if held is not None:
             offsets = held.carve(list(sizes))
-            if offsets is not None and time.monotonic() - received < held.ttl_s / 2:
+            if offsets is not None and holder is node and time.monotonic() - received < held.ttl_s / 2:
                 return held, offsets
             holder.abort_store(held.id)
         for _ in range(2):  # a second time only if the node's alignment is not the one assumed

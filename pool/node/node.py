@@ -192,6 +192,7 @@ class PoolNode:
             self.nvme.path if self.nvme else "",
             self.metrics_address,
             self.recovery.summary() if self.recovery else "",
+            os.getpid(),
         )
 
     def prepare_store(self, length: int) -> Room:

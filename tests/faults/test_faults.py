@@ -67,13 +67,14 @@ def test_bytes_flipped_in_dram_and_nvme_are_always_caught(
         assert {p.tier for k in keys[16:] for p in client.cache.replicas(k)} == {Tier.NVME}
         [nvme_file] = tmp_path.glob("*.nvme")  # beside it: the segment's journal and lock (warm restart)
         rng = random.Random(7)
-        assert client._segment is not None
+        bound = client.local.current()
+        assert bound is not None
         for key in keys:
             [p] = client.cache.replicas(key)
             at = p.offset + rng.randrange(p.stored)
             if p.tier is Tier.DRAM:
-                old = client._segment.view(at, 1)[0]
-                client._segment.write(at, bytes([old ^ 0xFF]))
+                old = bound.segment.view(at, 1)[0]
+                bound.segment.write(at, bytes([old ^ 0xFF]))
             else:
                 with open(nvme_file, "r+b") as f:  # behind the node's back; O_DIRECT reads see it after fsync
                     f.seek(at)
@@ -158,6 +159,89 @@ def test_a_pool_node_started_again_on_its_ray_node_is_reached_again(
             time.sleep(0.2)
         client.put_batch([(keys[1], blob(1))], nodes=[victim])
         assert client.get(keys[1]) == blob(1)
+
+
+def test_a_client_whose_own_pool_node_was_started_again_saves_there_and_reads_from_there(
+    make_pool: MakePool, ray_cluster: list[str]
+) -> None:
+    """The PoolNode on the client's own Ray node killed and started again (a new actor, a new DRAM segment file): on
+    its first call after the node's record names the new process, the client binds the new node, so a put lands in its
+    DRAM through the new mapping and a get reads it back.  A chunk put before the restart reads intact or is a miss,
+    never other bytes.  (The client kept the dead handle and the old mapping, saving nothing on its node and reading
+    nothing from it, until it was made anew.)"""
+    pool = make_pool(ray_cluster, dram_bytes=16 * MiB, nvme_bytes=16 * MiB)
+    keys = keys_of("local-again", 3)
+    with PoolClient(pool) as client:
+        here = client.node_id  # the driver's Ray node, which holds a pool node
+        client.put(keys[0], blob(0))
+        before = client.local.current()
+        assert before is not None and client.cache.replicas(keys[0])[0].node == here
+        _kill_node(pool, here)
+        with pytest.raises(KvPoolError):  # the dead actor (or, once its record expired, no live node here)
+            client.put_batch([(keys[1], blob(1))], nodes=[here])
+        assert _read_or_miss(client, keys[0]) in (blob(0), None)
+        start_pool(pool, [here])
+        _wait_for_record(client, here, lambda pid: pid != before.info.pid)
+        client.put(keys[2], blob(2))
+        [p] = client.cache.replicas(keys[2])
+        assert p.node == here and p.tier is Tier.DRAM
+        after = client.local.current()
+        assert after is not None and after.info.pid != before.info.pid and after.info.dram_path != before.info.dram_path
+        with after.segment.view(p.offset, p.stored) as held:  # in the new node's segment, as this client maps it
+            assert bytes(held) == blob(2)
+        assert client.get(keys[2]) == blob(2)
+        assert _read_or_miss(client, keys[0]) in (blob(0), None)
+        assert not before.segment.closed  # another thread may still copy out of it: mapped until the client closes
+    assert before.segment.closed and after.segment.closed
+
+
+def test_a_pool_node_started_on_the_clients_ray_node_after_the_client_is_bound(
+    make_pool: MakePool, ray_cluster: list[str]
+) -> None:
+    """A client made where no pool node runs sends every chunk to peers; once a pool node starts on its Ray node and
+    publishes its record, the client's next put lands there, through its mapped segment."""
+    pool = make_pool(ray_cluster[1:], dram_bytes=16 * MiB, nvme_bytes=16 * MiB)
+    [key] = keys_of("local-later", 1)
+    with PoolClient(pool) as client:
+        here = client.node_id
+        assert here == ray_cluster[0] and client.info is None
+        start_pool(pool, [here])
+        _wait_for_record(client, here, lambda pid: True)
+        client.put_batch([(key, blob(3))], nodes=[here])
+        [p] = client.cache.replicas(key)
+        bound = client.local.current()
+        assert p.node == here and bound is not None and client.info == bound.info
+        with bound.segment.view(p.offset, p.stored) as held:
+            assert bytes(held) == blob(3)
+        assert client.get(key) == blob(3)
+
+
+def _kill_node(pool: PoolConfig, node_id: str) -> None:
+    """Kill the node's PoolNode actor and wait until a call finds it dead."""
+    actor = ray.get_actor(actor_name(node_id), namespace=pool.namespace)
+    ray.kill(actor)
+    deadline = time.monotonic() + 120  # a bound on a hang, not a timing claim
+    while True:
+        try:
+            ray.get(actor.info.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            return
+        assert time.monotonic() < deadline, "the killed PoolNode actor kept answering"
+
+
+def _wait_for_record(client: PoolClient, node_id: str, new: Callable[[int], bool]) -> None:
+    """Wait until the client's watch cache shows a record of ``node_id`` whose process is ``new``."""
+    deadline = time.monotonic() + 120  # a bound on a hang, not a timing claim
+    while not any(n.node_id == node_id and new(n.pid) for n in client.cache.nodes()):
+        assert time.monotonic() < deadline, "the node started never published its record"
+        time.sleep(0.2)
+
+
+def _read_or_miss(client: PoolClient, key: bytes) -> bytes | None:
+    try:
+        return client.get(key)
+    except ChunkNotFound:
+        return None
 
 
 def test_a_whole_ray_node_killed_during_traffic_loses_no_acknowledged_chunk(

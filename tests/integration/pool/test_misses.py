@@ -45,8 +45,9 @@ def test_evicted_removed_corrupt_and_never_stored(pool: PoolConfig, client: Pool
         client.put_batch([(key, data)], nodes=[here])
     client.remove_batch(keys[-2:-1])
     [p] = client.cache.replicas(keys[-1])
-    assert p.tier is Tier.DRAM and client._segment is not None
-    client._segment.write(p.offset, b"\xff" * 16)  # flip bytes behind the pool's back
+    bound = client.local.current()
+    assert p.tier is Tier.DRAM and bound is not None
+    bound.segment.write(p.offset, b"\xff" * 16)  # flip bytes behind the pool's back
     with pytest.raises(CorruptChunk):
         client.get(keys[-1])
     client.cache.sync()

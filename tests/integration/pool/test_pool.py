@@ -171,8 +171,9 @@ def test_corrupt_bytes_are_a_miss_never_wrong_data(client: PoolClient) -> None:
     key = chunk_keys(IDENT, range(4))[0]
     client.put(key, blob(5))
     [p] = client.cache.replicas(key)
-    assert client._segment is not None
-    client._segment.write(p.offset, b"\xff" * 16)  # flip bytes behind the pool's back
+    bound = client.local.current()
+    assert bound is not None
+    bound.segment.write(p.offset, b"\xff" * 16)  # flip bytes behind the pool's back
     with pytest.raises(CorruptChunk):
         client.get(key)
     assert not client.exists(key)  # the corrupt replica was dropped
