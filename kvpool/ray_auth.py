@@ -11,6 +11,7 @@ off.  What it protects and what it does not: docs/security.md.
 
 import logging
 import os
+import random
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,14 +125,31 @@ def current_mode() -> str:
     return "token" if get_authentication_mode() == AuthenticationMode.TOKEN else "disabled"
 
 
+def init(**kwargs: Any) -> None:
+    """``ray.init(**kwargs)`` with Python's ``random`` drawn from the OS meanwhile, and given back as it was.
+
+    Ray names a driver's subscriptions to its control plane's error and log channels with bytes from the ``random``
+    module.  An engine seeds ``random`` (vLLM with its ``--seed``, 0 by default) before its connector attaches, so
+    every engine process drew the same name, and the control plane answered each one's long poll at once to take the
+    other's: about a thousand polls a second per engine, measured taking half a core in each engine and more than a
+    core in Ray's GCS on a 2-core host (docs/serving.md).  The engine's own random sequence is left as it was."""
+    import ray
+
+    state = random.getstate()
+    random.seed()  # from os.urandom
+    try:
+        ray.init(**kwargs)
+    finally:
+        random.setstate(state)
+
+
 def attach(address: str, token_path: str | Path | None = None, **kwargs: Any) -> None:
     """Attach this process to the Ray cluster at ``address`` (``ray.init`` with ``kwargs``) with its token
     (:func:`prepare_attach`), or one clear error saying why it cannot."""
-    import ray
 
     prepare_attach(address, token_path)
     try:
-        ray.init(address=address, logging_level=logging.WARNING, **kwargs)
+        init(address=address, logging_level=logging.WARNING, **kwargs)
     except (ConnectionError, RuntimeError) as exc:
         raise KvPoolError(
             f"cannot attach to the Ray cluster at {address}: is it up, and is that its head? ({exc})"

@@ -116,7 +116,7 @@ class LocalRayCluster:
     def _connected(self) -> str | None:
         """None once this process is the cluster's driver, else why not."""
         try:
-            ray.init(address=self.address, logging_level=logging.WARNING, log_to_driver=False)
+            ray_auth.init(address=self.address, logging_level=logging.WARNING, log_to_driver=False)
             return None
         except ConnectionError as exc:
             return str(exc)

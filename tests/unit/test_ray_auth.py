@@ -73,3 +73,24 @@ def test_the_mode_to_start_in_is_token_unless_the_user_asks_otherwise(monkeypatc
 def test_attaching_without_a_token_says_where_to_put_it_before_calling_ray() -> None:
     with pytest.raises(RayAuthError, match=r"no token for the Ray cluster at 127.0.0.9:1: put .* ~/.ray/auth_token"):
         ray_auth.prepare_attach("127.0.0.9:1")
+
+
+def test_ray_init_draws_names_from_the_os_not_from_an_engines_seeded_random(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray names a driver's control-plane subscriptions with ``random``; engines seed it alike (vLLM: 0), and two
+    drivers of one name take each other's long poll a thousand times a second.  What ray.init draws differs between
+    two processes seeded alike, and the seeded sequence goes on after the init as if it had not run."""
+    import random
+
+    import ray
+
+    drawn: list[int] = []
+    monkeypatch.setattr(ray, "init", lambda **kwargs: drawn.append(random.getrandbits(224)))
+    after = []
+    for _ in range(2):
+        random.seed(0)
+        ray_auth.init(address="127.0.0.2:1")
+        after.append(random.random())
+    random.seed(0)
+    assert drawn[0] != drawn[1] and random.getrandbits(224) not in drawn
+    random.seed(0)
+    assert after == [random.random()] * 2
