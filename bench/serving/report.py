@@ -103,7 +103,8 @@ def table(out: dict[str, Any]) -> Table:
     t.caption = (
         "own cache / layer below: of the prompt tokens, those vLLM took from its own prefix cache / from the KV-cache "
         "layer (its /metrics). restart: the trace's second half after engine 0 was replaced by a fresh one; steady: the "
-        "same requests in the round-robin run; fresh: the fresh engine's own tokens. " + " ".join(notes)
+        "same requests in the round-robin run; fresh: the fresh engine's own tokens. "
+        + "".join(f"{n}. " for n in notes)
     )
     return t
 
