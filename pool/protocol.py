@@ -97,6 +97,9 @@ class Room(msgspec.Struct, frozen=True):
     alignment: int
     ttl_s: float = 30.0  #: the holder reclaims it this long after it opened it, unless filled
     at: float = 0.0  #: when it was opened (the store's monotonic clock)
+    #: the node's process that opened it, as its node record names it (0: not known): a node started again since is
+    #: another process, whose chunks may lie at these offsets, so the writer writes only while the record names this one
+    pid: int = 0
 
     def carve(self, sizes: list[int]) -> list[int] | None:
         """Offsets in the segment for chunks of ``sizes``, laid one after the other on ``alignment``

@@ -81,7 +81,7 @@ class PoolClient:
         self.placements = PlacementStore(self.etcd, Namespace(config.metadata.cluster))
         self.nodes = NodeHandles(config.namespace)
         self.peers = Peers(self.cache, scope=config.metadata.cluster)
-        self.rooms = Rooms()  #: DRAM each node holds for this client's next batch
+        self.rooms = Rooms(self.cache)  #: DRAM each node holds for this client's next batch
         self._wait_s = config.metadata.retry_deadline_s  #: how long a call waits for the watch cache to catch up
         self.remote = RemoteReads(
             config.remote, config.metadata.cluster, self.cache, self.placements, self.put_batch, self._wait_s

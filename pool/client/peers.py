@@ -144,15 +144,25 @@ class Peers:
 
     # -- transfers -------------------------------------------------------------------------------------
 
-    def _peer(self, node_id: str) -> str:
+    def _peer(self, node_id: str, pid: int = 0) -> str:
         """The transport peer of a pool node, connected from the descriptor in its node record; connected anew when
-        the record's descriptor changed (the node was started again on its Ray node: a new agent)."""
+        the record's descriptor changed (the node was started again on its Ray node: a new agent).  ``pid``: the node
+        process a write's room came from (0: any), refused (``NodeUnreachable``) unless the record still names it: the
+        node started again since is another agent, whose DRAM may hold its own chunks at the room's offsets."""
+        record = node_record(self.cache, node_id) if pid else None  # one record for the check and the connection
+        if pid and record is None:
+            raise NodeUnreachable(f"pool node {node_id[:12]} left the pool since its room was opened: put again")
+        if record is not None and record.pid != pid:
+            raise NodeUnreachable(
+                f"pool node {node_id[:12]} was started again since its room was opened (process {pid}, now "
+                f"{record.pid}): put again"
+            )
         if node_id in self._connected and node_id in self._descriptors:
-            record = node_record(self.cache, node_id)
+            record = record or node_record(self.cache, node_id)
             if record is not None and record.address and record.address != self._descriptors[node_id]:
                 self.transport.disconnect(self._connected.pop(node_id))
         if node_id not in self._connected:
-            record = node_record(self.cache, node_id)
+            record = record or node_record(self.cache, node_id)
             if record is None or not record.address:
                 raise NodeUnreachable(f"pool node {node_id[:12]} is gone or publishes no transfer address")
             try:
@@ -162,11 +172,13 @@ class Peers:
             self._descriptors[node_id] = record.address
         return self._connected[node_id]
 
-    def write(self, node_id: str, ops: list[Op]) -> None:
-        """One batched one-sided WRITE to ``node_id``; ``TransferError`` if it failed (one past its deadline sets
-        the transport aside, as a READ's does: its source, the staging buffer, is refilled by the next write)."""
+    def write(self, node_id: str, ops: list[Op], pid: int = 0) -> None:
+        """One batched one-sided WRITE to ``node_id``, into a room its process ``pid`` opened (0: not known); refused
+        (``NodeUnreachable``) once the node's record names another process (:meth:`_peer`).  ``TransferError`` if it
+        failed (one past its deadline sets the transport aside, as a READ's does: its source, the staging buffer, is
+        refilled by the next write)."""
         try:
-            self.transport.write(self._peer(node_id), ops, timeout_s=self.timeout_s)
+            self.transport.write(self._peer(node_id, pid), ops, timeout_s=self.timeout_s)
         except TransferInFlight:
             self._connected.pop(node_id, None)
             self._set_transport_aside()

@@ -19,15 +19,16 @@ from collections.abc import Callable, Sequence
 
 from kvpool.core.types import NodeRecord, Tier
 from kvpool.errors import ChunkNotFound, PoolFull
+from kvpool.metadata.cache import MetadataCache
 from kvpool.pool.chunks import SEGMENT_NAMES, Origin, gather_checked
-from kvpool.pool.client.peers import STAGING_BYTES, Peers, rounds
+from kvpool.pool.client.peers import STAGING_BYTES, Peers, node_record, rounds
 from kvpool.pool.protocol import Filled, NodeHandle, Room
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.tiers.codecs import TensorFormat
 from kvpool.transport.base import Op
 
 Item = tuple[bytes, list[memoryview]]  #: a chunk to write: its key and its bytes, in order over one or more regions
-Write = Callable[[list[int]], list[int]]  #: writes a round's chunks at these offsets of a room; their checksums
+Write = Callable[[Room, list[int]], list[int]]  #: writes a round's chunks at these offsets of a room; their checksums
 
 
 def nbytes(item: Item) -> int:
@@ -52,9 +53,11 @@ def room_bytes(sizes: Sequence[int], alignment: int) -> int:
 
 
 class Rooms:
-    """The rooms a client holds, one per node, and when each was handed to it."""
+    """The rooms a client holds, one per node, and when each was handed to it; ``cache``: the node records, which
+    name each node's process now (None: none to check a room against, as in a simulation)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache: MetadataCache | None = None) -> None:
+        self.cache = cache
         self._lock = threading.Lock()
         self._held: dict[str, tuple[NodeHandle, Room, float]] = {}  #: node id -> (its node, the room, when received)
         self._alignment = PAGE
@@ -62,13 +65,13 @@ class Rooms:
     def take(self, node_id: str, node: NodeHandle, sizes: Sequence[int]) -> tuple[Room, list[int]]:
         """A room on ``node_id``  for chunks of ``sizes``, and their offsets in it: the room
         held there if they fit, it is fresh and ``node`` opened it, else a new one (the one held is closed, not waited
-        for).  A room another handle opened is an earlier actor's, if the node was started again: its offsets may hold
-        the new node's chunks."""
+        for).  A room another handle opened, or another process than the node's record names now, is an earlier
+        actor's, if the node was started again: its offsets may hold the new node's chunks."""
         with self._lock:
             holder, held, received = self._held.pop(node_id, (node, None, 0.0))
         if held is not None:
             offsets = held.carve(list(sizes))
-            if offsets is not None and holder is node and time.monotonic() - received < held.ttl_s / 2:
+            if offsets is not None and holder is node and self._fresh(node_id, held, received):
                 return held, offsets
             holder.abort_store(held.id)
         for _ in range(2):  # a second time only if the node's alignment is not the one assumed
@@ -78,6 +81,14 @@ class Rooms:
                 return room, offsets
             node.abort_store(room.id)
         raise AssertionError(f"a room of {room.length} bytes cannot hold {len(sizes)} chunks it was opened for")
+
+    def _fresh(self, node_id: str, room: Room, received: float) -> bool:
+        """Whether ``room`` may take a batch: within half its TTL, and opened by the process the node's record names."""
+        young = time.monotonic() - received < room.ttl_s / 2
+        if self.cache is None or not room.pid:
+            return young
+        record = node_record(self.cache, node_id)
+        return young and record is not None and record.pid == room.pid
 
     def fill(
         self,
@@ -124,7 +135,7 @@ def _put_round(
     for attempt in range(2):
         room, offsets = rooms.take(node_id, node, [nbytes(i) for i in items])
         try:
-            sums = write(offsets)
+            sums = write(room, offsets)
         except BaseException:
             node.abort_store(room.id)
             raise
@@ -155,7 +166,7 @@ def put_local(
     revision = 0
     for r in rounds([nbytes(i) for i in items], max(1, segment.capacity // 4)):
 
-        def write(offsets: list[int], batch: Sequence[Item] = items[r]) -> list[int]:
+        def write(_: Room, offsets: list[int], batch: Sequence[Item] = items[r]) -> list[int]:
             sums = []
             for offset, item in zip(offsets, batch, strict=True):
                 with segment.view(offset, nbytes(item)) as dest:
@@ -183,7 +194,7 @@ def put_peer(
     revision = 0
     for r in rounds([nbytes(i) for i in items], min(max(dram_bytes // 4, 1), STAGING_BYTES)):
 
-        def write(offsets: list[int], batch: Sequence[Item] = items[r]) -> list[int]:
+        def write(room: Room, offsets: list[int], batch: Sequence[Item] = items[r]) -> list[int]:
             staging = peers.staging(sum(nbytes(i) for i in batch))
             ops, sums, at = [], [], 0
             for offset, item in zip(offsets, batch, strict=True):
@@ -191,7 +202,7 @@ def put_peer(
                 sums.append(gather_checked(item[1], staging[at : at + n].data))
                 ops.append(Op(SEGMENT_NAMES[Tier.DRAM], offset, staging.ctypes.data + at, n))
                 at += n
-            peers.write(node_id, ops)
+            peers.write(node_id, ops, room.pid)  # refused if the node was started again since the room opened
             return sums
 
         revision = max(revision, _put_round(rooms, node_id, node, items[r], formats[r], replicated, write, origin))

@@ -1,5 +1,5 @@
 """DRAM a node's store has handed to writers but that holds no chunk yet: writers' rooms (open → write → fill), each
-stamped with when it was opened, so that what a writer that died left behind is given back (Mooncake's PutStart
+stamped with when it was opened (and by which process: ``Room.pid``), so that what a writer that died left behind is given back (Mooncake's PutStart
 without PutEnd).
 
 Invariant: every room is a live allocation of the DRAM allocator, given back exactly once (``close_room``, ``reap``);
@@ -7,6 +7,7 @@ a fill closes its room first and claims the chunks' ranges again.  The store dec
 room by eviction); this class only keeps the books.
 """
 
+import os
 import secrets
 
 from kvpool.clock import Clock
@@ -22,9 +23,8 @@ class Holds:
     def open_room(self, offset: int, ttl_s: float) -> Room:
         """A room over the allocation at ``offset``, reclaimed by :meth:`reap` ``ttl_s`` after this unless filled."""
         room_id = secrets.randbits(63)  # random: a room of a node's earlier life is never taken for one of this
-        room = Room(
-            room_id, offset, self.allocator.size_of(offset), self.allocator.alignment, ttl_s, at=self.clock.monotonic()
-        )
+        size, alignment = self.allocator.size_of(offset), self.allocator.alignment
+        room = Room(room_id, offset, size, alignment, ttl_s, at=self.clock.monotonic(), pid=os.getpid())
         self._rooms[room.id] = room
         return room
 

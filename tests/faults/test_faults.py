@@ -161,6 +161,37 @@ def test_a_pool_node_started_again_on_its_ray_node_is_reached_again(
         assert client.get(keys[1]) == blob(1)
 
 
+def test_a_room_held_on_a_peer_started_again_is_never_written_into_the_new_node(
+    make_pool: MakePool, ray_cluster: list[str]
+) -> None:
+    """A client holds a room on a peer (the one its last put there opened) when the peer is killed and started again,
+    and no call of the client has found the old actor dead yet; another client puts chunks to the new node, over the
+    offsets of that room.  The first client's next put fails (a KvPoolError) or lands whole, the one after lands, and
+    every chunk the new node acknowledged reads back with its own bytes.  (The room was reused: the WRITE reached the
+    new node's agent, over its chunks, which then failed their checksum.)"""
+    # rooms stay fresh however long the restart takes, so the room held is the one the next put would reuse
+    pool = make_pool(ray_cluster, dram_bytes=16 * MiB, nvme_bytes=16 * MiB, reservation_ttl_s=3600)
+    victim = ray_cluster[2]
+    keys = keys_of("stale-room", 10)
+    with PoolClient(pool) as writer:
+        writer.put_batch([(keys[0], blob(0))], nodes=[victim])  # its reply opened the writer's next room there
+        [old] = [n.pid for n in writer.cache.nodes() if n.node_id == victim]
+        _kill_node(pool, victim)  # through a handle of the test's own: the writer's is not found dead
+        start_pool(pool, [victim])
+        _wait_for_record(writer, victim, lambda pid: pid != old)
+        with PoolClient(pool) as other:
+            theirs = {k: blob(100 + i) for i, k in enumerate(keys[2:])}
+            other.put_batch(list(theirs.items()), nodes=[victim])  # from the new DRAM's start: over the room held
+            try:
+                writer.put_batch([(keys[1], blob(1))], nodes=[victim])
+            except KvPoolError:  # the old actor (found dead now) or its room: the next put looks the node up again
+                writer.put_batch([(keys[1], blob(1))], nodes=[victim])
+            assert writer.get(keys[1]) == blob(1)
+            read = {k: _read_or_miss(other, k) for k in theirs}
+            lost = [i for i, k in enumerate(theirs) if read[k] != theirs[k]]
+            assert not lost, f"acknowledged chunks of the new node lost (overwritten through an old room): {lost}"
+
+
 def test_a_client_whose_own_pool_node_was_started_again_saves_there_and_reads_from_there(
     make_pool: MakePool, ray_cluster: list[str]
 ) -> None:
