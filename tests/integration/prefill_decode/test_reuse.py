@@ -101,7 +101,7 @@ def test_a_chunk_lost_mid_request_falls_back_to_recompute(stack: tuple, model: L
     runner.connector.client.remove(route.keys[2][-1])  # gone after the router looked: a node died, say
     stats = runner.connector.client._stats
     stats.report(force=True)
-    node, stats.node = stats.node, None  # hold the counts here (not handed to the node) to read them
+    node, stats.node = stats.node, lambda: None  # hold the counts here (not handed to the node) to read them
     try:
         pre = runner.prefill(tokens, route.keys, route.reuse_chunks)
         assert router.route(tokens).cached_chunks == 2
