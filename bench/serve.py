@@ -31,7 +31,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from kvpool.bench.serving import report
+from kvpool.bench.serving import report, window
 from kvpool.bench.serving.harness import engine, reset, scaled_trace, served, tokens_by_source, write_trace
 from kvpool.bench.serving.layers import LAYERS, Layer, LayerUnavailable, factory
 from kvpool.bench.serving.options import names, scale_options
@@ -112,6 +112,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=names(tuple(LAYERS)), default=list(LAYERS), help=f"of {', '.join(LAYERS)}")
     ap.add_argument("--routes", type=names(ROUTES), default=list(ROUTES), help=f"of {', '.join(ROUTES)}")
     ap.add_argument("--no-restart", dest="restart", action="store_false", help="skip the restart scenario")
+    ap.add_argument(
+        "--window",
+        action="store_true",
+        help="start nothing: print what a layer could add on this window of the trace (bench/serving/window.py)",
+    )
     scale_options(ap)
     ap.add_argument("--json", type=Path, default=Path("bench/results/serve.json"), help="the rows (the PNG beside)")
     return ap
@@ -122,6 +127,10 @@ def main(argv: list[str] | None = None, pool: Any = None) -> dict[str, Any]:
     engine) where given, else on a local pool of its own."""
     args = parser().parse_args(argv)
     args.pool = pool
+    if args.window:
+        text = window.table(scaled_trace(args), args.engines, args.engine_blocks, args.hash_block, (32, 64, 256))
+        print(text)
+        return {"window": text}
     if args.model is None:
         from kvpool.prefill_decode.reference.model import converted_smollm2
 

@@ -146,7 +146,6 @@ def init(**kwargs: Any) -> None:
 def attach(address: str, token_path: str | Path | None = None, **kwargs: Any) -> None:
     """Attach this process to the Ray cluster at ``address`` (``ray.init`` with ``kwargs``) with its token
     (:func:`prepare_attach`), or one clear error saying why it cannot."""
-
     prepare_attach(address, token_path)
     try:
         init(address=address, logging_level=logging.WARNING, **kwargs)
