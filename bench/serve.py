@@ -128,7 +128,13 @@ def main(argv: list[str] | None = None, pool: Any = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
     args.pool = pool
     if args.window:
-        text = window.table(scaled_trace(args), args.engines, args.engine_blocks, args.hash_block, (32, 64, 256))
+        text = window.table(
+            scaled_trace(args),
+            args.engines,
+            args.engine_blocks,
+            args.hash_block,
+            sorted({32, 64, 256, args.kvpool_chunk}),
+        )
         print(text)
         return {"window": text}
     if args.model is None:
