@@ -20,6 +20,10 @@ PREFETCH_RESULTS = ("started", "failed", "late", "bad_hint")
 #: objects an engine's prefetches brought into its node's DRAM (``prefetch_<how>``): from the node's NVMe, or copied
 #: from another node or the remote tier
 PREFETCH_MOVES = ("promoted", "copied")
+#: one-sided transfers with peers that went wrong (``pool/client/peers.py``): a READ or WRITE that failed, one that
+#: passed its deadline and may still land (its transport set aside for good: ``late``), and a WRITE refused because
+#: the peer was started again since its room was opened (``restarted_peer``)
+TRANSFER_FAULTS = ("read_failed", "write_failed", "late", "restarted_peer")
 
 
 @dataclass
@@ -39,6 +43,8 @@ class ClientStats:
     #: what an inference engine's connector on this node did (``prefill_decode/vllm_connector.py``): tokens looked
     #: up / hit / loaded / saved, bytes loaded / saved, seconds spent loading / saving, load / save errors, prefetches
     engine: dict[str, float] = field(default_factory=dict)
+    #: transfers with peers that went wrong, by :data:`TRANSFER_FAULTS`
+    transfer_faults: dict[str, int] = field(default_factory=dict)
 
     def lookup(self, asked: int, held: int) -> None:
         self.lookup_hits += held
@@ -46,6 +52,9 @@ class ClientStats:
 
     def miss(self, cause: str) -> None:
         self.misses[cause] = self.misses.get(cause, 0) + 1
+
+    def transfer_fault(self, kind: str) -> None:
+        self.transfer_faults[kind] = self.transfer_faults.get(kind, 0) + 1
 
     def get(self, seconds: float, by_source: dict[str, int]) -> None:
         for source, n in by_source.items():
@@ -73,9 +82,12 @@ class ClientStats:
         self.get_seconds += other.get_seconds
         for name, n in other.engine.items():
             self.engine[name] = self.engine.get(name, 0) + n
+        for kind, count in other.transfer_faults.items():
+            self.transfer_faults[kind] = self.transfer_faults.get(kind, 0) + count
 
     def __bool__(self) -> bool:
-        return bool(self.lookup_hits or self.lookup_misses or self.misses or sum(self.get_buckets) or self.engine)
+        counted = self.lookup_hits or self.lookup_misses or self.misses or sum(self.get_buckets) or self.engine
+        return bool(counted or self.transfer_faults)
 
     def collect(self, node_id: str) -> Iterator[Metric]:
         lookups = CounterMetricFamily(
@@ -108,7 +120,16 @@ class ClientStats:
             cumulative += n
             buckets.append((bound, cumulative))
         latency.add_metric([node_id], buckets, sum_value=self.get_seconds)
-        yield from (lookups, misses, moved, latency)
+        faults = CounterMetricFamily(
+            "kvpool_transfer_faults",
+            "Transfers of clients on this node with peers that went wrong: a READ or WRITE that failed, one past its "
+            "deadline that may still land (late: its transport set aside for good), a WRITE refused because the peer "
+            "was started again since its room was opened (restarted_peer)",
+            labels=["node", "kind"],
+        )
+        for kind in TRANSFER_FAULTS:
+            faults.add_metric([node_id, kind], self.transfer_faults.get(kind, 0))
+        yield from (lookups, misses, moved, latency, faults)
         yield from self._engine_metrics(node_id)
 
     def _engine_metrics(self, node_id: str) -> Iterator[Metric]:

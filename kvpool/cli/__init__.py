@@ -17,9 +17,8 @@ from kvpool.cli import advise, gc, servers, keys, tenants, route  # noqa: F401
 from kvpool.cli.root import app
 
 # isort: on
-from kvpool.cli.scrape import scrape
 
-__all__ = ["app", "main", "scrape"]
+__all__ = ["app", "main"]
 
 
 def main() -> None:

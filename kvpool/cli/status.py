@@ -17,10 +17,11 @@ from rich.table import Table
 
 from kvpool.cli import connect, options, root
 from kvpool.cli.figures import short_duration, short_size, size
-from kvpool.cli.scrape import scrape
 from kvpool.core.types import NodeRecord, Tier
 from kvpool.metadata.cache import MetadataCache
 from kvpool.metadata.identities import disagreements
+from kvpool.pool.metrics import TRANSFER_FAULTS
+from kvpool.pool.scrape import scrape
 from kvpool.ray_auth import MODES
 
 
@@ -49,6 +50,9 @@ class NodeStatus:
     #: tenant -> tier -> (bytes its chunks take, its quota; 0: none), from the node's metrics
     tenants: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     ray_auth: str = ""  #: the authentication its Ray node runs with (token / disabled), from its metrics; "": unknown
+    #: transfers of its clients with peers that went wrong, by kind (kvpool_transfer_faults_total{kind}), from its
+    #: metrics: kinds that happened only
+    faults: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,7 @@ def _node(cache: MetadataCache, n: NodeRecord, m: dict[str, float], now: float) 
         lookups=hits + misses,
         tenants=tenants,
         ray_auth=next((mode for mode in MODES if m.get(f"kvpool_ray_auth_mode{{{mode}}}")), ""),
+        faults={k: int(c) for k in TRANSFER_FAULTS if (c := m.get(f"kvpool_transfer_faults_total{{{k}}}"))},
     )
 
 
@@ -291,6 +296,12 @@ def ray_auth_line(s: PoolStatus) -> str:
     return f"ray authentication: {', '.join(sorted(modes))}"
 
 
+def faults_line(s: PoolStatus) -> str:
+    """The nodes whose clients' transfers with peers went wrong, and how ("": none did)."""
+    said = [f"{n.node_id[:8]} {', '.join(f'{c} {k}' for k, c in n.faults.items())}" for n in s.nodes if n.faults]
+    return f"transfer faults (kvpool_transfer_faults_total): {'; '.join(said)}" if said else ""
+
+
 def warnings(s: PoolStatus) -> str:
     return "\n".join(f"warning: {w}" for w in s.warnings)
 
@@ -301,6 +312,8 @@ def render(s: PoolStatus, wide: bool = False) -> RenderableType:
     parts: list[RenderableType] = [wide_table(s) if wide else compact_table(s), footer(s)]
     if s.nodes:
         parts.append(ray_auth_line(s))
+    if faults := faults_line(s):
+        parts.append(faults)
     if s.identities:
         parts.append(
             identities_table(s) if wide else f"cache identities in use: {len(s.identities)} (--wide lists them)"

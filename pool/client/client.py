@@ -80,7 +80,7 @@ class PoolClient:
         self.cache = MetadataCache(self.etcd, Namespace(config.metadata.cluster)).start()
         self.placements = PlacementStore(self.etcd, Namespace(config.metadata.cluster))
         self.nodes = NodeHandles(config.namespace)
-        self.peers = Peers(self.cache, scope=config.metadata.cluster)
+        self.peers = Peers(self.cache, scope=config.metadata.cluster, fault=self._transfer_fault)
         self.rooms = Rooms(self.cache)  #: DRAM each node holds for this client's next batch
         self._wait_s = config.metadata.retry_deadline_s  #: how long a call waits for the watch cache to catch up
         self.remote = RemoteReads(
@@ -93,6 +93,11 @@ class PoolClient:
         self.replicas = Replicas(
             self.node_id, self.cache, self.nodes, self.reads, self.remote, self._wait_s, self._caught_up
         )
+
+    def _transfer_fault(self, kind: str) -> None:
+        """A transfer with a peer went wrong (:class:`Peers`): counted for this node's metrics, at once (rare)."""
+        self._stats.seen.transfer_fault(kind)
+        self._stats.report(force=True)
 
     def close(self) -> None:
         self._stats.report(force=True)

@@ -18,7 +18,7 @@ RDMA NIC here to be checked on.
 import ctypes
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -67,8 +67,16 @@ def _buffer_region(buffer: Any) -> tuple[str, int, int]:
 
 
 class Peers:
-    def __init__(self, cache: MetadataCache, scope: str, timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
-        self.cache, self.scope, self.timeout_s = cache, scope, timeout_s
+    """``fault(kind)`` is told of each transfer that went wrong, by ``kvpool.pool.metrics.TRANSFER_FAULTS``."""
+
+    def __init__(
+        self,
+        cache: MetadataCache,
+        scope: str,
+        timeout_s: float = TRANSFER_TIMEOUT_S,
+        fault: Callable[[str], None] = lambda kind: None,
+    ) -> None:
+        self.cache, self.scope, self.timeout_s, self.fault = cache, scope, timeout_s, fault
         self._transport: NixlTransport | None = None
         self._stage: np.ndarray | None = None
         self._connected: dict[str, str] = {}  #: node id -> the transport's peer name
@@ -153,6 +161,7 @@ class Peers:
         if pid and record is None:
             raise NodeUnreachable(f"pool node {node_id[:12]} left the pool since its room was opened: put again")
         if record is not None and record.pid != pid:
+            self.fault("restarted_peer")
             raise NodeUnreachable(
                 f"pool node {node_id[:12]} was started again since its room was opened (process {pid}, now "
                 f"{record.pid}): put again"
@@ -177,11 +186,14 @@ class Peers:
         (``NodeUnreachable``) once the node's record names another process (:meth:`_peer`).  ``TransferError`` if it
         failed (one past its deadline sets the transport aside, as a READ's does: its source, the staging buffer, is
         refilled by the next write)."""
+        peer = self._peer(node_id, pid)
         try:
-            self.transport.write(self._peer(node_id, pid), ops, timeout_s=self.timeout_s)
-        except TransferInFlight:
-            self._connected.pop(node_id, None)
-            self._set_transport_aside()
+            self.transport.write(peer, ops, timeout_s=self.timeout_s)
+        except TransferError as exc:
+            self.fault("write_failed")
+            if isinstance(exc, TransferInFlight):
+                self._connected.pop(node_id, None)
+                self._set_transport_aside()
             raise
 
     def read(self, node_id: str, ops: list[Op], pinned: bool = True) -> bool:
@@ -194,6 +206,7 @@ class Peers:
             self.transport.read(self._peer(node_id), ops, timeout_s=timeout_s)
         except TransferError as exc:  # NodeUnreachable included
             log.warning("reading from %s failed: %s", node_id[:12], exc)
+            self.fault("read_failed")
             self._failed[node_id] = time.monotonic()
             self._connected.pop(node_id, None)
             if isinstance(exc, TransferInFlight):
@@ -211,6 +224,7 @@ class Peers:
         self._transport, self._stage = None, None
         self._connected.clear()
         self._set_aside += 1
+        self.fault("late")
         log.warning(
             "a READ passed its deadline and may still land: its transport is set aside for good (%d so far), a new "
             "one takes over",

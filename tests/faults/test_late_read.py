@@ -17,6 +17,7 @@ from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.pool.node import start_pool, stop_pool
+from kvpool.pool.scrape import scrape
 
 CHUNK = 8 * MiB  #: big enough that a stalled holder's READ is still in flight at its deadline
 
@@ -63,3 +64,9 @@ def test_a_late_read_never_lands_in_memory_the_caller_reused(pool: PoolConfig, r
                 time.sleep(0.2)
         assert np.array_equal(again, data)
         assert np.all(blocks == 0xA5)  # nothing of the late READ landed
+        [here] = [n for n in client.cache.nodes() if n.node_id == client.node_id]
+    for _ in range(300):  # the fault is in this node's metrics (the client's last report, sent as it closed)
+        if scrape(here.metrics).get("kvpool_transfer_faults_total{late}", 0) >= 1:
+            break
+        time.sleep(0.2)
+    assert scrape(here.metrics).get("kvpool_transfer_faults_total{late}", 0) >= 1

@@ -160,7 +160,7 @@ def test_short_duration(s: float, shown: str) -> None:
 
 def test_a_tenants_use_against_its_quota_from_the_nodes_metrics() -> None:
     """``kvpool status --tenant``: what the node's metrics say the tenant holds per tier, against its quota."""
-    from kvpool.cli.scrape import summed
+    from kvpool.pool.scrape import summed
 
     exposition = (
         "# TYPE kvpool_tenant_used_bytes gauge\n"
@@ -208,3 +208,22 @@ def test_the_nodes_ray_authentication_is_shown_and_an_open_node_is_named() -> No
     assert "warning: Ray authentication is DISABLED on 127.0.0.3:" in out
     assert "unknown (no metrics)" in text(status.render(snapshot((node(0),))), 80)
     assert json.loads(status.to_json(snapshot((node(0, ray_auth="token"),))))["nodes"][0]["ray_auth"] == "token"
+
+
+def test_transfer_faults_from_the_nodes_metrics_are_named_and_none_says_nothing() -> None:
+    """A node whose clients' transfers went wrong (kvpool_transfer_faults_total{kind}) is named with the kinds that
+    happened; a pool where none did prints no line."""
+    from kvpool.pool.scrape import summed
+
+    exposition = (
+        "# TYPE kvpool_transfer_faults counter\n"
+        'kvpool_transfer_faults_total{kind="read_failed",node="n"} 3.0\n'
+        'kvpool_transfer_faults_total{kind="late",node="n"} 1.0\n'
+        'kvpool_transfer_faults_total{kind="write_failed",node="n"} 0.0\n'
+    )
+    parsed = status._node(_FakeCache(), _FakeRecord(), summed(exposition), 0.0).faults  # type: ignore[arg-type]
+    assert parsed == {"read_failed": 3, "late": 1}
+    out = text(status.render(snapshot((node(0, faults=parsed), node(1)))), 120)
+    assert "transfer faults (kvpool_transfer_faults_total): 00c0ffee 3 read_failed, 1 late" in out
+    assert "transfer faults" not in text(status.render(snapshot((node(0),))), 80)
+    assert json.loads(status.to_json(snapshot((node(0, faults=parsed),))))["nodes"][0]["faults"]["late"] == 1

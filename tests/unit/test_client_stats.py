@@ -32,3 +32,16 @@ def test_an_engines_prefetches_are_served_by_result_and_objects_by_how() -> None
     assert got[("kvpool_engine_prefetches_total", (("node", "n1"), ("result", "failed")))] == 0
     assert got[("kvpool_engine_prefetched_objects_total", (("how", "promoted"), ("node", "n1")))] == 16
     assert got[("kvpool_engine_prefetched_objects_total", (("how", "copied"), ("node", "n1")))] == 4
+
+
+def test_transfer_faults_add_up_and_every_kind_is_served() -> None:
+    a, b = ClientStats(), ClientStats()
+    a.transfer_fault("late")
+    b.transfer_fault("late")
+    b.transfer_fault("restarted_peer")
+    assert bool(b) is True
+    a.merge(b)
+    got = _samples(a)
+    assert got[("kvpool_transfer_faults_total", (("kind", "late"), ("node", "n1")))] == 2
+    assert got[("kvpool_transfer_faults_total", (("kind", "restarted_peer"), ("node", "n1")))] == 1
+    assert got[("kvpool_transfer_faults_total", (("kind", "read_failed"), ("node", "n1")))] == 0  # shown before any

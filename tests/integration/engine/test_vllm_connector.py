@@ -15,7 +15,6 @@ import zmq
 from engines import CHUNK, P, Q, R, S, engine, extra_config, prompt, reloaded
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvpool.cli import scrape
 from kvpool.core.keys import CacheIdentity, chunk_keys, layer_key
 from kvpool.core.types import Tier
 from kvpool.errors import ConfigError, WorkerUnavailable
@@ -23,6 +22,7 @@ from kvpool.metadata.identities import fingerprint
 from kvpool.pool.client import PoolClient
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.protocol import actor_name
+from kvpool.pool.scrape import scrape
 from kvpool.pool.segment import DramSegment
 from kvpool.pool.tenants import Tenants
 from kvpool.prefill_decode.vllm.config import ConnectorConfig

@@ -153,7 +153,8 @@ def test_a_pool_clients_late_read_never_lands(kind: str, monkeypatch: pytest.Mon
     peer goes on, a new transport reads from it again, and the caller's bytes stay: the set-aside transport's READ
     never lands."""
     monkeypatch.setenv("UCX_TLS", "tcp")
-    peers = Peers(cast(MetadataCache, None), "")
+    faults: list[str] = []
+    peers = Peers(cast(MetadataCache, None), "", fault=faults.append)
     buf = np.zeros(SIZE, dtype=np.uint8)
     peers.register(buf)
     victim = Target(kind)
@@ -165,6 +166,7 @@ def test_a_pool_clients_late_read_never_lands(kind: str, monkeypatch: pytest.Mon
         try:
             assert not peers.read("holder", [Op("dram0", 0, buf.ctypes.data, 32 << 20)], pinned=False)
             assert peers.set_aside == 1 and peers.transport is not first and not peers.transport.fencing
+            assert faults == ["read_failed", "late"]  # the client counts both (kvpool_transfer_faults_total)
             buf[: 32 << 20] = 0xA5  # the recompute
         finally:
             os.kill(victim.proc.pid, signal.SIGCONT)

@@ -1,12 +1,12 @@
-"""Reading a pool node's Prometheus metrics endpoint, for ``kvpool status``."""
+"""Reading a pool node's Prometheus metrics endpoint: ``kvpool status``, the chaos bench."""
 
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-#: the labels a sample's name keeps (``name{level}``, ``name{result}``, ``name{mode}``, ``name{tenant,tier}``); every
-#: other label is summed over
-KEPT_LABELS = ("level", "result", "mode")
+#: the labels a sample's name keeps (``name{level}``, ``name{result}``, ``name{mode}``, ``name{kind}``,
+#: ``name{cause}``, ``name{tenant,tier}``); every other label is summed over
+KEPT_LABELS = ("level", "result", "mode", "kind", "cause")
 TENANT_LABELS = ("tenant", "tier")
 
 
