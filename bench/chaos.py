@@ -1,8 +1,9 @@
 """No wrong token under faults while serving: a Mooncake trace replayed at temperature 0 through real vLLM OpenAI
 servers on a kvpool pool behind ``kvpool route`` (round-robin, so that a conversation's next turn lands on the other
 engine and reads the pool), first with no fault (the reference), then once per fault kind with that fault injected
-(``bench/serving/faults.py``: a PoolNode stopped past a READ's deadline, etcd killed and started again, bytes flipped
-in a node's DRAM, a PoolNode killed and started again, an engine killed).  Every answer is compared token by token with
+(``bench/serving/faults.py``: a PoolNode stopped past a READ's deadline, one stopped and continued in turn (a slow
+peer), etcd killed and started again, bytes flipped in a node's DRAM, every node's DRAM held by rooms never filled (a
+full pool), a PoolNode killed and started again, an engine killed).  Every answer is compared token by token with
 the reference's, and its log-probabilities within ``--tolerance`` (absolute, 1e-3 by default); a token that differs
 where the reference's top two were within that tolerance is a tie, not a wrong token (``bench/serving/client.py``).
 
@@ -32,6 +33,7 @@ import json
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
@@ -44,10 +46,10 @@ from rich.console import Console
 from kvpool.bench import serve
 from kvpool.bench.serve import quantiles
 from kvpool.bench.serving import chaos_report, client, layers, report
-from kvpool.bench.serving.faults import KINDS, Fault, Victim, fault
+from kvpool.bench.serving.faults import KINDS, Fault, Mixed, Victim, counted, fault, fault_counters
 from kvpool.bench.serving.harness import engine_process, health, reset, router, scaled_trace, tokens_by_source
 from kvpool.bench.serving.options import names, scale_options
-from kvpool.errors import KvPoolError
+from kvpool.errors import ConfigError, KvPoolError
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.servers.etcd import EmbeddedEtcd
@@ -92,19 +94,21 @@ class Injection:
 
 
 def cold_run(
+    args: argparse.Namespace,
     layer: layers.Layer,
     urls: list[str],
     bodies: list[dict[str, Any]],
     at_s: list[float],
     log: Path,
     injection: Injection | None,
-) -> tuple[list[client.Answer], float]:
-    """One cold run over the engines of ``urls`` that answer: the answers, and the prompt tokens they took from
-    the pool (counted on the engines that answered before and after)."""
+) -> tuple[list[client.Answer], float, dict[str, float]]:
+    """One cold run over the engines of ``urls`` that answer: the answers, the prompt tokens they took from the pool
+    (counted on the engines that answered before and after), and what the pool's fault counters grew by."""
     live = [u for u in urls if health(u) is None]
     reset(live)
     layer.empty()
     before = {u: tokens_by_source([u]) for u in live}
+    counters = fault_counters(args.pool)
     with router(live, "round-robin", log) as url:
         answers = client.replay(url, bodies, at_s, injection)
     if injection is not None:
@@ -112,15 +116,20 @@ def cold_run(
     pooled = 0.0
     for u in (u for u in live if health(u) is None):
         pooled += tokens_by_source([u])["layer below"] - before[u]["layer below"]
-    return answers, pooled
+    return answers, pooled, counted(counters, fault_counters(args.pool))
 
 
 def row(
-    kind: str, run: tuple[list[client.Answer], float], ref: list[client.Answer], injection: Injection | None, tol: float
+    kind: str,
+    run: tuple[list[client.Answer], float, dict[str, float]],
+    ref: list[client.Answer],
+    injection: Injection | None,
+    tol: float,
 ) -> dict[str, Any]:
-    """The row of one run (``answers, pool tokens``), with its TTFT quantiles and what its fault did."""
-    answers, pooled = run
+    """The row of one run (``answers, pool tokens, counters``), with its TTFT quantiles and what its fault did."""
+    answers, pooled, counters = run
     out = chaos_report.row(kind, answers, pooled, ref, tol)
+    out["metrics"] = counters
     out.update(quantiles([a.ttft_s if a.ok else 0.0 for a in answers]))
     if injection is not None:
         start = min(a.sent_at for a in answers)
@@ -157,25 +166,54 @@ def run_faults(args: argparse.Namespace, bodies: list[dict[str, Any]], at_s: lis
         host = urls[0].split("//")[1].split(":")[0]
         node_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == host)
         victim = Victim(args.pool, node_id, args.etcd, engines[-1][1])
-        cold_run(layer, urls, bodies, at_s, work / "warm-up.route.log", None)
-        ref = cold_run(layer, urls, bodies, at_s, work / "reference.route.log", None)
+        cold_run(args, layer, urls, bodies, at_s, work / "warm-up.route.log", None)
+        ref = cold_run(args, layer, urls, bodies, at_s, work / "reference.route.log", None)
         rows = [row("none (reference)", ref, ref[0], None, args.tolerance)]
         console.print(f"  reference: {rows[0]['verdicts']}, {ref[1]:.0f} prompt tokens from the pool")
-        for kind in sorted(args.faults, key=KINDS.index):  # engine-kill last: its engine stays down
-            if kind == "etcd-restart" and args.etcd is None:
-                rows.append({"fault": kind, "skipped": "the pool was given: its etcd is not this bench's to restart"})
-                continue
-            injection = Injection(fault(kind, victim, args.hold_s), at=len(bodies) // 3)
-            run = cold_run(layer, urls, bodies, at_s, work / f"{kind}.route.log", injection)
+        if args.etcd is None and "etcd-restart" in args.faults:
+            rows.append(
+                {"fault": "etcd-restart", "skipped": "the pool was given: its etcd is not this bench's to restart"}
+            )
+        for kind, injection in injections(args, victim, at_s):
+            run = cold_run(args, layer, urls, bodies, at_s, work / f"{kind}.route.log", injection)
             rows.append(row(kind, run, ref[0], injection, args.tolerance))
             console.print(f"  {kind}: {rows[-1]['verdicts']}; {rows[-1]['what']}; {rows[-1]['error'] or 'no error'}")
     return rows
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def injections(args: argparse.Namespace, victim: Victim, at_s: list[float]) -> Iterator[tuple[str, Injection]]:
+    """The fault runs ``args`` asks for, after the reference: one per kind (each injected a third of the way into the
+    trace), or with ``--mixed`` one whose faults follow each other from a tenth of the way to the last request."""
+    kinds = sorted(args.faults, key=KINDS.index)  # engine-kill last: its engine stays down
+    if args.etcd is None and "etcd-restart" in kinds:  # its row says why (run_faults)
+        kinds.remove("etcd-restart")
+    if args.mixed:
+        at = len(at_s) // 10
+        mixed = [k for k in kinds if k != "engine-kill"]  # a killed engine stays down: not one of a series
+        series = Mixed(victim, at_s[-1] - at_s[at], tuple(mixed), each_s=args.hold_s, gap_s=args.gap_s)
+        yield "mixed", Injection(series, at=at)
+        return
+    for kind in kinds:
+        yield kind, Injection(fault(kind, victim, args.hold_s), at=len(at_s) // 3)
+
+
+def parser(prog: str | None = None) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--faults", type=names(KINDS), default=list(KINDS), help=f"of {', '.join(KINDS)}")
-    ap.add_argument("--hold-s", type=float, default=8.0, help="how long node-kill, peer-stall, etcd-restart last")
+    ap.add_argument(
+        "--hold-s",
+        type=float,
+        default=8.0,
+        help="how long peer-stall, slow-peer, etcd-restart, full-pool, node-kill last",
+    )
+    ap.add_argument(
+        "--mixed",
+        action="store_true",
+        help="one run whose faults (of --faults, engine-kill left out) follow each other, each held --hold-s with "
+        "--gap-s between, from a tenth of the way into the trace to its last request (--requests / --speedup set how "
+        "long), instead of a run per kind",
+    )
+    ap.add_argument("--gap-s", type=float, default=5.0, help="--mixed: seconds between one fault's end and the next")
     ap.add_argument("--tolerance", type=float, default=1e-3, help="log-probabilities equal within this (absolute)")
     ap.add_argument("--own-cache", action="store_true", help="keep the engines' own prefix caches on")
     scale_options(ap)
@@ -184,10 +222,12 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None, pool: PoolConfig | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None, pool: PoolConfig | None = None, prog: str | None = None) -> dict[str, Any]:
     """The runs as ``argv`` asks, on ``pool`` (a running pool's config, one Ray node an engine) where given, else on
-    a pool and an etcd of the bench's own."""
-    args = parser().parse_args(argv)
+    a pool and an etcd of the bench's own.  ``prog``: the command's name in its usage lines."""
+    args = parser(prog).parse_args(argv)
+    if args.mixed and not set(args.faults) - {"engine-kill", "etcd-restart" if pool is not None else ""}:
+        raise ConfigError(f"--mixed needs a fault kind of --faults it can repeat on this pool, got {args.faults}")
     for name, value in vars(serve.parser().parse_args([])).items():  # the harness's other settings: serve.py's
         args.__dict__.setdefault(name, value)
     if args.model is None:

@@ -107,8 +107,8 @@ def quantiles(ttfts: list[float]) -> dict[str, float]:
     return {"p50_ttft_ms": cuts[49] * 1000, "p99_ttft_ms": cuts[98] * 1000}
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(prog: str | None = None) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=names(tuple(LAYERS)), default=list(LAYERS), help=f"of {', '.join(LAYERS)}")
     ap.add_argument("--routes", type=names(ROUTES), default=list(ROUTES), help=f"of {', '.join(ROUTES)}")
     ap.add_argument("--no-restart", dest="restart", action="store_false", help="skip the restart scenario")
@@ -122,10 +122,10 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None, pool: Any = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None, pool: Any = None, prog: str | None = None) -> dict[str, Any]:
     """The matrix as ``argv`` asks; the kvpool layer on ``pool`` (a running pool's ``PoolConfig``, one node an
-    engine) where given, else on a local pool of its own."""
-    args = parser().parse_args(argv)
+    engine) where given, else on a local pool of its own.  ``prog``: the command's name in its usage lines."""
+    args = parser(prog).parse_args(argv)
     args.pool = pool
     if args.window:
         text = window.table(

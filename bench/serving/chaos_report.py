@@ -56,6 +56,16 @@ def row(kind: str, answers: list[Answer], pooled: float, ref: list[Answer], tole
     }
 
 
+def seen(counters: dict[str, float]) -> str:
+    """The pool's fault counters a run moved, short: ``kvpool_transfer_faults_total{late}`` as ``late``,
+    ``kvpool_misses_total{evicted}`` as ``miss evicted`` ("none": none moved)."""
+    said = []
+    for name, n in sorted(counters.items()):
+        metric, _, label = name.partition("{")
+        said.append(f"{'miss ' if metric == 'kvpool_misses_total' else ''}{label.rstrip('}')} {n:.0f}")
+    return ", ".join(said) or "none"
+
+
 def table(out: dict[str, Any]) -> Table:
     s, ref = out["scale"], out["rows"][0]
     t = Table(
@@ -65,11 +75,11 @@ def table(out: dict[str, Any]) -> Table:
         f"{out['tolerance']:g}; faults held {out['hold_s']:g} s"
     )
     cols = ("fault", "requests", "wrong tokens", "logprobs off", "failed", "TTFT p50", "TTFT p99", "pool tokens")
-    for col in (*cols, "recovery", "what"):
+    for col in (*cols, "recovery", "in the metrics", "what"):
         t.add_column(col, justify="left" if col in ("fault", "what") else "right", overflow="fold")
     for r in out["rows"]:
         if "skipped" in r:
-            t.add_row(r["fault"], *[""] * (len(cols) - 1), "", f"[yellow]not run: {r['skipped']}[/yellow]")
+            t.add_row(r["fault"], *[""] * (len(cols) - 1), "", "", f"[yellow]not run: {r['skipped']}[/yellow]")
             continue
         rec = r.get("recovery_s", "")
         statuses = ", ".join(f"{n}x {s}" for s, n in r["statuses"].items())
@@ -83,6 +93,7 @@ def table(out: dict[str, Any]) -> Table:
             f"{r.get('p99_ttft_ms', 0):.0f} ms (ref {ref.get('p99_ttft_ms', 0):.0f})",
             f"{r['pool_tokens']:.0f} (ref {ref['pool_tokens']:.0f})",
             "" if rec == "" else "n/a" if rec is None else f"{rec:.1f} s",
+            seen(r.get("metrics", {})),
             r.get("what", "") + (f"; [red]{r['error']}[/red]" if r.get("error") else ""),
         )
     t.caption = (
@@ -91,6 +102,8 @@ def table(out: dict[str, Any]) -> Table:
         "logprobs off: the same tokens, a log-probability further off (max: the largest drift seen); failed: no "
         "complete answer (HTTP status; cut: the stream broke off); pool tokens: prompt tokens the engines took from "
         "the pool (their /metrics); recovery: from the fault's end to the first token of the first request sent after "
-        f"it with TTFT within {RECOVERED:g}x of the same request's in the reference (n/a: none)."
+        f"it with TTFT within {RECOVERED:g}x of the same request's in the reference (n/a: none); in the metrics: what "
+        "the run moved of the pool nodes' kvpool_transfer_faults_total{kind} and kvpool_misses_total{cause} (miss ...)"
+        ", summed over the nodes (what a killed node had counted is lost with it)."
     )
     return t

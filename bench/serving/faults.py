@@ -3,9 +3,16 @@
 
 - ``peer-stall``: a PoolNode's process SIGSTOPped, longer than a READ's deadline without a pin
   (``pool/client/peers.py``: ``UNPINNED_TIMEOUT_S``), then SIGCONT: the late-READ case;
+- ``slow-peer``: a PoolNode's process stopped and continued in turn (stopped :data:`SLOW_STOPPED_S` of every
+  :data:`SLOW_PERIOD_S`): a peer several times slower at everything, its transfers and its calls (a slow network
+  would need ``tc`` on a link the bench does not own);
 - ``etcd-restart``: the pool's etcd killed, started again on the same ports and data at the end;
 - ``byte-flip``: one byte flipped in every chunk a node holds in DRAM (its shared-memory segment file, behind its
   back): every read of one must fail its checksum and be recomputed;
+- ``full-pool``: every node's DRAM taken by rooms the bench opens and never fills (as writers that hang would hold
+  it), so nothing is left there to evict and every put is refused (``PoolFull``) until they are given back; what DRAM
+  held moved to NVMe to make way (dropped where NVMe was full).  Hold it below ``reservation_ttl_s`` (30 s), after
+  which a node reclaims an unfilled room;
 - ``node-kill``: a PoolNode actor killed (its chunks and its lease gone with it), started again at the end (a warm
   restart where the pool keeps NVMe segments: it takes back what verifies);
 - ``engine-kill``: one vLLM server SIGKILLed (its whole session), not started again.
@@ -14,24 +21,55 @@
 import os
 import random
 import signal
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import ray
 
 from kvpool.core.types import Tier
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, PoolFull
 from kvpool.pool.client import PoolClient
 from kvpool.pool.client.peers import UNPINNED_TIMEOUT_S, node_record
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.node import start_pool
 from kvpool.pool.protocol import NodeHandle, actor_name
+from kvpool.pool.scrape import scrape
 from kvpool.servers.etcd import EmbeddedEtcd
 from kvpool.servers.process import ServerProcess
 
 #: in the order the bench runs them: what leaves lasting damage last (a killed engine stays down; an engine whose
 #: node's PoolNode was restarted keeps the dead actor's handle, so it saves nothing more: see ``outcome``)
-KINDS = ("peer-stall", "etcd-restart", "byte-flip", "node-kill", "engine-kill")
+KINDS = ("peer-stall", "slow-peer", "etcd-restart", "byte-flip", "full-pool", "node-kill", "engine-kill")
+SLOW_PERIOD_S, SLOW_STOPPED_S = 0.2, 0.15  #: slow-peer: stopped this much of every period
+#: full-pool: the rooms it opens, largest first (each size until the node refuses one), so that no gap is left
+ROOM_SIZES = tuple(4 << 20 >> i for i in range(0, 11, 2))
+#: the pool's counters a fault should move (``pool/metrics.py``): its clients' transfers with peers that went wrong, and
+#: their lookups and loads that fell short, by cause
+FAULT_COUNTERS = ("kvpool_transfer_faults_total", "kvpool_misses_total")
+Counters = dict[tuple[str, int], dict[str, float]]  #: (node id, its process) -> ``name{label}`` -> count
+
+
+def fault_counters(pool: PoolConfig) -> Counters:
+    """Every live pool node's :data:`FAULT_COUNTERS`, from its metrics endpoint."""
+    with PoolClient(pool) as client:
+        nodes = client.cache.nodes()
+    return {
+        (n.node_id, n.pid): {k: v for k, v in scrape(n.metrics, timeout_s=5).items() if k.startswith(FAULT_COUNTERS)}
+        for n in nodes
+        if n.metrics
+    }
+
+
+def counted(before: Counters, after: Counters) -> dict[str, float]:
+    """What the counters grew by from ``before`` to ``after``, over the nodes (one started again counts from 0; what
+    a node killed meanwhile had counted is lost with it)."""
+    out: dict[str, float] = {}
+    for node, counts in after.items():
+        for name, n in counts.items():
+            if grew := n - before.get(node, {}).get(name, 0.0):
+                out[name] = out.get(name, 0.0) + grew
+    return out
 
 
 class Fault(Protocol):
@@ -59,6 +97,14 @@ class Victim:
 
     def node(self) -> NodeHandle:
         return NodeHandle(self.node_id, ray.get_actor(actor_name(self.node_id), namespace=self.pool.namespace))
+
+    def pid(self) -> int:
+        """The process of the victim's PoolNode now, from its node record."""
+        with PoolClient(self.pool) as client:
+            record = node_record(client.cache, self.node_id)
+        if record is None:
+            raise ConfigError(f"node {self.node_id[:8]} has no record in the pool")
+        return record.pid
 
     def corrupt_caught(self) -> int:
         """Replicas the pool's nodes dropped for failing their checksum, so far (every node that answers)."""
@@ -97,11 +143,7 @@ class PeerStall:
             raise ConfigError(f"a stall must outlast a READ's deadline ({UNPINNED_TIMEOUT_S:g} s), got {self.hold_s:g}")
 
     def inject(self) -> None:
-        with PoolClient(self.victim.pool) as client:
-            record = node_record(client.cache, self.victim.node_id)
-        if record is None:
-            raise ConfigError(f"node {self.victim.node_id[:8]} has no record in the pool")
-        self.pid = record.pid
+        self.pid = self.victim.pid()
         os.kill(self.pid, signal.SIGSTOP)
 
     def end(self) -> None:
@@ -109,6 +151,74 @@ class PeerStall:
 
     def outcome(self) -> str:
         return f"PoolNode {self.victim.node_id[:8]} (pid {self.pid}) stopped {self.hold_s:g} s"
+
+
+@dataclass
+class SlowPeer:
+    victim: Victim
+    hold_s: float
+    kind: str = "slow-peer"
+    pid: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    _thread: threading.Thread | None = field(default=None, repr=False)
+
+    def inject(self) -> None:
+        self.pid = self.victim.pid()
+        self._thread = threading.Thread(target=self._cycle, name="slow-peer", daemon=True)
+        self._thread.start()
+
+    def _cycle(self) -> None:
+        while not self._stop.is_set():
+            os.kill(self.pid, signal.SIGSTOP)
+            self._stop.wait(SLOW_STOPPED_S)
+            os.kill(self.pid, signal.SIGCONT)
+            self._stop.wait(SLOW_PERIOD_S - SLOW_STOPPED_S)
+
+    def end(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        os.kill(self.pid, signal.SIGCONT)
+
+    def outcome(self) -> str:
+        return (
+            f"PoolNode {self.victim.node_id[:8]} (pid {self.pid}) stopped {SLOW_STOPPED_S * 1000:.0f} ms of every "
+            f"{SLOW_PERIOD_S * 1000:.0f} ms for {self.hold_s:g} s"
+        )
+
+
+@dataclass
+class FullPool:
+    victim: Victim
+    hold_s: float
+    kind: str = "full-pool"
+    held: int = 0  #: bytes of DRAM the rooms took, over the nodes
+    nodes: int = 0
+    _rooms: list[tuple[NodeHandle, int]] = field(default_factory=list, repr=False)
+
+    def inject(self) -> None:
+        with PoolClient(self.victim.pool) as client:
+            handles = [client.nodes[n.node_id] for n in client.cache.nodes()]
+        for node in handles:
+            self.nodes += 1
+            for size in ROOM_SIZES:
+                while True:
+                    try:
+                        room = node.prepare_store(size)
+                    except PoolFull:
+                        break
+                    self._rooms.append((node, room.id))
+                    self.held += room.length
+
+    def end(self) -> None:
+        for node, room_id in self._rooms:
+            node.abort_store(room_id)
+
+    def outcome(self) -> str:
+        return (
+            f"the DRAM of {self.nodes} nodes held by {len(self._rooms)} open rooms ({self.held / 2**20:.0f} MiB) for "
+            f"{self.hold_s:g} s: puts refused, DRAM's chunks moved to NVMe (dropped where it was full)"
+        )
 
 
 @dataclass
@@ -183,16 +293,68 @@ class EngineKill:
         return f"engine (pid {self.victim.engine.pid}) SIGKILLed, not restarted: the requests routed to it fail"
 
 
+@dataclass
+class Mixed:
+    """Faults of ``kinds`` one after another, each held ``each_s`` with ``gap_s`` between, in turn, for ``hold_s`` in
+    all (the chaos bench's long run): the last one is ended when ``hold_s`` is up.  A fault that could not be injected
+    or ended is counted by kind, and the next goes on."""
+
+    victim: Victim
+    hold_s: float
+    kinds: tuple[str, ...]
+    each_s: float
+    gap_s: float
+    kind: str = "mixed"
+    injected: dict[str, int] = field(default_factory=dict)  #: kind -> times injected and ended
+    failed: dict[str, str] = field(default_factory=dict)  #: kind -> its last error
+    _stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    _thread: threading.Thread | None = field(default=None, repr=False)
+
+    def inject(self) -> None:
+        self._thread = threading.Thread(target=self._cycle, name="mixed-faults", daemon=True)
+        self._thread.start()
+
+    def _cycle(self) -> None:
+        turn = 0
+        while not self._stop.is_set():
+            kind = self.kinds[turn % len(self.kinds)]
+            turn += 1
+            one = fault(kind, self.victim, self.each_s)
+            try:
+                one.inject()
+                try:
+                    self._stop.wait(one.hold_s)
+                finally:
+                    one.end()
+                self.injected[kind] = self.injected.get(kind, 0) + 1
+            except Exception as exc:  # a fault that failed must not end the run: the others go on
+                self.failed[kind] = f"{type(exc).__name__}: {exc}"[:200]
+            self._stop.wait(self.gap_s)
+
+    def end(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def outcome(self) -> str:
+        done = ", ".join(f"{n}x {k}" for k, n in self.injected.items()) or "none"
+        failed = "".join(f"; {k} failed: {e}" for k, e in self.failed.items())
+        return f"{done} over {self.hold_s:.0f} s ({self.each_s:g} s each, {self.gap_s:g} s between){failed}"
+
+
 def fault(kind: str, victim: Victim, hold_s: float) -> Fault:
     """The fault of ``kind`` (one of ``KINDS``) on ``victim``."""
     made: dict[str, Any] = {
         "node-kill": NodeKill,
         "peer-stall": PeerStall,
+        "slow-peer": SlowPeer,
         "etcd-restart": EtcdRestart,
         "byte-flip": ByteFlip,
+        "full-pool": FullPool,
         "engine-kill": EngineKill,
     }
     if kind not in made:
         raise ConfigError(f"fault kind: one of {', '.join(KINDS)}, got {kind!r}")
-    found: Fault = made[kind](victim, hold_s if kind in ("node-kill", "peer-stall", "etcd-restart") else 0.0)
+    held = kind in ("node-kill", "peer-stall", "slow-peer", "etcd-restart", "full-pool")
+    found: Fault = made[kind](victim, hold_s if held else 0.0)
     return found

@@ -1,5 +1,6 @@
-"""``kvpool bench``: node-to-node put/get GB/s per tier, read scaling and TTFT, on a local pool or a running one;
-and the rendering of its results."""
+"""``kvpool bench``: node-to-node put/get GB/s per tier, read scaling and TTFT, on a local pool or a running one, and
+the rendering of its results; ``kvpool bench serve`` and ``kvpool bench chaos``: the serving benches
+(``bench/serve.py``, ``bench/chaos.py``), their options passed through."""
 
 import json
 from contextlib import ExitStack
@@ -149,8 +150,15 @@ _RAY_ADDRESS = typer.Option(
 )
 
 
-@root.app.command("bench")
+bench_app = typer.Typer()
+root.app.add_typer(bench_app, name="bench")
+#: a serving bench's arguments go to its own parser untouched, ``--help`` included
+_PASSED_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+@bench_app.callback(invoke_without_command=True)
 def bench_command(
+    ctx: typer.Context,
     etcd: str | None = options.ETCD,
     cluster: str = options.CLUSTER,
     ray_address: str | None = _RAY_ADDRESS,
@@ -185,19 +193,18 @@ def bench_command(
     --etcd, on a running pool (one started by 'ray up cluster.yaml', say), which it leaves as it found it.
     Every figure is printed beside this machine's limits measured in the same run: single-thread memcpy,
     a loopback TCP stream and raw O_DIRECT disk I/O.  Results: a table, OUT.json and OUT.png.
-    """
-    import ray
 
+    'kvpool bench serve' and 'kvpool bench chaos' are the serving benches (their own --help).
+    """
+    if ctx.invoked_subcommand is not None:
+        return
     from kvpool.bench import cluster as bench
     from kvpool.stack import StackConfig, running_pool
 
     with root.errors(), ExitStack() as stack:
         settings = _settings(bench.Settings(), size_mib, mib_per_cell, repeat, ttft, model)
         if ray_address:
-            metadata = options.pool_etcd(etcd, cluster, "bench --ray-address")
-            ray_auth.attach(ray_address, namespace=namespace)
-            stack.callback(ray.shutdown)
-            pool = PoolConfig(metadata=metadata, namespace=namespace, metrics_port=-1)
+            pool = _attached(stack, ray_address, etcd, cluster, namespace)
         else:
             local = PoolConfig(
                 metadata=options.metadata_config(etcd, cluster), dram_bytes=dram_mib * MiB, nvme_bytes=nvme_mib * MiB
@@ -206,3 +213,45 @@ def bench_command(
         results = _measure(pool, settings)
         root.console.print(render_bench(results))
         _write(results, out)
+
+
+def _attached(stack: ExitStack, ray_address: str, etcd: str | None, cluster: str, namespace: str) -> PoolConfig:
+    """The running pool of the Ray cluster at ``ray_address``, this process attached to it until ``stack`` closes."""
+    import ray
+
+    metadata = options.pool_etcd(etcd, cluster, "bench --ray-address")
+    ray_auth.attach(ray_address, namespace=namespace)
+    stack.callback(ray.shutdown)
+    return PoolConfig(metadata=metadata, namespace=namespace, metrics_port=-1)
+
+
+@bench_app.command(
+    "serve",
+    context_settings=_PASSED_THROUGH,
+    add_help_option=False,
+    short_help="A trace through vLLM engines per KV-cache layer and routing (bench/serve.py; its own --help).",
+)
+def serve_command(ctx: typer.Context) -> None:
+    """A Mooncake trace served through real vLLM engines behind 'kvpool route', per KV-cache layer (none, LMCache,
+    Mooncake Store, kvpool) and routing policy: TTFT, throughput, where prompt tokens came from (bench/serve.py;
+    'kvpool bench serve --help' lists its options)."""
+    from kvpool.bench import serve
+
+    with root.errors():
+        serve.main(ctx.args, prog="kvpool bench serve")
+
+
+@bench_app.command(
+    "chaos",
+    context_settings=_PASSED_THROUGH,
+    add_help_option=False,
+    short_help="The trace served on kvpool under faults, each answer checked (bench/chaos.py; its own --help).",
+)
+def chaos_command(ctx: typer.Context) -> None:
+    """The trace served on kvpool while faults are injected (a peer stalled, etcd restarted, bytes flipped, a pool
+    node or an engine killed), every answer against a run without faults (bench/chaos.py; 'kvpool bench chaos
+    --help' lists its options)."""
+    from kvpool.bench import chaos
+
+    with root.errors():
+        chaos.main(ctx.args, prog="kvpool bench chaos")

@@ -102,3 +102,16 @@ def test_bad_input_is_one_line_and_exit_1(args: list[str], message: str, monkeyp
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 1, result.output
     assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr
+
+
+def test_the_serving_benches_take_their_own_options() -> None:
+    """``kvpool bench serve`` / ``chaos`` hand every argument, ``--help`` included, to bench/serve.py's / chaos.py's
+    parser; ``--window`` runs no engine (the trace's window against the engines' caches)."""
+    for name in ("serve", "chaos"):
+        result = CliRunner().invoke(app, ["bench", name, "--help"])
+        assert result.exit_code == 0 and f"usage: kvpool bench {name}" in result.stdout, result.output
+    window = ["--window", "--sample", "100", "--requests", "60", "--engine-blocks", "32", "--speedup", "10"]
+    result = CliRunner().invoke(app, ["bench", "serve", *window])
+    assert result.exit_code == 0 and "layer below at most  26%" in result.stdout, result.output
+    result = CliRunner().invoke(app, ["bench", "chaos", "--faults", "bogus"])
+    assert result.exit_code == 2 and "name some of peer-stall" in result.output
