@@ -5,8 +5,8 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 #: the labels a sample's name keeps (``name{level}``, ``name{result}``, ``name{mode}``, ``name{kind}``,
-#: ``name{cause}``, ``name{tenant,tier}``); every other label is summed over
-KEPT_LABELS = ("level", "result", "mode", "kind", "cause")
+#: ``name{cause}``, ``name{direction}``, ``name{tenant,tier}``); every other label is summed over
+KEPT_LABELS = ("level", "result", "mode", "kind", "cause", "direction")
 TENANT_LABELS = ("tenant", "tier")
 
 

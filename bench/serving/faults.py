@@ -44,9 +44,9 @@ KINDS = ("peer-stall", "slow-peer", "etcd-restart", "byte-flip", "full-pool", "n
 SLOW_PERIOD_S, SLOW_STOPPED_S = 0.2, 0.15  #: slow-peer: stopped this much of every period
 #: full-pool: the rooms it opens, largest first (each size until the node refuses one), so that no gap is left
 ROOM_SIZES = tuple(4 << 20 >> i for i in range(0, 11, 2))
-#: the pool's counters a fault should move (``pool/metrics.py``): its clients' transfers with peers that went wrong, and
-#: their lookups and loads that fell short, by cause
-FAULT_COUNTERS = ("kvpool_transfer_faults_total", "kvpool_misses_total")
+#: the pool's counters a fault should move (``pool/metrics.py``): its clients' transfers with peers that went wrong,
+#: their lookups and loads that fell short, by cause, and the engines' chunks not loaded / batches not saved
+FAULT_COUNTERS = ("kvpool_transfer_faults_total", "kvpool_misses_total", "kvpool_engine_errors_total")
 Counters = dict[tuple[str, int], dict[str, float]]  #: (node id, its process) -> ``name{label}`` -> count
 
 

@@ -16,4 +16,5 @@ def test_a_node_started_again_counts_from_zero_and_the_growth_is_summed_over_nod
     grew = counted(before, after)
     assert grew == {"kvpool_transfer_faults_total{late}": 1.0, "kvpool_misses_total{read_failed}": 3.0}
     assert seen(grew) == "miss read_failed 3, late 1"
+    assert seen({"kvpool_engine_errors_total{save}": 2.0}) == "save errors 2"
     assert seen({}) == "none"
