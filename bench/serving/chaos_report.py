@@ -69,6 +69,12 @@ def seen(counters: dict[str, float]) -> str:
     return ", ".join(said) or "none"
 
 
+def beyond(counters: dict[str, float], reference: dict[str, float]) -> dict[str, float]:
+    """The counters a run moved more than the reference run did (what its fault added; the rest every run moves, as
+    the misses of chunks the run's reset removed)."""
+    return {k: n - reference.get(k, 0.0) for k, n in counters.items() if n > reference.get(k, 0.0)}
+
+
 def table(out: dict[str, Any]) -> Table:
     s, ref = out["scale"], out["rows"][0]
     t = Table(
@@ -96,7 +102,7 @@ def table(out: dict[str, Any]) -> Table:
             f"{r.get('p99_ttft_ms', 0):.0f} ms (ref {ref.get('p99_ttft_ms', 0):.0f})",
             f"{r['pool_tokens']:.0f} (ref {ref['pool_tokens']:.0f})",
             "" if rec == "" else "n/a" if rec is None else f"{rec:.1f} s",
-            seen(r.get("metrics", {})),
+            seen(r.get("metrics", {}) if r is ref else beyond(r.get("metrics", {}), ref.get("metrics", {}))),
             r.get("what", "") + (f"; [red]{r['error']}[/red]" if r.get("error") else ""),
         )
     t.caption = (
@@ -107,7 +113,8 @@ def table(out: dict[str, Any]) -> Table:
         "the pool (their /metrics); recovery: from the fault's end to the first token of the first request sent after "
         f"it with TTFT within {RECOVERED:g}x of the same request's in the reference (n/a: none); in the metrics: what "
         "the run moved of the pool nodes' kvpool_transfer_faults_total{kind}, kvpool_misses_total{cause} (miss ...) and "
-        "kvpool_engine_errors_total{direction} (load / save errors), summed over the nodes (what a killed node had "
-        "counted is lost with it; each run empties the pool first, so a first lookup finds its chunks 'removed')."
+        "kvpool_engine_errors_total{direction} (load / save errors), summed over the nodes, beyond what the reference "
+        "run moved (each run empties the pool first, so its first lookups find chunks 'removed'; what a killed node had "
+        "counted is lost with it)."
     )
     return t
