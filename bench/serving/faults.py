@@ -319,8 +319,8 @@ class Mixed:
         while not self._stop.is_set():
             kind = self.kinds[turn % len(self.kinds)]
             turn += 1
-            one = fault(kind, self.victim, self.each_s)
             try:
+                one = fault(kind, self.victim, self.each_s)  # in the try: a hold too short for its kind is its error
                 one.inject()
                 try:
                     self._stop.wait(one.hold_s)
