@@ -449,8 +449,12 @@ def test_prefill_on_one_node_decode_on_another_and_the_holder_dying(
             assert same_answer(other, baseline["R"])
             # what the consumer's connector did reaches its pool node's Prometheus metrics
             node = ray.get_actor(actor_name(consumer_node), namespace=engine_pool.namespace)
-            metrics = scrape(ray.get(node.info.remote()).metrics_address)
-            assert metrics["kvpool_engine_bytes_total"] > 0 and metrics["kvpool_engine_errors_total"] > 0
+            address = ray.get(node.info.remote()).metrics_address
+            wanted = ("kvpool_engine_bytes_total{load}", "kvpool_engine_errors_total{load}")
+            deadline = time.monotonic() + 30  # reports are sent without waiting: give them time to land
+            while not all((metrics := scrape(address)).get(name, 0) > 0 for name in wanted):
+                assert time.monotonic() < deadline, {name: metrics.get(name) for name in wanted}
+                time.sleep(0.2)
     finally:
         for actor in (producer, consumer):
             ray.kill(actor)
