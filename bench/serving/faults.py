@@ -297,7 +297,7 @@ class EngineKill:
 class Mixed:
     """Faults of ``kinds`` one after another, each held ``each_s`` with ``gap_s`` between, in turn, for ``hold_s`` in
     all (the chaos bench's long run): the last one is ended when ``hold_s`` is up.  A fault that could not be injected
-    or ended is counted by kind, and the next goes on."""
+    or ended is counted by kind, its turn lasts ``each_s`` all the same, and the next goes on."""
 
     victim: Victim
     hold_s: float
@@ -329,6 +329,7 @@ class Mixed:
                 self.injected[kind] = self.injected.get(kind, 0) + 1
             except Exception as exc:  # a fault that failed must not end the run: the others go on
                 self.failed[kind] = f"{type(exc).__name__}: {exc}"[:200]
+                self._stop.wait(self.each_s)  # its turn still lasts: failures in a row (gap 0) must not spin
             self._stop.wait(self.gap_s)
 
     def end(self) -> None:

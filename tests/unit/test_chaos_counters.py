@@ -1,5 +1,11 @@
 """The chaos bench's "in the metrics" column: what a run moved of the pool nodes' fault counters."""
 
+import time
+from typing import Any
+
+import pytest
+
+from kvpool.bench.serving import faults
 from kvpool.bench.serving.chaos_report import beyond, seen
 from kvpool.bench.serving.faults import counted
 
@@ -24,3 +30,22 @@ def test_a_row_shows_what_its_fault_moved_beyond_the_reference() -> None:
     reference = {"kvpool_misses_total{removed}": 6.0}
     run = {"kvpool_misses_total{removed}": 5.0, "kvpool_transfer_faults_total{late}": 1.0}
     assert seen(beyond(run, reference)) == "late 1"
+
+
+def test_a_mixed_series_whose_faults_all_fail_waits_out_each_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault that cannot be made (a stall shorter than a READ's deadline) is its turn's error; with no gap between
+    turns, the series still waits each turn out instead of spinning."""
+    made: list[str] = []
+    make = faults.fault
+
+    def counting(kind: str, victim: Any, hold_s: float) -> Any:
+        made.append(kind)
+        return make(kind, victim, hold_s)
+
+    monkeypatch.setattr(faults, "fault", counting)
+    mixed = faults.Mixed(victim=None, hold_s=60, kinds=("peer-stall",), each_s=0.5, gap_s=0)  # type: ignore[arg-type]
+    mixed.inject()
+    time.sleep(0.3)
+    mixed.end()
+    assert 1 <= len(made) <= 3  # an upper bound only: a busy machine makes fewer turns, never more
+    assert "peer-stall failed: ConfigError: a stall must outlast" in mixed.outcome()
