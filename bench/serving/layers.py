@@ -63,6 +63,7 @@ def kvpool(args: argparse.Namespace, work: Path) -> Iterator[Layer]:
             "ray_address": ray.get_runtime_context().gcs_address,
             "model_id": "bench-serve",
             "chunk_size": args.kvpool_chunk,
+            "layerwise": args.kvpool_layerwise,
         }
 
         def config(i: int, host: str) -> dict[str, Any]:

@@ -42,5 +42,11 @@ def scale_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--kvpool-chunk", type=int, default=256, help="tokens a kvpool chunk holds (the connector's default; x 32)"
     )
+    ap.add_argument(
+        "--kvpool-layerwise",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="kvpool loads layer by layer as the forward goes (the connector's default), or all layers before it",
+    )
     ap.add_argument("--pool-mib", type=int, default=512, help="memory of the layer below, per engine (MiB)")
     ap.add_argument("--model", type=Path, help="a vLLM model directory with its tokenizer (default: SmolLM2-135M)")

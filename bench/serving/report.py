@@ -27,9 +27,10 @@ def run(result: dict[str, Any]) -> dict[str, Any]:
 def scale(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """How the trace was scaled, and what it then holds."""
     keep = ("trace", "sample", "requests", "hash_block", "max_input", "max_output", "speedup", "engines")
+    keep += ("engine_blocks", "pool_mib", "kvpool_chunk", "kvpool_layerwise", "dtype", "bind_cores")
     ids = [h for r in rows for h in r["hash_ids"]]
     return {
-        **{k: getattr(args, k) for k in (*keep, "engine_blocks", "pool_mib", "kvpool_chunk", "dtype", "bind_cores")},
+        **{k: getattr(args, k) for k in keep},
         "model": Path(args.model_dir).name,
         "sent": len(rows),
         "block_reuse": 1 - len(set(ids)) / len(ids) if ids else 0.0,
@@ -62,7 +63,8 @@ def table(out: dict[str, Any]) -> Table:
         title=f"{s['trace']} trace: 1 conversation in {s['sample']}, its first {s['sent']} requests ({s['block_reuse']:.0%}"
         f" of blocks repeated, {s['seconds']:.0f} s after / {s['speedup']:g}), through {s['engines']} vLLM engines behind "
         f"kvpool route ({s['model']} in {s['dtype']}{', an engine a core' if s['bind_cores'] else ''}; a hash id = {s['hash_block']} tokens, inputs <= {s['max_input']}, outputs "
-        f"{s['max_output']}; {s['engine_blocks']} KV blocks of 32 tokens an engine, {s['pool_mib']} MiB of layer an engine; kvpool chunks of {s['kvpool_chunk']} tokens)"
+        f"{s['max_output']}; {s['engine_blocks']} KV blocks of 32 tokens an engine, {s['pool_mib']} MiB of layer an engine; kvpool chunks of {s['kvpool_chunk']} tokens"
+        f"{'' if s.get('kvpool_layerwise', True) else ', loaded before the forward'})"
     )
     cols = ("layer", "route", "TTFT p50", "p90", "p99", "TPOT p50", "req/s", "out tok/s", "own cache", "layer below")
     for col in (*cols, "failed"):

@@ -32,6 +32,9 @@ class ConnectorConfig(PoolSettings, frozen=True):
     load_failure: Annotated[Literal["recompute", "fail"], Meta(description="'recompute' or 'fail'")] = "recompute"
     #: the longest a request whose ``kv_transfer_params`` ask for a prefetch waits for it (:mod:`.hint`)
     prefetch_wait_s: Seconds = 2.0
+    #: a load that ends before the prompt's last token: layer by layer as the forward reaches each layer (True), or
+    #: every layer in one batch before the forward starts (False: one round of node calls instead of one a layer)
+    layerwise: bool = True
 
     @classmethod
     def from_extra(cls, extra: Any, where: str = _WHERE) -> "ConnectorConfig":

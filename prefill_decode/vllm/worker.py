@@ -116,7 +116,8 @@ class WorkerSide:
         """Load ``loads`` layer by layer, each layer's event set once it is in; blocks of chunks that did not come
         are reported by :meth:`take_load_errors` (vLLM recomputes from there)."""
         try:
-            whole = any(t.whole_before_forward for t in loads)  # the forward waits for all of it
+            # the forward waits for all of it: every layer in one batch
+            whole = not self.config.layerwise or any(t.whole_before_forward for t in loads)
             failed = self._load_layers(loads, lambda layer: self._layer_ready[layer.name].set(), at_once=whole)
             errors = {b for t, bad in zip(loads, failed, strict=True) for b in self._blocks_of(t, bad)}
             with self._errors_lock:

@@ -223,6 +223,42 @@ def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: 
     loader.close()
 
 
+def test_a_load_with_layerwise_off_reads_every_layer_in_one_batch(
+    engine_pool: PoolConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``layerwise: false``: a load that ends before the prompt's end reads all layers with one ``get_into_batch``
+    (one round of node calls) before the forward, where the default reads one a layer; the same bytes land."""
+    config = ConnectorConfig.from_extra(extra_config(engine_pool, chunk_size=64))
+    identity = CacheIdentity(model="layerwise-test", kv_dtype="float32", layout="vllm-test:[B,H,bs,2D]", chunk_size=64)
+    blocks, bs = 8, 32
+    src = {f"layers.{i}.attn": torch.randn(blocks, 2, bs, 128) for i in range(3)}
+    groups = KvGroups(tuple(PoolLayer(name, i, 0) for i, name in enumerate(src)), bs, 64)
+    saver = WorkerSide(config, identity, groups, blocks)
+    saver.register(src)
+    tokens = list(range(160))  # 2 full chunks of 64 tokens, and a tail the engine computes
+    meta = KvPoolMetadata(saves=[Transfer("s", tokens[:128], 0, 2, [[5, 2, 6, 1]])])
+    saver.start_step(meta)
+    for name in src:
+        saver.layer_done(name, meta)
+    saver.end_step(meta)
+    saver.drain({"s"})  # the put has run
+    load = KvPoolMetadata(loads=[Transfer("l", tokens[:128], 0, 2, [[2, 3, 4, 7]])])
+    calls: list[int] = []  #: keys per get_into_batch
+    batch = PoolClient.get_into_batch
+    monkeypatch.setattr(PoolClient, "get_into_batch", lambda c, keys, *a: calls.append(len(keys)) or batch(c, keys, *a))
+    for layerwise, batches in ((True, len(src)), (False, 1)):
+        dst = {name: torch.zeros_like(t) for name, t in src.items()}
+        side = WorkerSide(msgspec.structs.replace(config, layerwise=layerwise), identity, groups, blocks)
+        side.register(dst)
+        calls.clear()
+        assert step_loads(side, load) == set()
+        assert len(calls) == batches and sum(calls) == 2 * len(src)
+        for name in src:
+            assert torch.equal(dst[name][[2, 3, 4, 7]], src[name][[5, 2, 6, 1]])
+        side.close()
+    saver.close()
+
+
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
