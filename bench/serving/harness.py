@@ -130,11 +130,22 @@ def reset(urls: list[str], deadline_s: float = 120.0) -> None:
 
 def tokens_by_source(urls: list[str]) -> dict[str, float]:
     """Prompt tokens by where they came from, summed over the engines (their ``/metrics``)."""
-    out = dict.fromkeys(SOURCES, 0.0)
+    return _counted(urls, "vllm:prompt_tokens_by_source_total", "source", SOURCES)
+
+
+def connector_seconds(urls: list[str]) -> dict[str, float]:
+    """Seconds kvpool's connector spent loading and saving (its I/O thread), summed over the engines; 0 where an
+    engine runs another layer."""
+    return _counted(urls, "vllm:kvpool_seconds_total", "direction", {"load": "load", "save": "save"})
+
+
+def _counted(urls: list[str], metric: str, label: str, values: Mapping[str, str]) -> dict[str, float]:
+    """``metric``'s samples whose ``label`` is each of ``values`` (name: label value), summed over the engines."""
+    out = dict.fromkeys(values, 0.0)
     for url in urls:
         text = _get(f"{url}/metrics")
-        for name, source in SOURCES.items():
-            pattern = rf'^vllm:prompt_tokens_by_source_total{{[^}}]*source="{source}"[^}}]*}} (\S+)$'
+        for name, value in values.items():
+            pattern = rf'^{metric}{{[^}}]*{label}="{value}"[^}}]*}} (\S+)$'
             out[name] += sum(float(found) for found in re.findall(pattern, text, re.M))
     return out
 
@@ -175,9 +186,11 @@ def replay(args: argparse.Namespace, url: str, trace: Path, out: Path) -> dict[s
 
 def served(args: argparse.Namespace, urls: list[str], policy: str, trace: Path, out: Path) -> dict[str, Any]:
     """``trace`` replayed through ``kvpool route --policy policy`` over ``urls``: the replay's result with the prompt
-    tokens by source the engines counted meanwhile (``tokens``)."""
-    before = tokens_by_source(urls)
+    tokens by source the engines counted meanwhile (``tokens``) and kvpool's connector's load / save seconds
+    (``connector_s``)."""
+    before, busy = tokens_by_source(urls), connector_seconds(urls)
     with router(urls, policy, out.with_suffix(".route.log")) as url:
         result = replay(args, url, trace, out)
-    after = tokens_by_source(urls)
-    return {**result, "tokens": {k: after[k] - before[k] for k in SOURCES}}
+    after, busy_after = tokens_by_source(urls), connector_seconds(urls)
+    tokens = {k: after[k] - before[k] for k in SOURCES}
+    return {**result, "tokens": tokens, "connector_s": {k: busy_after[k] - busy[k] for k in busy}}
