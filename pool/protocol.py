@@ -171,6 +171,7 @@ class NodeHandle:
     def __init__(self, node_id: str, actor: ActorHandle) -> None:
         self.node_id, self.actor = node_id, actor
         self.dead = False  #: a call found the actor dead: :class:`NodeHandles` looks the node's actor up again
+        self.pid: int | None = None  #: the process the node's record named when this handle was looked up
 
     def _call(self, ref: ray.ObjectRef, timeout_s: float | None = CALL_TIMEOUT_S) -> Any:
         """:func:`call`, noting an actor found dead (a node started again on this Ray node is a new actor)."""
@@ -229,20 +230,25 @@ class NodeHandle:
 
 
 class NodeHandles:
-    """The actor handles of the pool's nodes in one Ray namespace, looked up once each (again after one died)."""
+    """The actor handles of the pool's nodes in one Ray namespace, looked up once each, and again after one died or
+    its record (``pid_of``: the process a node's record names, None if unknown) names another process."""
 
-    def __init__(self, namespace: str) -> None:
-        self.namespace = namespace
+    def __init__(self, namespace: str, pid_of: Callable[[str], int | None] = lambda _: None) -> None:
+        self.namespace, self.pid_of = namespace, pid_of
         self._handles: dict[str, NodeHandle] = {}
 
     def __getitem__(self, node_id: str) -> NodeHandle:
-        """The node's handle, looked up again once a call found its actor dead (the node may have been started again
-        since; if not, the lookup says so)."""
-        handle = self._handles.get(node_id)
-        return self.renew(node_id) if handle is None or handle.dead else handle
+        """The node's handle, looked up again once a call found its actor dead or the node's record names a process
+        the handle was not looked up for (the node was started again: a new actor, which no call may have found
+        yet, e.g. when the old one's last call failed on its transfer rather than on the actor)."""
+        handle, pid = self._handles.get(node_id), self.pid_of(node_id)
+        if handle is None or handle.dead or (pid is not None and handle.pid != pid):
+            return self.renew(node_id, pid)
+        return handle
 
-    def renew(self, node_id: str) -> NodeHandle:
-        """The node's handle, looked up now: the actor that holds its name today (one started again is another)."""
+    def renew(self, node_id: str, pid: int | None = None) -> NodeHandle:
+        """The node's handle, looked up now: the actor that holds its name today (one started again is another);
+        ``pid``: the process the node's record names now."""
         try:
             actor = ray.get_actor(actor_name(node_id), namespace=self.namespace)
         except ValueError:  # Ray's way of saying there is no such actor
@@ -250,6 +256,7 @@ class NodeHandles:
                 f"no pool node actor for node {node_id[:12]} (it died or was stopped): see kvpool status"
             ) from None
         self._handles[node_id] = handle = NodeHandle(node_id, actor)
+        handle.pid = pid
         return handle
 
     def stats(self, node_ids: Sequence[str], timeout_s: float) -> dict[str, dict[str, Any]]:

@@ -79,7 +79,8 @@ class PoolClient:
         self.etcd = EtcdClient(config.metadata)
         self.cache = MetadataCache(self.etcd, Namespace(config.metadata.cluster)).start()
         self.placements = PlacementStore(self.etcd, Namespace(config.metadata.cluster))
-        self.nodes = NodeHandles(config.namespace)
+        #: a node started again is a new actor: its record's process tells (see NodeHandles)
+        self.nodes = NodeHandles(config.namespace, lambda n: r.pid if (r := node_record(self.cache, n)) else None)
         self.peers = Peers(self.cache, scope=config.metadata.cluster, fault=self._transfer_fault)
         self.rooms = Rooms(self.cache)  #: DRAM each node holds for this client's next batch
         self._wait_s = config.metadata.retry_deadline_s  #: how long a call waits for the watch cache to catch up

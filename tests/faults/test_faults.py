@@ -137,21 +137,25 @@ def test_a_pool_node_killed_during_traffic_loses_no_acknowledged_chunk(
     )
 
 
+@pytest.mark.parametrize("probed", [True, False], ids=["a-put-failed-meanwhile", "no-call-meanwhile"])
 def test_a_pool_node_started_again_on_its_ray_node_is_reached_again(
-    make_pool: MakePool, ray_cluster: list[str]
+    make_pool: MakePool, ray_cluster: list[str], probed: bool
 ) -> None:
-    """A PoolNode actor killed and started again on the same Ray node is a new actor: a client whose calls found the
-    old one dead looks the node up again and puts to it and reads from it as before (it kept the dead handle, and
-    every call there failed, until the client was made anew)."""
+    """A PoolNode actor killed and started again on the same Ray node is a new actor: a client looks the node up
+    again once its record names the new process and puts to it and reads from it as before — whether a put failed
+    there meanwhile (on the dead actor, or on its transfer while the actor was still dying, which left the handle
+    looking alive) or no call of the client went there at all (until the record was checked, the first put after
+    the restart failed on the old handle)."""
     pool = make_pool(ray_cluster, dram_bytes=16 * MiB, nvme_bytes=16 * MiB)
     victim = ray_cluster[2]
-    keys = keys_of("again", 2)
+    keys = keys_of(f"again-{probed}", 2)
     with PoolClient(pool) as client:
         client.put_batch([(keys[0], blob(0))], nodes=[victim])
         [old] = [n.pid for n in client.cache.nodes() if n.node_id == victim]
         ray.kill(ray.get_actor(actor_name(victim), namespace=pool.namespace))
-        with pytest.raises(KvPoolError):  # the dead actor (or, once its record expired, no live node there)
-            client.put_batch([(keys[1], blob(1))], nodes=[victim])
+        if probed:
+            with pytest.raises(KvPoolError):  # the dead actor (or, once its record expired, no live node there)
+                client.put_batch([(keys[1], blob(1))], nodes=[victim])
         start_pool(pool, [victim])
         deadline = time.monotonic() + 120  # a bound on a hang, not a timing claim
         while not any(n.node_id == victim and n.pid != old for n in client.cache.nodes()):
