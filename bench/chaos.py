@@ -9,7 +9,8 @@ where the reference's top two were within that tolerance is a tie, not a wrong t
 
 The engines' own prefix caches are off unless ``--own-cache``: every prefix an engine reuses is then read from the
 pool, its own node's or the other's, which is what the faults hit.  Each run starts cold: the pool emptied, the
-engines' prefix caches reset, a fresh router; one unmeasured run warms the engines up first.  A fault is injected just
+engines' prefix caches reset, a fresh router; one unmeasured run warms the engines up first (``--warm-up``: its
+first N requests only).  A fault is injected just
 before the request a third of the way into the trace is sent, and ended ``--hold-s`` later (byte-flip and engine-kill
 are instant; the killed engine stays down, so that kind runs last).  Per kind: requests, wrong tokens, logprobs off,
 failed requests (by HTTP status), TTFT p50 / p99 against the reference's, the prompt tokens the engines took from the
@@ -166,7 +167,8 @@ def run_faults(args: argparse.Namespace, bodies: list[dict[str, Any]], at_s: lis
         host = urls[0].split("//")[1].split(":")[0]
         node_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == host)
         victim = Victim(args.pool, node_id, args.etcd, engines[-1][1])
-        cold_run(args, layer, urls, bodies, at_s, work / "warm-up.route.log", None)
+        warm = slice(0, args.warm_up)
+        cold_run(args, layer, urls, bodies[warm], at_s[warm], work / "warm-up.route.log", None)
         ref = cold_run(args, layer, urls, bodies, at_s, work / "reference.route.log", None)
         rows = [row("none (reference)", ref, ref[0], None, args.tolerance)]
         console.print(f"  reference: {rows[0]['verdicts']}, {ref[1]:.0f} prompt tokens from the pool")
@@ -214,6 +216,12 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
         "long), instead of a run per kind",
     )
     ap.add_argument("--gap-s", type=float, default=5.0, help="--mixed: seconds between one fault's end and the next")
+    ap.add_argument(
+        "--warm-up",
+        type=int,
+        help="requests of the trace's first that warm the engines up, unmeasured (default: all of them; a long --mixed "
+        "run needs a few only)",
+    )
     ap.add_argument("--tolerance", type=float, default=1e-3, help="log-probabilities equal within this (absolute)")
     ap.add_argument("--own-cache", action="store_true", help="keep the engines' own prefix caches on")
     scale_options(ap)
@@ -228,6 +236,8 @@ def main(argv: list[str] | None = None, pool: PoolConfig | None = None, prog: st
     args = parser(prog).parse_args(argv)
     if args.mixed and not set(args.faults) - {"engine-kill", "etcd-restart" if pool is not None else ""}:
         raise ConfigError(f"--mixed needs a fault kind of --faults it can repeat on this pool, got {args.faults}")
+    if args.warm_up is not None and args.warm_up < 1:
+        raise ConfigError(f"--warm-up: a number of requests >= 1 (leave it out to warm up on all), got {args.warm_up}")
     for name, value in vars(serve.parser().parse_args([])).items():  # the harness's other settings: serve.py's
         args.__dict__.setdefault(name, value)
     if args.model is None:

@@ -130,22 +130,34 @@ def reset(urls: list[str], deadline_s: float = 120.0) -> None:
 
 def tokens_by_source(urls: list[str]) -> dict[str, float]:
     """Prompt tokens by where they came from, summed over the engines (their ``/metrics``)."""
-    return _counted(urls, "vllm:prompt_tokens_by_source_total", "source", SOURCES)
+    return _counted(urls, {k: _sample("vllm:prompt_tokens_by_source_total", "source", v) for k, v in SOURCES.items()})
 
 
 def connector_seconds(urls: list[str]) -> dict[str, float]:
     """Seconds kvpool's connector spent loading and saving (its I/O thread), summed over the engines; 0 where an
     engine runs another layer."""
-    return _counted(urls, "vllm:kvpool_seconds_total", "direction", {"load": "load", "save": "save"})
+    return _counted(urls, {d: _sample("vllm:kvpool_seconds_total", "direction", d) for d in ("load", "save")})
 
 
-def _counted(urls: list[str], metric: str, label: str, values: Mapping[str, str]) -> dict[str, float]:
-    """``metric``'s samples whose ``label`` is each of ``values`` (name: label value), summed over the engines."""
-    out = dict.fromkeys(values, 0.0)
+def engine_seconds(urls: list[str]) -> dict[str, float]:
+    """Seconds the engines' requests spent waiting to be scheduled, in prefill and in decode (vLLM's histograms'
+    sums), summed over the engines and requests: where a layer's TTFT goes."""
+    phases = {"queued": "queue", "prefill": "prefill", "decode": "decode"}
+    return _counted(urls, {k: _sample(f"vllm:request_{v}_time_seconds_sum") for k, v in phases.items()})
+
+
+def _sample(metric: str, label: str = "", value: str = "") -> str:
+    """A pattern of ``metric``'s sample lines (with ``label="value"``, if given), its value the group."""
+    labels = rf'[^}}]*{label}="{value}"[^}}]*' if label else "[^}]*"
+    return rf"^{metric}{{{labels}}} (\S+)$"
+
+
+def _counted(urls: list[str], samples: Mapping[str, str]) -> dict[str, float]:
+    """Per name, the values of the sample lines its pattern (:func:`_sample`) finds, summed over the engines."""
+    out = dict.fromkeys(samples, 0.0)
     for url in urls:
         text = _get(f"{url}/metrics")
-        for name, value in values.items():
-            pattern = rf'^{metric}{{[^}}]*{label}="{value}"[^}}]*}} (\S+)$'
+        for name, pattern in samples.items():
             out[name] += sum(float(found) for found in re.findall(pattern, text, re.M))
     return out
 
@@ -186,11 +198,12 @@ def replay(args: argparse.Namespace, url: str, trace: Path, out: Path) -> dict[s
 
 def served(args: argparse.Namespace, urls: list[str], policy: str, trace: Path, out: Path) -> dict[str, Any]:
     """``trace`` replayed through ``kvpool route --policy policy`` over ``urls``: the replay's result with the prompt
-    tokens by source the engines counted meanwhile (``tokens``) and kvpool's connector's load / save seconds
-    (``connector_s``)."""
-    before, busy = tokens_by_source(urls), connector_seconds(urls)
+    tokens by source the engines counted meanwhile (``tokens``), kvpool's connector's load / save seconds
+    (``connector_s``) and the requests' seconds queued / in prefill / in decode (``phases_s``)."""
+    counters = (tokens_by_source, connector_seconds, engine_seconds)
+    before = [count(urls) for count in counters]
     with router(urls, policy, out.with_suffix(".route.log")) as url:
         result = replay(args, url, trace, out)
-    after, busy_after = tokens_by_source(urls), connector_seconds(urls)
-    tokens = {k: after[k] - before[k] for k in SOURCES}
-    return {**result, "tokens": tokens, "connector_s": {k: busy_after[k] - busy[k] for k in busy}}
+    after = [count(urls) for count in counters]
+    tokens, connector, phases = ({k: a[k] - b[k] for k in b} for a, b in zip(after, before, strict=True))
+    return {**result, "tokens": tokens, "connector_s": connector, "phases_s": phases}

@@ -18,6 +18,7 @@ def run(result: dict[str, Any]) -> dict[str, Any]:
     out = {k: result.get(k) for k in KEYS}
     out.update(completed=result.get("completed", 0), failed=result.get("failed", 0), tokens=result["tokens"])
     out["connector_s"] = result.get("connector_s", {})  #: kvpool's connector: seconds loading / saving
+    out["phases_s"] = result.get("phases_s", {})  #: the requests' seconds queued / in prefill / in decode
     out["ttfts_s"] = result.get("ttfts", [])
     out["errors"] = sorted({e for e in result.get("errors", []) if e})[:5]
     if "fresh_tokens" in result:
@@ -55,6 +56,7 @@ def progress(r: dict[str, Any]) -> None:
         f"  {r['layer']}, {r['route']}: TTFT p50 {r['p50_ttft_ms']:.0f} ms, p99 {r['p99_ttft_ms']:.0f} ms; "
         f"{r['request_throughput']:.2f} req/s; prompt tokens from own cache {own}, layer below {below}; "
         f"{r['completed']} done, {r['failed']} failed"
+        + "".join(f"; {k} {v:.0f} s" for k, v in r.get("phases_s", {}).items())
         + "".join(f"; connector {k} {v:.1f} s" for k, v in r.get("connector_s", {}).items() if v)
     )
 

@@ -115,3 +115,5 @@ def test_the_serving_benches_take_their_own_options() -> None:
     assert result.exit_code == 0 and "layer below at most  26%" in result.stdout, result.output
     result = CliRunner().invoke(app, ["bench", "chaos", "--faults", "bogus"])
     assert result.exit_code == 2 and "name some of peer-stall" in result.output
+    result = CliRunner().invoke(app, ["bench", "chaos", "--warm-up", "0"])
+    assert result.exit_code != 0 and "--warm-up: a number of requests >= 1" in result.output, result.output
