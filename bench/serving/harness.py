@@ -133,10 +133,12 @@ def tokens_by_source(urls: list[str]) -> dict[str, float]:
     return _counted(urls, {k: _sample("vllm:prompt_tokens_by_source_total", "source", v) for k, v in SOURCES.items()})
 
 
-def connector_seconds(urls: list[str]) -> dict[str, float]:
-    """Seconds kvpool's connector spent loading and saving (its I/O thread), summed over the engines; 0 where an
-    engine runs another layer."""
-    return _counted(urls, {d: _sample("vllm:kvpool_seconds_total", "direction", d) for d in ("load", "save")})
+def connector_counts(urls: list[str]) -> dict[str, float]:
+    """What kvpool's connector did, summed over the engines: seconds its I/O thread spent loading and saving, chunks it
+    could not load (recomputed) and save batches it dropped; all 0 where an engine runs another layer."""
+    samples = {f"{d}_s": _sample("vllm:kvpool_seconds_total", "direction", d) for d in ("load", "save")}
+    samples |= {f"{d}_errors": _sample("vllm:kvpool_errors_total", "direction", d) for d in ("load", "save")}
+    return _counted(urls, samples)
 
 
 def engine_seconds(urls: list[str]) -> dict[str, float]:
@@ -198,12 +200,12 @@ def replay(args: argparse.Namespace, url: str, trace: Path, out: Path) -> dict[s
 
 def served(args: argparse.Namespace, urls: list[str], policy: str, trace: Path, out: Path) -> dict[str, Any]:
     """``trace`` replayed through ``kvpool route --policy policy`` over ``urls``: the replay's result with the prompt
-    tokens by source the engines counted meanwhile (``tokens``), kvpool's connector's load / save seconds
-    (``connector_s``) and the requests' seconds queued / in prefill / in decode (``phases_s``)."""
-    counters = (tokens_by_source, connector_seconds, engine_seconds)
+    tokens by source the engines counted meanwhile (``tokens``), what kvpool's connector did (``connector``: load /
+    save seconds and errors) and the requests' seconds queued / in prefill / in decode (``phases_s``)."""
+    counters = (tokens_by_source, connector_counts, engine_seconds)
     before = [count(urls) for count in counters]
     with router(urls, policy, out.with_suffix(".route.log")) as url:
         result = replay(args, url, trace, out)
     after = [count(urls) for count in counters]
     tokens, connector, phases = ({k: a[k] - b[k] for k in b} for a, b in zip(after, before, strict=True))
-    return {**result, "tokens": tokens, "connector_s": connector, "phases_s": phases}
+    return {**result, "tokens": tokens, "connector": connector, "phases_s": phases}

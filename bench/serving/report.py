@@ -17,7 +17,7 @@ def run(result: dict[str, Any]) -> dict[str, Any]:
     """One run's row fields from ``vllm bench serve``'s result (with the harness's token counts)."""
     out = {k: result.get(k) for k in KEYS}
     out.update(completed=result.get("completed", 0), failed=result.get("failed", 0), tokens=result["tokens"])
-    out["connector_s"] = result.get("connector_s", {})  #: kvpool's connector: seconds loading / saving
+    out["connector"] = result.get("connector", {})  #: kvpool's connector: seconds and errors loading / saving
     out["phases_s"] = result.get("phases_s", {})  #: the requests' seconds queued / in prefill / in decode
     out["ttfts_s"] = result.get("ttfts", [])
     out["errors"] = sorted({e for e in result.get("errors", []) if e})[:5]
@@ -57,7 +57,11 @@ def progress(r: dict[str, Any]) -> None:
         f"{r['request_throughput']:.2f} req/s; prompt tokens from own cache {own}, layer below {below}; "
         f"{r['completed']} done, {r['failed']} failed"
         + "".join(f"; {k} {v:.0f} s" for k, v in r.get("phases_s", {}).items())
-        + "".join(f"; connector {k} {v:.1f} s" for k, v in r.get("connector_s", {}).items() if v)
+        + "".join(
+            f"; connector {k[:-2]} {v:.1f} s" if k.endswith("_s") else f"; connector {k.replace('_', ' ')} {v:.0f}"
+            for k, v in r.get("connector", {}).items()
+            if v
+        )
     )
 
 
