@@ -28,8 +28,8 @@ def run(result: dict[str, Any]) -> dict[str, Any]:
 
 def scale(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """How the trace was scaled, and what it then holds."""
-    keep = ("trace", "sample", "requests", "hash_block", "max_input", "max_output", "speedup", "engines")
-    keep += ("engine_blocks", "pool_mib", "kvpool_chunk", "kvpool_layerwise", "dtype", "bind_cores")
+    keep = ["trace", "sample", "requests", "hash_block", "max_input", "max_output", "speedup", "engines"]
+    keep += ["engine_blocks", "pool_mib", "kvpool_chunk", "kvpool_layerwise", "dtype", "bind_cores"]
     ids = [h for r in rows for h in r["hash_ids"]]
     return {
         **{k: getattr(args, k) for k in keep},
