@@ -156,17 +156,26 @@ def step_loads(side: WorkerSide, meta: KvPoolMetadata) -> set[int]:
     return side.take_load_errors()
 
 
+def paged_saver(
+    engine_pool: PoolConfig, model: str, blocks: int
+) -> tuple[ConnectorConfig, CacheIdentity, KvGroups, dict[str, torch.Tensor], WorkerSide]:
+    """A worker side over three layers of random paged KV (vLLM's CPU layout, 32-token blocks, 64-token chunks), the
+    pool's saver: its config, cache identity, groups, KV tensors and itself."""
+    config = ConnectorConfig.from_extra(extra_config(engine_pool, chunk_size=64))
+    identity = CacheIdentity(model=model, kv_dtype="float32", layout="vllm-test:[B,H,bs,2D]", chunk_size=64)
+    src = {f"layers.{i}.attn": torch.randn(blocks, 2, 32, 128) for i in range(3)}
+    groups = KvGroups(tuple(PoolLayer(name, i, 0) for i, name in enumerate(src)), 32, 64)
+    saver = WorkerSide(config, identity, groups, blocks)
+    saver.register(src)
+    return config, identity, groups, src, saver
+
+
 def test_worker_side_saves_blocks_and_loads_them_into_other_blocks(engine_pool: PoolConfig) -> None:
     """Save three chunks of paged KV (vLLM's CPU layout, blocks scattered) and load them into other blocks of
     another cache: byte-exact, layer by layer; blocks of vLLM's own prefix hits are left alone; a chunk missing
     from the pool is reported as its blocks' load errors."""
-    config = ConnectorConfig.from_extra(extra_config(engine_pool, chunk_size=64))
-    identity = CacheIdentity(model="worker-test", kv_dtype="float32", layout="vllm-test:[B,H,bs,2D]", chunk_size=64)
-    blocks, bs = 16, 32
-    src = {f"layers.{i}.attn": torch.randn(blocks, 2, bs, 128) for i in range(3)}
-    groups = KvGroups(tuple(PoolLayer(name, i, 0) for i, name in enumerate(src)), bs, 64)
-    saver = WorkerSide(config, identity, groups, blocks)
-    saver.register(src)
+    blocks = 16
+    config, identity, groups, src, saver = paged_saver(engine_pool, "worker-test", blocks)
     tokens = list(range(200))  # 3 full chunks of 64 tokens: 6 blocks
     meta = KvPoolMetadata(saves=[Transfer("r1", tokens[:192], 0, 3, [[5, 2, 9, 11, 0, 7]])])
     saver.start_step(meta)
@@ -228,13 +237,8 @@ def test_a_load_with_layerwise_off_reads_every_layer_in_one_batch(
 ) -> None:
     """``layerwise: false``: a load that ends before the prompt's end reads all layers with one ``get_into_batch``
     (one round of node calls) before the forward, where the default reads one a layer; the same bytes land."""
-    config = ConnectorConfig.from_extra(extra_config(engine_pool, chunk_size=64))
-    identity = CacheIdentity(model="layerwise-test", kv_dtype="float32", layout="vllm-test:[B,H,bs,2D]", chunk_size=64)
-    blocks, bs = 8, 32
-    src = {f"layers.{i}.attn": torch.randn(blocks, 2, bs, 128) for i in range(3)}
-    groups = KvGroups(tuple(PoolLayer(name, i, 0) for i, name in enumerate(src)), bs, 64)
-    saver = WorkerSide(config, identity, groups, blocks)
-    saver.register(src)
+    blocks = 8
+    config, identity, groups, src, saver = paged_saver(engine_pool, "layerwise-test", blocks)
     tokens = list(range(160))  # 2 full chunks of 64 tokens, and a tail the engine computes
     meta = KvPoolMetadata(saves=[Transfer("s", tokens[:128], 0, 2, [[5, 2, 6, 1]])])
     saver.start_step(meta)
