@@ -47,8 +47,16 @@ from rich.console import Console
 from kvpool.bench import serve
 from kvpool.bench.serve import quantiles
 from kvpool.bench.serving import chaos_report, client, layers, report
-from kvpool.bench.serving.faults import KINDS, Fault, Mixed, Victim, counted, fault, fault_counters
-from kvpool.bench.serving.harness import engine_process, health, reset, router, scaled_trace, tokens_by_source
+from kvpool.bench.serving.faults import KINDS, Fault, Mixed, Victim, counted, fault
+from kvpool.bench.serving.harness import (
+    engine_process,
+    fault_counts,
+    health,
+    reset,
+    router,
+    scaled_trace,
+    tokens_by_source,
+)
 from kvpool.bench.serving.options import names, scale_options
 from kvpool.errors import ConfigError, KvPoolError
 from kvpool.metadata.config import MetadataConfig
@@ -104,20 +112,19 @@ def cold_run(
     injection: Injection | None,
 ) -> tuple[list[client.Answer], float, dict[str, float]]:
     """One cold run over the engines of ``urls`` that answer: the answers, the prompt tokens they took from the pool
-    (counted on the engines that answered before and after), and what the pool's fault counters grew by."""
+    (counted on the engines that answered before and after), and what the engines' kvpool fault counters grew by."""
     live = [u for u in urls if health(u) is None]
     reset(live)
     layer.empty()
     before = {u: tokens_by_source([u]) for u in live}
-    counters = fault_counters(args.pool)
+    counters = fault_counts(live)
     with router(live, "round-robin", log) as url:
         answers = client.replay(url, bodies, at_s, injection)
     if injection is not None:
         injection.join()
-    pooled = 0.0
-    for u in (u for u in live if health(u) is None):
-        pooled += tokens_by_source([u])["layer below"] - before[u]["layer below"]
-    return answers, pooled, counted(counters, fault_counters(args.pool))
+    answered = [u for u in live if health(u) is None]
+    pooled = sum(tokens_by_source([u])["layer below"] - before[u]["layer below"] for u in answered)
+    return answers, pooled, counted(counters, fault_counts(answered))
 
 
 def row(

@@ -24,6 +24,7 @@ PREFETCH_MOVES = ("promoted", "copied")
 #: passed its deadline and may still land (its transport set aside for good: ``late``), and a WRITE refused because
 #: the peer was started again since its room was opened (``restarted_peer``)
 TRANSFER_FAULTS = ("read_failed", "write_failed", "late", "restarted_peer")
+FAULT_PREFIX = "fault_"  #: an engine's count named ``fault_<kind>``: its client's transfer faults (its own metrics)
 
 
 @dataclass

@@ -57,14 +57,14 @@ def row(kind: str, answers: list[Answer], pooled: float, ref: list[Answer], tole
 
 
 def seen(counters: dict[str, float]) -> str:
-    """The pool's fault counters a run moved, short: ``kvpool_transfer_faults_total{late}`` as ``late``,
-    ``kvpool_misses_total{evicted}`` as ``miss evicted``, ``kvpool_engine_errors_total{save}`` as ``save errors``
-    ("none": none moved)."""
+    """The engines' kvpool fault counters a run moved, short: ``vllm:kvpool_transfer_faults_total{late}`` as
+    ``late``, ``vllm:kvpool_misses_total{evicted}`` as ``miss evicted``, ``vllm:kvpool_errors_total{save}`` as
+    ``save errors`` ("none": none moved)."""
     said = []
     for name, n in sorted(counters.items()):
         metric, _, label = name.partition("{")
         label = label.rstrip("}")
-        shown = {"kvpool_misses_total": f"miss {label}", "kvpool_engine_errors_total": f"{label} errors"}
+        shown = {"vllm:kvpool_misses_total": f"miss {label}", "vllm:kvpool_errors_total": f"{label} errors"}
         said.append(f"{shown.get(metric, label)} {n:.0f}")
     return ", ".join(said) or "none"
 
@@ -112,9 +112,9 @@ def table(out: dict[str, Any]) -> Table:
         "complete answer (HTTP status; cut: the stream broke off); pool tokens: prompt tokens the engines took from "
         "the pool (their /metrics); recovery: from the fault's end to the first token of the first request sent after "
         f"it with TTFT within {RECOVERED:g}x of the same request's in the reference (n/a: none); in the metrics: what "
-        "the run moved of the pool nodes' kvpool_transfer_faults_total{kind}, kvpool_misses_total{cause} (miss ...) and "
-        "kvpool_engine_errors_total{direction} (load / save errors), summed over the nodes, beyond what the reference "
-        "run moved (each run empties the pool first, so its first lookups find chunks 'removed'; what a killed node had "
-        "counted is lost with it)."
+        "the run moved of the engines' vllm:kvpool_transfer_faults_total{kind}, vllm:kvpool_misses_total{cause} "
+        "(miss ...) and vllm:kvpool_errors_total{direction} (load / save errors), summed over the engines that answer "
+        "after the run, beyond what the reference run moved (each run empties the pool first, so its first lookups find "
+        "chunks 'removed'); counted in the engines, so a pool node killed takes none with it."
     )
     return t

@@ -34,7 +34,6 @@ from kvpool.pool.client.peers import UNPINNED_TIMEOUT_S, node_record
 from kvpool.pool.config import PoolConfig
 from kvpool.pool.node import start_pool
 from kvpool.pool.protocol import NodeHandle, actor_name
-from kvpool.pool.scrape import scrape
 from kvpool.servers.etcd import EmbeddedEtcd
 from kvpool.servers.process import ServerProcess
 
@@ -44,30 +43,16 @@ KINDS = ("peer-stall", "slow-peer", "etcd-restart", "byte-flip", "full-pool", "n
 SLOW_PERIOD_S, SLOW_STOPPED_S = 0.2, 0.15  #: slow-peer: stopped this much of every period
 #: full-pool: the rooms it opens, largest first (each size until the node refuses one), so that no gap is left
 ROOM_SIZES = tuple(4 << 20 >> i for i in range(0, 11, 2))
-#: the pool's counters a fault should move (``pool/metrics.py``): its clients' transfers with peers that went wrong,
-#: their lookups and loads that fell short, by cause, and the engines' chunks not loaded / batches not saved
-FAULT_COUNTERS = ("kvpool_transfer_faults_total", "kvpool_misses_total", "kvpool_engine_errors_total")
-Counters = dict[tuple[str, int], dict[str, float]]  #: (node id, its process) -> ``name{label}`` -> count
-
-
-def fault_counters(pool: PoolConfig) -> Counters:
-    """Every live pool node's :data:`FAULT_COUNTERS`, from its metrics endpoint."""
-    with PoolClient(pool) as client:
-        nodes = client.cache.nodes()
-    return {
-        (n.node_id, n.pid): {k: v for k, v in scrape(n.metrics, timeout_s=5).items() if k.startswith(FAULT_COUNTERS)}
-        for n in nodes
-        if n.metrics
-    }
+Counters = dict[str, dict[str, float]]  #: engine URL -> ``name{label}`` -> count (``harness.fault_counts``)
 
 
 def counted(before: Counters, after: Counters) -> dict[str, float]:
-    """What the counters grew by from ``before`` to ``after``, over the nodes (one started again counts from 0; what
-    a node killed meanwhile had counted is lost with it)."""
+    """What the counters grew by from ``before`` to ``after``, summed over the engines (one not there before counts
+    from 0; what an engine killed meanwhile had counted is lost with it)."""
     out: dict[str, float] = {}
-    for node, counts in after.items():
+    for engine, counts in after.items():
         for name, n in counts.items():
-            if grew := n - before.get(node, {}).get(name, 0.0):
+            if grew := n - before.get(engine, {}).get(name, 0.0):
                 out[name] = out.get(name, 0.0) + grew
     return out
 

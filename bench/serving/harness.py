@@ -141,6 +141,31 @@ def connector_counts(urls: list[str]) -> dict[str, float]:
     return _counted(urls, samples)
 
 
+#: kvpool's fault counters in an engine's ``/metrics`` (``prefill_decode/vllm/stats.py``), by the label that says which
+FAULT_METRICS = {
+    "vllm:kvpool_transfer_faults_total": "kind",
+    "vllm:kvpool_misses_total": "cause",
+    "vllm:kvpool_errors_total": "direction",
+}
+
+
+def fault_counts(urls: list[str]) -> dict[str, dict[str, float]]:
+    """Per engine, kvpool's connector's :data:`FAULT_METRICS` from its ``/metrics`` (:func:`faults_in`)."""
+    return {url: faults_in(_get(f"{url}/metrics")) for url in urls}
+
+
+def faults_in(text: str) -> dict[str, float]:
+    """An engine's :data:`FAULT_METRICS` in its metrics ``text`` as ``name{value}``, summed over its other labels:
+    its transfers with other nodes that went wrong, its lookups and loads that fell short by cause, its chunks not
+    loaded and batches not saved.  Counted in the engine, so a pool node killed meanwhile takes none of them with it;
+    none where an engine runs another layer."""
+    out: dict[str, float] = {}
+    for metric, label in FAULT_METRICS.items():
+        for value, n in re.findall(rf'^{metric}{{[^}}]*\b{label}="([^"]+)"[^}}]*}} (\S+)$', text, re.M):
+            out[f"{metric}{{{value}}}"] = out.get(f"{metric}{{{value}}}", 0.0) + float(n)
+    return out
+
+
 def engine_seconds(urls: list[str]) -> dict[str, float]:
     """Seconds the engines' requests spent waiting to be scheduled, in prefill and in decode (vLLM's histograms'
     sums), summed over the engines and requests: where a layer's TTFT goes."""

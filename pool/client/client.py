@@ -27,6 +27,7 @@ a kind of :class:`ChunkNotFound` — a miss, never wrong bytes.
 
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -89,6 +90,8 @@ class PoolClient:
         )
         self.local = LocalNode(self.node_id, self.nodes, self.cache)  #: the pool node here, bound anew once restarted
         self._stats = StatsReporter(self.local.handle)  #: what this client saw, for its node's metrics
+        #: its transfer faults by kind, since made: an engine counts them itself too (a node may die with its counts)
+        self.transfer_faults: Counter[str] = Counter()
         self.reads = NodeReads(self.node_id, self.nodes, self.peers, self.local, config.encryption.keyring())
         self.device = DeviceReads(self.node_id, self.local)
         self.replicas = Replicas(
@@ -97,6 +100,7 @@ class PoolClient:
 
     def _transfer_fault(self, kind: str) -> None:
         """A transfer with a peer went wrong (:class:`Peers`): counted for this node's metrics, at once (rare)."""
+        self.transfer_faults[kind] += 1
         self._stats.seen.transfer_fault(kind)
         self._stats.report(force=True)
 

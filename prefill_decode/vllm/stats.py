@@ -14,7 +14,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvpool.pool.metrics import MISS_PREFIX, PREFETCH_MOVES, PREFETCH_RESULTS
+from kvpool.pool.metrics import FAULT_PREFIX, MISS_PREFIX, PREFETCH_MOVES, PREFETCH_RESULTS, TRANSFER_FAULTS
 
 TOKEN_KINDS = ("lookup", "hit", "loaded", "saved")
 DIRECTIONS = (("load", "loaded"), ("save", "saved"))
@@ -48,9 +48,10 @@ class KvPoolStats(KVConnectorStats):
 
 class KvPoolPromMetrics(KVConnectorPromMetrics):
     """``vllm:kvpool_tokens{kind}``, ``vllm:kvpool_bytes{direction}``, ``vllm:kvpool_seconds{direction}``,
-    ``vllm:kvpool_errors{direction}``, ``vllm:kvpool_misses{cause}``, ``vllm:kvpool_prefetches{result}`` and
-    ``vllm:kvpool_prefetched_objects{how}``: counters, per engine, as the pool node's ``kvpool_engine_*`` and
-    ``kvpool_misses_total`` count them."""
+    ``vllm:kvpool_errors{direction}``, ``vllm:kvpool_misses{cause}``, ``vllm:kvpool_prefetches{result}``,
+    ``vllm:kvpool_prefetched_objects{how}`` and ``vllm:kvpool_transfer_faults{kind}``: counters, per engine, as the
+    pool node's ``kvpool_engine_*``, ``kvpool_misses_total`` and ``kvpool_transfer_faults_total`` count them (but
+    for the engine alone, and kept when a pool node dies with its counts)."""
 
     def __init__(
         self,
@@ -75,6 +76,12 @@ class KvPoolPromMetrics(KVConnectorPromMetrics):
         self.prefetched = counter(
             "prefetched_objects", "Objects kvpool's prefetches brought into the node's DRAM, by how", "how"
         )
+        self.faults = counter(
+            "transfer_faults",
+            "kvpool's one-sided transfers with other nodes that went wrong: a READ or WRITE that failed, one past its "
+            "deadline (late), a WRITE to a node started again (restarted_peer)",
+            "kind",
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = self.per_engine_labelvalues[engine_idx]
@@ -94,6 +101,8 @@ class KvPoolPromMetrics(KVConnectorPromMetrics):
             inc(self.prefetches, result, data.get(f"prefetch_{result}", 0))
         for how in PREFETCH_MOVES:
             inc(self.prefetched, how, data.get(f"prefetch_{how}", 0))
+        for kind in TRANSFER_FAULTS:
+            inc(self.faults, kind, data.get(f"{FAULT_PREFIX}{kind}", 0))
         for name, n in data.items():
             if name.startswith(MISS_PREFIX):
                 inc(self.misses, name.removeprefix(MISS_PREFIX), n)

@@ -307,8 +307,10 @@ class WorkerSide:
         return errors
 
     def _report(self) -> None:
-        """Hand the counts to the pool client (on the I/O thread, the one that uses it)."""
+        """Hand the counts to the pool client, and take its transfer faults into the engine's own (on the I/O thread,
+        the one that uses it)."""
         if self.client is not None:
+            self.counts.transfer_faults(self.client.transfer_faults)
             self.counts.report(self.client)
 
     def close(self) -> None:

@@ -51,6 +51,7 @@ def test_a_late_read_never_lands_in_memory_the_caller_reused(pool: PoolConfig, r
             with pytest.raises(KvPoolError):  # the READ times out, the pinned call finds the holder stopped: a miss
                 client.get_into(key, blocks)
             assert client.peers.set_aside == 1
+            assert client.transfer_faults["late"] == 1  # kept by the client too: an engine counts them itself
             blocks[:] = 0xA5  # the recompute
         finally:
             os.kill(record.pid, signal.SIGCONT)

@@ -159,6 +159,17 @@ def test_counts_are_reported_once_and_kept_in_totals() -> None:
     assert counts.totals["lookup_tokens"] == 134 and counts.totals["miss_read_failed"] == 2
 
 
+def test_a_clients_transfer_faults_count_once_for_the_engine_and_never_go_back_to_the_pool() -> None:
+    counts = EngineCounts(readers=("pool", "engine"))
+    counts.transfer_faults({"read_failed": 2})
+    counts.transfer_faults({"read_failed": 2, "late": 1})  # only the late one is new
+    assert counts.take("engine") == {"fault_read_failed": 2, "fault_late": 1}
+    assert counts.take("pool") == {}  # the client reported them to its node itself
+    counts.transfer_faults({"read_failed": 1})  # a client made anew counts from 0: its 1 is new
+    assert counts.take("engine") == {"fault_read_failed": 1}
+    assert counts.totals == {"fault_read_failed": 3, "fault_late": 1}
+
+
 @pytest.mark.parametrize(("held", "prompt", "hit"), [(0, 10, 0), (1, 1, 0), (2, 40, 32)])
 def test_hit_tokens_never_include_the_last_prompt_token(held: int, prompt: int, hit: int) -> None:
     counts = EngineCounts()

@@ -34,11 +34,12 @@ def test_prometheus_counters_per_engine() -> None:
     config = type("VllmConfig", (), {"kv_transfer_config": None})()
     prom = stats.KvPoolPromMetrics(config, types, ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
     prom.observe({"hit_tokens": 512, "loaded_tokens": 512, "loaded_bytes": 1024, "miss_node_left": 2}, 1)
-    prom.observe({"loaded_tokens": 256, "prefetch_started": 1, "prefetch_promoted": 8}, 1)
+    prom.observe({"loaded_tokens": 256, "prefetch_started": 1, "prefetch_promoted": 8, "fault_late": 1}, 1)
     text = generate_latest(registry).decode()
     assert 'vllm:kvpool_tokens_total{engine="1",kind="loaded",model_name="m"} 768.0' in text
     assert 'vllm:kvpool_misses_total{cause="node_left",engine="1",model_name="m"} 2.0' in text
     assert 'vllm:kvpool_bytes_total{direction="load",engine="1",model_name="m"} 1024.0' in text
     assert 'vllm:kvpool_prefetches_total{engine="1",model_name="m",result="started"} 1.0' in text
     assert 'vllm:kvpool_prefetched_objects_total{engine="1",how="promoted",model_name="m"} 8.0' in text
+    assert 'vllm:kvpool_transfer_faults_total{engine="1",kind="late",model_name="m"} 1.0' in text
     assert 'engine="0"' not in text  # nothing counted for the other engine

@@ -36,4 +36,8 @@ def test_no_fault_makes_a_wrong_token(engine_pool: PoolConfig, toy_model: Path, 
     assert rows["none (reference)"]["pool_tokens"] > 0  # the second turn read the first's chunks
     assert rows["byte-flip"]["figures"]["caught"] > 0  # and failed their checksums where they were flipped
     assert rows["full-pool"]["figures"]["held"] > 0  # the rooms took the nodes' DRAM
+    # the engines count their transfer faults themselves (a READ past a stalled node's deadline, one from a killed
+    # node), so a killed node takes none of them with it
+    moved = {name for r in rows.values() for name in r["metrics"]}
+    assert any(name.startswith("vllm:kvpool_transfer_faults_total") for name in moved), moved
     assert json.loads(result.read_text())["rows"]
