@@ -5,8 +5,9 @@ For each layer (``none``: vLLM's own prefix cache alone; ``lmcache``: LMCache's 
 ``lmcache-fs``: LMCache with a remote backend the engines share; ``mooncake``: Mooncake Store through vLLM's
 ``MooncakeStoreConnector``; ``kvpool``: a local pool, one Ray node per engine), ``--engines`` vLLM OpenAI servers run
 on 127.0.0.2 and up, each with a small KV cache of its own (``--engine-blocks``), so that its prefix cache evicts and
-the layer below it matters; for each policy ``kvpool route`` (round-robin, least-loaded, prefix-aware) goes in front
-of them, the engines' prefix caches and the layer emptied first.  Per run: TTFT p50 / p90 / p99, TPOT, requests/s
+the layer below it matters; for each policy ``kvpool route`` (round-robin, least-loaded, prefix-aware: from the
+engines' own KV events, which every engine then publishes) goes in front of them, the engines' prefix caches and the
+layer emptied first.  Per run: TTFT p50 / p90 / p99, TPOT, requests/s
 and output tokens/s from ``vllm bench serve``'s own result, and the prompt tokens the engines took from their own
 cache and from the layer below (their ``/metrics``).  Then one operational scenario per layer, ``restart``: the first
 half of the trace served round-robin, engine 0 replaced by a fresh one, the second half served: its TTFT against the
@@ -35,6 +36,7 @@ from kvpool.bench.serving import report, window
 from kvpool.bench.serving.harness import engine, reset, scaled_trace, served, tokens_by_source, write_trace
 from kvpool.bench.serving.layers import LAYERS, Layer, LayerUnavailable, factory
 from kvpool.bench.serving.options import names, scale_options
+from kvpool.core.net import free_port
 from kvpool.errors import KvPoolError
 
 ROUTES = ("round-robin", "least-loaded", "prefix-aware")
@@ -142,6 +144,8 @@ def main(argv: list[str] | None = None, pool: Any = None, prog: str | None = Non
 
         args.model = converted_smollm2()
     args.model_dir = args.model
+    #: prefix-aware routing follows the engines' own KV events: every engine publishes them to the router's endpoint
+    args.kv_events = f"tcp://127.0.0.1:{free_port('127.0.0.1')}" if "prefix-aware" in args.routes else ""
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-serve-") as tmp:
         work = Path(tmp)
         rows = scaled_trace(args)

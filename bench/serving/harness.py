@@ -19,6 +19,7 @@ from kvpool.bench.serving.layers import Layer
 from kvpool.bench.workloads.mooncake import BLOCK_TOKENS, trace_path
 from kvpool.core.net import free_port
 from kvpool.errors import KvPoolError, WorkerUnavailable
+from kvpool.prefill_decode.front.engine_prefixes import topic
 from kvpool.servers.process import ServerProcess
 
 ENGINE_ENV = {
@@ -107,6 +108,9 @@ def engine_process(
     kv_transfer = layer.kv_transfer(i, host)
     if kv_transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]
+    if getattr(args, "kv_events", ""):  # what its prefix cache stores and evicts, to the prefix-aware router
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": args.kv_events, "topic": topic(i)}
+        cmd += ["--kv-events-config", json.dumps(events)]
     server = ServerProcess(f"engine {i}", cmd, log, env={**os.environ, **ENGINE_ENV, **layer.env, **env}, grace_s=30)
     url = f"http://{host}:{port}"
     server.start(functools.partial(health, url), 900, WorkerUnavailable, poll_s=1.0)
@@ -141,6 +145,13 @@ def connector_counts(urls: list[str]) -> dict[str, float]:
     return _counted(urls, samples)
 
 
+#: what the router counted (its ``/metrics``): prompt blocks, those the upstream it picked held (prefix-aware), and
+#: the engines' KV events it followed
+ROUTER_COUNTS = {
+    "prompt_blocks": r"^kvpool_route_prompt_blocks_total{[^}]*} (\S+)$",
+    "matched_blocks": r"^kvpool_route_matched_blocks_total{[^}]*} (\S+)$",
+    "kv_events": r"^kvpool_route_kv_events_total{[^}]*} (\S+)$",
+}
 #: kvpool's fault counters in an engine's ``/metrics`` (``prefill_decode/vllm/stats.py``), by the label that says which
 FAULT_METRICS = {
     "vllm:kvpool_transfer_faults_total": "kind",
@@ -190,11 +201,14 @@ def _counted(urls: list[str], samples: Mapping[str, str]) -> dict[str, float]:
 
 
 @contextmanager
-def router(urls: list[str], policy: str, log: Path) -> Iterator[str]:
-    """``kvpool route`` over ``urls``, as a user starts it; its URL."""
+def router(urls: list[str], policy: str, log: Path, kv_events: str = "", tokenizer: str = "") -> Iterator[str]:
+    """``kvpool route`` over ``urls``, as a user starts it (with ``kv_events``: following the engines' KV events
+    there, prompts read with ``tokenizer``); its URL."""
     port = free_port("127.0.0.1")
     cmd = [str(Path(sys.executable).with_name("kvpool")), "route", "--policy", policy, "--port", str(port)]
     cmd += [arg for url in urls for arg in ("--upstream", url)]
+    if kv_events:
+        cmd += ["--kv-events", kv_events, "--tokenizer", tokenizer]
     server = ServerProcess("kvpool route", cmd, log)
     url = f"http://127.0.0.1:{port}"
     server.start(lambda: health(url), 120, KvPoolError, poll_s=0.3)
@@ -229,8 +243,10 @@ def served(args: argparse.Namespace, urls: list[str], policy: str, trace: Path, 
     save seconds and errors) and the requests' seconds queued / in prefill / in decode (``phases_s``)."""
     counters = (tokens_by_source, connector_counts, engine_seconds)
     before = [count(urls) for count in counters]
-    with router(urls, policy, out.with_suffix(".route.log")) as url:
+    events = getattr(args, "kv_events", "") if policy == "prefix-aware" else ""
+    with router(urls, policy, out.with_suffix(".route.log"), events, str(args.model_dir)) as url:
         result = replay(args, url, trace, out)
+        routed = _counted([url], ROUTER_COUNTS)
     after = [count(urls) for count in counters]
     tokens, connector, phases = ({k: a[k] - b[k] for k in b} for a, b in zip(after, before, strict=True))
-    return {**result, "tokens": tokens, "connector": connector, "phases_s": phases}
+    return {**result, "tokens": tokens, "connector": connector, "phases_s": phases, "router": routed}

@@ -19,6 +19,7 @@ def run(result: dict[str, Any]) -> dict[str, Any]:
     out.update(completed=result.get("completed", 0), failed=result.get("failed", 0), tokens=result["tokens"])
     out["connector"] = result.get("connector", {})  #: kvpool's connector: seconds and errors loading / saving
     out["phases_s"] = result.get("phases_s", {})  #: the requests' seconds queued / in prefill / in decode
+    out["router"] = result.get("router", {})  #: prompt blocks, those its pick held, the engines' KV events followed
     out["ttfts_s"] = result.get("ttfts", [])
     out["errors"] = sorted({e for e in result.get("errors", []) if e})[:5]
     if "fresh_tokens" in result:
@@ -61,6 +62,12 @@ def progress(r: dict[str, Any]) -> None:
             f"; connector {k[:-2]} {v:.1f} s" if k.endswith("_s") else f"; connector {k.replace('_', ' ')} {v:.0f}"
             for k, v in r.get("connector", {}).items()
             if v
+        )
+        + (
+            f"; router: {routed['matched_blocks']:.0f} of {routed['prompt_blocks']:.0f} prompt blocks held where sent"
+            f" ({routed['kv_events']:.0f} KV events)"
+            if (routed := r.get("router", {})).get("prompt_blocks")
+            else ""
         )
     )
 

@@ -38,23 +38,45 @@ def route(
         "--down-s",
         help="Seconds an engine that refused a connection is left out (its request goes to another at once).",
     ),
+    kv_events: str = typer.Option(
+        "",
+        "--kv-events",
+        help="prefix-aware: tcp://host:port the router binds for the engines' KV events (vLLM's --kv-events-config, "
+        "printed per engine at start), so it knows what each engine's prefix cache holds instead of guessing from "
+        "what it was sent. Needs --tokenizer.",
+        show_default=False,
+    ),
+    tokenizer: str = typer.Option(
+        "",
+        "--tokenizer",
+        help="With --kv-events: the engines' model directory (or a name already downloaded), to read prompts as "
+        "they do.",
+        show_default=False,
+    ),
 ) -> None:
     """Route OpenAI requests (/v1/completions, /v1/chat/completions) over engines you started, streamed answers
     passed through as they come; /metrics counts requests, errors and prefix matches per engine.
 
     Example: kvpool route --upstream http://127.0.0.2:8001 --upstream http://127.0.0.3:8001 --policy round-robin.
     With kvpool below the engines, any engine finds the pool's chunks, so load-only routing keeps its hits.
+    Prefix-aware from the engines' own KV events: add --kv-events tcp://127.0.0.1:5557 --tokenizer MODEL_DIR and
+    start each engine with the --kv-events-config the router prints for it.
     """
     from aiohttp import web
 
+    from kvpool.prefill_decode.front.engine_prefixes import events_flag
     from kvpool.prefill_decode.front.upstream import Router, route_config
 
     with root.errors():
-        config = route_config(upstreams, policy, block_chars=block_chars, max_skew=max_skew, down_s=down_s)
+        settings = {"block_chars": block_chars, "max_skew": max_skew, "down_s": down_s}
+        config = route_config(upstreams, policy, kv_events=kv_events, tokenizer=tokenizer, **settings)
+        router = Router(config)
         where = f"http://{host}:{port}"
         root.console.print(
             f"routing   {where}/v1/completions over {len(config.upstreams)} engine(s), {config.policy}; "
             f"{where}/metrics (Ctrl-C stops)",
             soft_wrap=True,
         )
-        web.run_app(Router(config).app(), host=host, port=port, print=lambda _: None)  # it stops on Ctrl-C and kill
+        for i, url in enumerate(config.upstreams if config.kv_events else ()):
+            root.console.print(f"engine {i}  {url} publishes with {events_flag(config.kv_events, i)}", soft_wrap=True)
+        web.run_app(router.app(), host=host, port=port, print=lambda _: None)  # it stops on Ctrl-C and kill

@@ -14,6 +14,9 @@ Policies (:class:`Picker`):
   vLLM's production-stack router and of the Mooncake paper's "local cache-aware" scheduler.  Prompts are compared in
   blocks of ``block_chars`` characters, hashed as a chain (a block's hash covers every block before it), each upstream
   remembering the ``capacity`` blocks it was sent last.  It needs no tokenizer, so it routes any model's traffic.
+  With ``kv_events`` (``--kv-events tcp://host:port --tokenizer MODEL``) it knows instead of guessing: the engines
+  publish what their prefix caches store and evict there, and the prompt's blocks held are counted in the engines'
+  own blocks (:mod:`.engine_prefixes`).
 
 An upstream that refuses the connection (a dead or restarting engine) is left out for ``down_s`` and the request,
 which it never saw, goes to the next pick; one that fails inside a streamed answer ends that stream with an error
@@ -23,6 +26,7 @@ The router holds no KV and asks no engine: with kvpool below the engines, a requ
 pool's chunks wherever they were computed, which is what lets load-only routing keep its hits.
 """
 
+import asyncio
 import contextlib
 import hashlib
 import itertools
@@ -37,7 +41,9 @@ import msgspec
 from aiohttp import ClientConnectorError, ClientError, ClientSession, ClientTimeout, web
 from msgspec import Meta
 
-from kvpool.core.config import Config, validated
+from kvpool.core.config import Config, Rule, validated
+from kvpool.errors import ConfigError
+from kvpool.prefill_decode.front.engine_prefixes import Asked, EnginePrefixes, tokenizer
 from kvpool.prefill_decode.front.openai import error_response
 
 log = logging.getLogger(__name__)
@@ -61,6 +67,18 @@ class RouteConfig(Config, frozen=True):
     down_s: Annotated[float, Meta(ge=0, description="seconds >= 0")] = (
         5.0  #: an upstream refusing connections: left out
     )
+    #: prefix-aware: where the engines publish their KV events (``tcp://host:port``, bound here; "": none, the
+    #: prompts sent stand for what each engine holds), and the model whose tokenizer reads prompts as they do
+    kv_events: Annotated[str, Meta(pattern=r"^(tcp://[^\s:]+:\d{1,5})?$", description="tcp://host:port")] = ""
+    tokenizer: str = ""
+
+    rules = (Rule("needs", "kv_events", "tokenizer", "give --tokenizer the engines' model directory"),)
+
+    def check(self) -> None:
+        if self.kv_events and self.policy != "prefix-aware":
+            raise ConfigError(
+                f"--kv-events feeds the prefix-aware policy, not {self.policy}: drop it or change --policy"
+            )
 
 
 def prefix_blocks(text: str, block_chars: int) -> list[bytes]:
@@ -85,20 +103,36 @@ class Upstream:
 
 
 class Picker:
-    """Which upstream takes a request (see the module's docstring); pure: :meth:`pick` and :meth:`done` bracket it."""
+    """Which upstream takes a request (see the module's docstring); pure: :meth:`pick` and :meth:`done` bracket it.
+    With ``engines``, what each upstream holds of a prompt comes from its engine's KV events (``pick``'s ``tokens``)
+    instead of what it was sent."""
 
-    def __init__(self, config: RouteConfig) -> None:
-        self.config = config
+    def __init__(self, config: RouteConfig, engines: EnginePrefixes | None = None) -> None:
+        self.config, self.engines = config, engines
         self.upstreams = [Upstream(url) for url in config.upstreams]
         self._turn = itertools.cycle(range(len(self.upstreams)))
 
-    def pick(self, prompt: str, now: float = 0.0, skip: frozenset[int] = frozenset()) -> int:
-        """The upstream for a request with ``prompt``, counted in flight until :meth:`done`; of those not down at
-        ``now`` (:meth:`down`) and not in ``skip`` (every one, if that leaves none)."""
+    def pick(
+        self,
+        prompt: str,
+        now: float = 0.0,
+        skip: frozenset[int] = frozenset(),
+        asked: Asked | None = None,
+    ) -> int:
+        """The upstream for a request with ``prompt`` (``asked``, as the engines' blocks compare, where their events
+        are followed), counted in flight until :meth:`done`; of those not down at ``now`` (:meth:`down`) and not in
+        ``skip`` (every one, if that leaves none)."""
         up_now = [i for i, u in enumerate(self.upstreams) if u.down_until <= now and i not in skip]
         live = up_now or [i for i in range(len(self.upstreams)) if i not in skip] or list(range(len(self.upstreams)))
-        blocks = prefix_blocks(prompt, self.config.block_chars) if self.config.policy == "prefix-aware" else []
-        matched = [self._matched(u, blocks) if i in live else 0 for i, u in enumerate(self.upstreams)]
+        blocks: list[bytes] = []
+        if self.config.policy != "prefix-aware":
+            matched, total = [0] * len(self.upstreams), 0
+        elif self.engines is not None:
+            matched, total = self.engines.held(asked) if asked else ([0] * len(self.upstreams), 0)
+        else:
+            blocks = prefix_blocks(prompt, self.config.block_chars)
+            matched, total = [self._matched(u, blocks) for u in self.upstreams], len(blocks)
+        matched = [m if i in live else 0 for i, m in enumerate(matched)]
         #: ties go to the one that took fewest requests, so light traffic spreads too
         least = min(live, key=lambda i: (self.upstreams[i].in_flight, self.upstreams[i].requests))
         if self.config.policy == "round-robin":
@@ -114,7 +148,9 @@ class Picker:
         up.in_flight += 1
         up.requests += 1
         up.matched_blocks += matched[chosen]
-        up.prompt_blocks += len(blocks)
+        up.prompt_blocks += total
+        if self.engines is not None and asked is not None:  # held there as soon as computed: until answered, too
+            self.engines.sent(chosen, asked)
         for h in blocks:  # its prefix cache holds them now, the newest last
             up.seen[h] = None
             up.seen.move_to_end(h)
@@ -122,9 +158,11 @@ class Picker:
             up.seen.popitem(last=False)
         return chosen
 
-    def done(self, i: int, failed: bool = False) -> None:
+    def done(self, i: int, failed: bool = False, asked: Asked | None = None) -> None:
         self.upstreams[i].in_flight -= 1
         self.upstreams[i].errors += failed
+        if self.engines is not None and asked is not None:
+            self.engines.answered(i, asked)
 
     def down(self, i: int, now: float) -> None:
         """Upstream ``i`` refused a connection at ``now``: left out of the picks for ``down_s``."""
@@ -153,7 +191,11 @@ class Router:
 
     def __init__(self, config: RouteConfig) -> None:
         self.config = config
-        self.picker = Picker(config)
+        engines = None
+        if config.kv_events:
+            tokenize = tokenizer(config.tokenizer)
+            engines = EnginePrefixes(config.kv_events, len(config.upstreams), tokenize)
+        self.picker = Picker(config, engines)
         self._session: ClientSession | None = None
 
     async def _client(self) -> ClientSession:
@@ -164,19 +206,24 @@ class Router:
     async def close(self, _: web.Application | None = None) -> None:
         if self._session is not None:
             await self._session.close()
+        if self.picker.engines is not None:
+            self.picker.engines.close()
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         try:
-            text = prompt_text(msgspec.json.decode(raw, type=dict[str, Any]))
+            body = msgspec.json.decode(raw, type=dict[str, Any])
         except msgspec.DecodeError as exc:  # a ValidationError too: JSON, but not an object
             return error_response(400, f"the body must be a JSON object: {exc}", "invalid_request_error")
+        text, asked, engines = prompt_text(body), None, self.picker.engines
+        if engines is not None:  # off the event loop: a long prompt takes a while to tokenize
+            asked = await asyncio.get_running_loop().run_in_executor(None, engines.asked, body)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         refused: set[int] = set()
         while True:
-            i = self.picker.pick(text, time.monotonic(), frozenset(refused))
+            i = self.picker.pick(text, time.monotonic(), frozenset(refused), asked)
             try:
-                return await self._pass(request, i, raw, headers)
+                return await self._pass(request, i, raw, headers, asked)
             except ClientConnectorError as exc:  # it never saw the request: another upstream may take it
                 log.warning("upstream %s refused the connection: %s", self.picker.upstreams[i].url, exc)
                 self.picker.down(i, time.monotonic())
@@ -184,7 +231,9 @@ class Router:
                 if len(refused) == len(self.picker.upstreams):
                     return error_response(502, f"no upstream accepted a connection: {exc}", "server_error")
 
-    async def _pass(self, request: web.Request, i: int, raw: bytes, headers: dict[str, str]) -> web.StreamResponse:
+    async def _pass(
+        self, request: web.Request, i: int, raw: bytes, headers: dict[str, str], asked: Asked | None = None
+    ) -> web.StreamResponse:
         """The request to upstream ``i``, its answer passed back; ``ClientConnectorError`` if it refused the
         connection (counted as an error there)."""
         url = self.picker.upstreams[i].url + request.rel_url.path_qs
@@ -214,7 +263,7 @@ class Router:
                 await answer.write_eof()
             return answer
         finally:
-            self.picker.done(i, failed)
+            self.picker.done(i, failed, asked)
 
     async def models(self, _: web.Request) -> web.Response:
         session = await self._client()
@@ -253,18 +302,37 @@ METRICS = (
     ("requests_total", "counter", "requests passed to the upstream", "requests"),
     ("errors_total", "counter", "requests that failed there (a 5xx, or no answer)", "errors"),
     ("in_flight", "gauge", "requests passed and not answered yet", "in_flight"),
-    ("prompt_blocks_total", "counter", "prompt blocks of the requests (prefix-aware only)", "prompt_blocks"),
-    ("matched_blocks_total", "counter", "of those, blocks the upstream had been sent before", "matched_blocks"),
+    (
+        "prompt_blocks_total",
+        "counter",
+        "prompt blocks of the requests (prefix-aware only; the engines' KV blocks with --kv-events)",
+        "prompt_blocks",
+    ),
+    (
+        "matched_blocks_total",
+        "counter",
+        "of those, blocks the upstream had been sent before (with --kv-events: its engine held)",
+        "matched_blocks",
+    ),
 )
 
 
 def render_metrics(picker: Picker) -> str:
-    """Prometheus text: per upstream, requests, errors, in flight, and prompt blocks sent and matched."""
+    """Prometheus text: per upstream, requests, errors, in flight, and prompt blocks sent and matched; with the
+    engines' KV events followed, the events applied and the gaps in their sequence."""
     lines, policy = [], picker.config.policy
     for name, kind, what, attr in METRICS:
         lines += [f"# HELP kvpool_route_{name} {what}", f"# TYPE kvpool_route_{name} {kind}"]
         for up in picker.upstreams:
             lines.append(f'kvpool_route_{name}{{upstream="{up.url}",policy="{policy}"}} {getattr(up, attr)}')
+    if picker.engines is not None:
+        events = picker.engines.events
+        for name, what, n in (
+            ("kv_events_total", "the engines' KV events applied", events.events),
+            ("kv_event_gaps_total", "gaps in an engine's event sequence (each emptied its index)", events.gaps),
+        ):
+            lines += [f"# HELP kvpool_route_{name} {what}", f"# TYPE kvpool_route_{name} counter"]
+            lines.append(f'kvpool_route_{name}{{policy="{policy}"}} {n}')
     return "\n".join(lines) + "\n"
 
 
