@@ -19,7 +19,7 @@ from kvpool.bench.serving.layers import Layer
 from kvpool.bench.workloads.mooncake import BLOCK_TOKENS, trace_path
 from kvpool.core.net import free_port
 from kvpool.errors import KvPoolError, WorkerUnavailable
-from kvpool.prefill_decode.front.engine_prefixes import topic
+from kvpool.prefill_decode.front.engine_prefixes import events_config
 from kvpool.servers.process import ServerProcess
 
 ENGINE_ENV = {
@@ -109,8 +109,7 @@ def engine_process(
     if kv_transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]
     if getattr(args, "kv_events", ""):  # what its prefix cache stores and evicts, to the prefix-aware router
-        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": args.kv_events, "topic": topic(i)}
-        cmd += ["--kv-events-config", json.dumps(events)]
+        cmd += ["--kv-events-config", json.dumps(events_config(args.kv_events, i))]
     server = ServerProcess(f"engine {i}", cmd, log, env={**os.environ, **ENGINE_ENV, **layer.env, **env}, grace_s=30)
     url = f"http://{host}:{port}"
     server.start(functools.partial(health, url), 900, WorkerUnavailable, poll_s=1.0)

@@ -29,10 +29,14 @@ def topic(i: int) -> str:
     return f"engine{i}"
 
 
+def events_config(endpoint: str, i: int) -> dict[str, Any]:
+    """vLLM's KV-events config for upstream ``i``, publishing to ``endpoint`` (the router's)."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": topic(i)}
+
+
 def events_flag(endpoint: str, i: int) -> str:
-    """vLLM's ``--kv-events-config`` for upstream ``i``, publishing to ``endpoint`` (the router's)."""
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": topic(i)}
-    return f"--kv-events-config '{json.dumps(config)}'"
+    """:func:`events_config` as vLLM's ``--kv-events-config`` flag, for a shell."""
+    return f"--kv-events-config '{json.dumps(events_config(endpoint, i))}'"
 
 
 @dataclass(frozen=True)
