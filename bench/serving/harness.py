@@ -210,7 +210,8 @@ def router(urls: list[str], policy: str, log: Path, kv_events: str = "", tokeniz
         cmd += ["--kv-events", kv_events, "--tokenizer", tokenizer]
     server = ServerProcess("kvpool route", cmd, log)
     url = f"http://127.0.0.1:{port}"
-    server.start(lambda: health(url), 120, KvPoolError, poll_s=0.3)
+    # with --tokenizer it imports transformers first: over a minute on a loaded 2-core machine
+    server.start(lambda: health(url), 300, KvPoolError, poll_s=0.3)
     try:
         yield url
     finally:
