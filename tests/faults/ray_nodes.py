@@ -12,7 +12,6 @@ from pathlib import Path
 
 import ray
 
-from kvpool.core.net import free_port
 from kvpool.pool.config import MiB
 from kvpool.servers.ray_cluster import RAY_ENV
 
@@ -30,7 +29,7 @@ def extra_ray_node(ip: str) -> Iterator[tuple[str, Callable[[], None]]]:
         f"--node-ip-address={ip}",
         "--num-cpus=1",
         f"--object-store-memory={96 * MiB}",
-        f"--dashboard-agent-listen-port={free_port(ip)}",
+        "--dashboard-agent-listen-port=0",
         "--disable-usage-stats",
         "--block",
     ]

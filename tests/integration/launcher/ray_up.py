@@ -140,10 +140,8 @@ class Run:
         # The venv of this checkout stands in for the install (same machine); check it works on the node.
         config["setup_commands"] = ["~/kvpool-venv/bin/kvpool --help > /dev/null"]
         small = "--num-cpus=1 --object-store-memory=100000000"
-        config["head_start_ray_commands"][1] += (
-            f" {small} --include-dashboard=false --dashboard-agent-listen-port={free_port(HEAD)}"
-        )
-        config["worker_start_ray_commands"][0] += f" {small} --dashboard-agent-listen-port={free_port(WORKER)}"
+        config["head_start_ray_commands"][1] += f" {small} --include-dashboard=false --dashboard-agent-listen-port=0"
+        config["worker_start_ray_commands"][0] += f" {small} --dashboard-agent-listen-port=0"
         path = self.dir / "cluster.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         return path
