@@ -34,7 +34,7 @@ import json
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
@@ -46,7 +46,7 @@ from rich.console import Console
 
 from kvpool.bench import serve
 from kvpool.bench.serve import quantiles
-from kvpool.bench.serving import chaos_report, client, layers, report
+from kvpool.bench.serving import chaos_report, client, layers, mooncake_faults, report
 from kvpool.bench.serving.faults import KINDS, Fault, Mixed, Victim, counted, fault
 from kvpool.bench.serving.harness import (
     engine_process,
@@ -62,6 +62,7 @@ from kvpool.errors import ConfigError, KvPoolError
 from kvpool.metadata.config import MetadataConfig
 from kvpool.pool.config import MiB, PoolConfig
 from kvpool.servers.etcd import EmbeddedEtcd
+from kvpool.servers.process import ServerProcess
 from kvpool.stack import StackConfig, running_pool
 
 console = Console(width=170)
@@ -161,19 +162,20 @@ def started(stack: ExitStack, servers: list[AbstractContextManager[T]]) -> list[
     return [future.result() for future in entered]
 
 
+LAYER_KINDS = {"kvpool": KINDS, "mooncake": mooncake_faults.KINDS}  #: the fault kinds of each layer
+
+
 def run_faults(args: argparse.Namespace, bodies: list[dict[str, Any]], at_s: list[float], work: Path) -> list[Any]:
-    """The warm-up, the reference run, then a run per fault kind asked, on ``args.pool`` (its etcd ``args.etcd``
-    where this process runs it): their rows."""
+    """The warm-up, the reference run, then a run per fault kind asked, on ``args.layer``: kvpool's ``args.pool``
+    (its etcd ``args.etcd`` where this process runs it), or a Mooncake Store of the bench's own; their rows."""
     flags = [] if args.own_cache else ["--no-enable-prefix-caching"]
-    with layers.kvpool(args, work) as layer, ExitStack() as stack:
+    with layers.factory(args.layer)(args, work) as layer, ExitStack() as stack:
         layer = dataclasses.replace(layer, env={**layer.env, "UCX_TLS": "tcp"})
         engines = started(
             stack, [engine_process(args, layer, i, work / f"engine{i}.log", flags) for i in range(args.engines)]
         )
         urls = [url for url, _ in engines]
-        host = urls[0].split("//")[1].split(":")[0]
-        node_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == host)
-        victim = Victim(args.pool, node_id, args.etcd, engines[-1][1])
+        make = maker(args, layer, urls[0], engines[-1][1])
         warm = slice(0, args.warm_up)
         cold_run(args, layer, urls, bodies[warm], at_s[warm], work / "warm-up.route.log", None)
         ref = cold_run(args, layer, urls, bodies, at_s, work / "reference.route.log", None)
@@ -183,32 +185,61 @@ def run_faults(args: argparse.Namespace, bodies: list[dict[str, Any]], at_s: lis
             rows.append(
                 {"fault": "etcd-restart", "skipped": "the pool was given: its etcd is not this bench's to restart"}
             )
-        for kind, injection in injections(args, victim, at_s):
+        for kind, injection in injections(args, make, at_s):
             run = cold_run(args, layer, urls, bodies, at_s, work / f"{kind}.route.log", injection)
             rows.append(row(kind, run, ref[0], injection, args.tolerance))
             console.print(f"  {kind}: {rows[-1]['verdicts']}; {rows[-1]['what']}; {rows[-1]['error'] or 'no error'}")
     return rows
 
 
-def injections(args: argparse.Namespace, victim: Victim, at_s: list[float]) -> Iterator[tuple[str, Injection]]:
+def maker(
+    args: argparse.Namespace, layer: layers.Layer, url: str, engine: ServerProcess
+) -> Callable[[str, float], Fault]:
+    """What makes a fault of a kind, held so long, on ``args.layer``: a kvpool fault hits the PoolNode on the Ray node
+    of the engine at ``url``, a Mooncake Store one the store's first holder or its master; engine-kill ``engine``."""
+    if args.layer == "mooncake":
+        store = mooncake_faults.StoreVictim(layer.servers, engine, args.pool_mib * MiB)
+        return lambda kind, hold_s: mooncake_faults.fault(kind, store, hold_s)
+    host = url.split("//")[1].split(":")[0]
+    node_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == host)
+    victim = Victim(args.pool, node_id, args.etcd, engine)
+    return lambda kind, hold_s: fault(kind, victim, hold_s)
+
+
+def injections(
+    args: argparse.Namespace, make: Callable[[str, float], Fault], at_s: list[float]
+) -> Iterator[tuple[str, Injection]]:
     """The fault runs ``args`` asks for, after the reference: one per kind (each injected a third of the way into the
     trace), or with ``--mixed`` one whose faults follow each other from a tenth of the way to the last request."""
-    kinds = sorted(args.faults, key=KINDS.index)  # engine-kill last: its engine stays down
+    kinds = sorted(args.faults, key=LAYER_KINDS[args.layer].index)  # engine-kill last: its engine stays down
     if args.etcd is None and "etcd-restart" in kinds:  # its row says why (run_faults)
         kinds.remove("etcd-restart")
     if args.mixed:
         at = len(at_s) // 10
         mixed = [k for k in kinds if k != "engine-kill"]  # a killed engine stays down: not one of a series
-        series = Mixed(victim, at_s[-1] - at_s[at], tuple(mixed), each_s=args.hold_s, gap_s=args.gap_s)
+        series = Mixed(make, at_s[-1] - at_s[at], tuple(mixed), each_s=args.hold_s, gap_s=args.gap_s)
         yield "mixed", Injection(series, at=at)
         return
     for kind in kinds:
-        yield kind, Injection(fault(kind, victim, args.hold_s), at=len(at_s) // 3)
+        yield kind, Injection(make(kind, args.hold_s), at=len(at_s) // 3)
 
 
 def parser(prog: str | None = None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--faults", type=names(KINDS), default=list(KINDS), help=f"of {', '.join(KINDS)}")
+    ap.add_argument(
+        "--layer",
+        choices=sorted(LAYER_KINDS),
+        default="kvpool",
+        help="the layer below the engines: kvpool, or Mooncake Store through vLLM's MooncakeStoreConnector (make "
+        "bench-peer-mooncake; run it in a network namespace of its own, as bench/serve.py's docstring says)",
+    )
+    every = tuple(dict.fromkeys(k for kinds in LAYER_KINDS.values() for k in kinds))
+    ap.add_argument(
+        "--faults",
+        type=names(every),
+        help=f"kvpool's of {', '.join(KINDS)}; Mooncake Store's of {', '.join(mooncake_faults.KINDS)} (default: all "
+        "of the layer's)",
+    )
     ap.add_argument(
         "--hold-s",
         type=float,
@@ -241,6 +272,10 @@ def main(argv: list[str] | None = None, pool: PoolConfig | None = None, prog: st
     """The runs as ``argv`` asks, on ``pool`` (a running pool's config, one Ray node an engine) where given, else on
     a pool and an etcd of the bench's own.  ``prog``: the command's name in its usage lines."""
     args = parser(prog).parse_args(argv)
+    kinds = LAYER_KINDS[args.layer]
+    args.faults = args.faults or list(kinds)
+    if set(args.faults) - set(kinds):
+        raise ConfigError(f"--faults: {args.layer}'s are {', '.join(kinds)}, got {', '.join(args.faults)}")
     if args.mixed and not set(args.faults) - {"engine-kill", "etcd-restart" if pool is not None else ""}:
         raise ConfigError(f"--mixed needs a fault kind of --faults it can repeat on this pool, got {args.faults}")
     if args.warm_up is not None and args.warm_up < 1:
@@ -260,7 +295,7 @@ def main(argv: list[str] | None = None, pool: PoolConfig | None = None, prog: st
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-chaos-") as tmp, ExitStack() as stack:
         work = args.logs or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        if args.pool is None:
+        if args.pool is None and args.layer == "kvpool":
             args.etcd = stack.enter_context(EmbeddedEtcd())
             (Path(tmp) / "nvme").mkdir()
             config = PoolConfig(
@@ -272,6 +307,7 @@ def main(argv: list[str] | None = None, pool: PoolConfig | None = None, prog: st
             args.pool = stack.enter_context(running_pool(StackConfig(nodes=args.engines, pool=config)))
         out: dict[str, Any] = {"scale": report.scale(args, rows), "tolerance": args.tolerance, "hold_s": args.hold_s}
         out.update(seconds=at_s[-1], own_cache="on" if args.own_cache else "off")
+        out["layer"] = "kvpool" if args.layer == "kvpool" else "Mooncake Store"
         out["rows"] = run_faults(args, bodies, at_s, work)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2))

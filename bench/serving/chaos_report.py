@@ -79,7 +79,7 @@ def table(out: dict[str, Any]) -> Table:
     s, ref = out["scale"], out["rows"][0]
     t = Table(
         title=f"Faults while serving: {s['sent']} requests of the {s['trace']} trace over {out['seconds']:.0f} s, "
-        f"through {s['engines']} vLLM engines ({s['model']}; own prefix caches {out['own_cache']}) on kvpool behind "
+        f"through {s['engines']} vLLM engines ({s['model']}; own prefix caches {out['own_cache']}) on {out.get('layer', 'kvpool')} behind "
         f"kvpool route (round-robin); each answer against the no-fault run's, log-probabilities within "
         f"{out['tolerance']:g}; faults held {out['hold_s']:g} s"
     )
@@ -110,7 +110,7 @@ def table(out: dict[str, Any]) -> Table:
         f" apart (a closer pair is a tie: {sum(r.get('verdicts', {}).get(TIE, 0) for r in out['rows'])} here); "
         "logprobs off: the same tokens, a log-probability further off (max: the largest drift seen); failed: no "
         "complete answer (HTTP status; cut: the stream broke off); pool tokens: prompt tokens the engines took from "
-        "the pool (their /metrics); recovery: from the fault's end to the first token of the first request sent after "
+        "the layer below (their /metrics); recovery: from the fault's end to the first token of the first request sent after "
         f"it with TTFT within {RECOVERED:g}x of the same request's in the reference (n/a: none); in the metrics: what "
         "the run moved of the engines' vllm:kvpool_transfer_faults_total{kind}, vllm:kvpool_misses_total{cause} "
         "(miss ...) and vllm:kvpool_errors_total{direction} (load / save errors), summed over the engines that answer "

@@ -22,6 +22,7 @@ import os
 import random
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -57,6 +58,14 @@ def counted(before: Counters, after: Counters) -> dict[str, float]:
     return out
 
 
+class Stoppable(Protocol):
+    """A process a stall stops: a PoolNode's, a store's server."""
+
+    def pid(self) -> int: ...
+
+    def name(self) -> str: ...
+
+
 class Fault(Protocol):
     kind: str
     hold_s: float  #: from the end of :meth:`inject` to :meth:`end`
@@ -82,6 +91,9 @@ class Victim:
 
     def node(self) -> NodeHandle:
         return NodeHandle(self.node_id, ray.get_actor(actor_name(self.node_id), namespace=self.pool.namespace))
+
+    def name(self) -> str:
+        return f"PoolNode {self.node_id[:8]}"
 
     def pid(self) -> int:
         """The process of the victim's PoolNode now, from its node record."""
@@ -118,7 +130,7 @@ class NodeKill:
 
 @dataclass
 class PeerStall:
-    victim: Victim
+    target: Stoppable
     hold_s: float
     kind: str = "peer-stall"
     pid: int = 0
@@ -128,19 +140,19 @@ class PeerStall:
             raise ConfigError(f"a stall must outlast a READ's deadline ({UNPINNED_TIMEOUT_S:g} s), got {self.hold_s:g}")
 
     def inject(self) -> None:
-        self.pid = self.victim.pid()
+        self.pid = self.target.pid()
         os.kill(self.pid, signal.SIGSTOP)
 
     def end(self) -> None:
         os.kill(self.pid, signal.SIGCONT)
 
     def outcome(self) -> str:
-        return f"PoolNode {self.victim.node_id[:8]} (pid {self.pid}) stopped {self.hold_s:g} s"
+        return f"{self.target.name()} (pid {self.pid}) stopped {self.hold_s:g} s"
 
 
 @dataclass
 class SlowPeer:
-    victim: Victim
+    target: Stoppable
     hold_s: float
     kind: str = "slow-peer"
     pid: int = 0
@@ -148,8 +160,8 @@ class SlowPeer:
     _thread: threading.Thread | None = field(default=None, repr=False)
 
     def inject(self) -> None:
-        self.pid = self.victim.pid()
-        self._thread = threading.Thread(target=self._cycle, name="slow-peer", daemon=True)
+        self.pid = self.target.pid()
+        self._thread = threading.Thread(target=self._cycle, name=self.kind, daemon=True)
         self._thread.start()
 
     def _cycle(self) -> None:
@@ -167,7 +179,7 @@ class SlowPeer:
 
     def outcome(self) -> str:
         return (
-            f"PoolNode {self.victim.node_id[:8]} (pid {self.pid}) stopped {SLOW_STOPPED_S * 1000:.0f} ms of every "
+            f"{self.target.name()} (pid {self.pid}) stopped {SLOW_STOPPED_S * 1000:.0f} ms of every "
             f"{SLOW_PERIOD_S * 1000:.0f} ms for {self.hold_s:g} s"
         )
 
@@ -264,18 +276,18 @@ class ByteFlip:
 
 @dataclass
 class EngineKill:
-    victim: Victim
+    engine: ServerProcess
     hold_s: float = 0.0
     kind: str = "engine-kill"
 
     def inject(self) -> None:
-        self.victim.engine.kill()
+        self.engine.kill()
 
     def end(self) -> None:
         pass
 
     def outcome(self) -> str:
-        return f"engine (pid {self.victim.engine.pid}) SIGKILLed, not restarted: the requests routed to it fail"
+        return f"engine (pid {self.engine.pid}) SIGKILLed, not restarted: the requests routed to it fail"
 
 
 @dataclass
@@ -284,7 +296,7 @@ class Mixed:
     all (the chaos bench's long run): the last one is ended when ``hold_s`` is up.  A fault that could not be injected
     or ended is counted by kind, its turn lasts ``each_s`` all the same, and the next goes on."""
 
-    victim: Victim
+    make: Callable[[str, float], Fault]  #: the fault of a kind, held so long (:func:`fault` on a victim)
     hold_s: float
     kinds: tuple[str, ...]
     each_s: float
@@ -305,7 +317,7 @@ class Mixed:
             kind = self.kinds[turn % len(self.kinds)]
             turn += 1
             try:
-                one = fault(kind, self.victim, self.each_s)  # in the try: a hold too short for its kind is its error
+                one = self.make(kind, self.each_s)  # in the try: a hold too short for its kind is its error
                 one.inject()
                 try:
                     self._stop.wait(one.hold_s)
@@ -330,17 +342,16 @@ class Mixed:
 
 def fault(kind: str, victim: Victim, hold_s: float) -> Fault:
     """The fault of ``kind`` (one of ``KINDS``) on ``victim``."""
-    made: dict[str, Any] = {
+    if kind not in KINDS:
+        raise ConfigError(f"fault kind: one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == "engine-kill":
+        return EngineKill(victim.engine)
+    held: dict[str, Any] = {
         "node-kill": NodeKill,
         "peer-stall": PeerStall,
         "slow-peer": SlowPeer,
         "etcd-restart": EtcdRestart,
-        "byte-flip": ByteFlip,
         "full-pool": FullPool,
-        "engine-kill": EngineKill,
     }
-    if kind not in made:
-        raise ConfigError(f"fault kind: one of {', '.join(KINDS)}, got {kind!r}")
-    held = kind in ("node-kill", "peer-stall", "slow-peer", "etcd-restart", "full-pool")
-    found: Fault = made[kind](victim, hold_s if held else 0.0)
+    found: Fault = held[kind](victim, hold_s) if kind in held else ByteFlip(victim)
     return found

@@ -12,9 +12,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpool.servers.process import Ready, ServerProcess
+
 
 class LayerUnavailable(Exception):
     """A layer that cannot run on this host; the message says why and how to install it."""
+
+
+@dataclass
+class Server:
+    """One of a layer's own server processes (a store's master, a segment holder), for the chaos bench to stop and
+    kill: the process, and the check that says it serves again once started anew."""
+
+    process: ServerProcess
+    ready: Ready
 
 
 @dataclass
@@ -32,6 +43,8 @@ class Layer:
     #: the layer's cache lives inside the engines (LMCache's local CPU backend): each run starts fresh engines, as
     #: nothing else empties it
     in_engines: bool = False
+    #: the layer's own server processes by name, where they are processes the harness started (Mooncake Store's)
+    servers: dict[str, Server] = field(default_factory=dict)
 
 
 Factory = Callable[[argparse.Namespace, Path], AbstractContextManager[Layer]]

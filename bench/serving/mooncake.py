@@ -32,11 +32,11 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvpool.bench.serving.layers import Layer, LayerUnavailable
+from kvpool.bench.serving.layers import Layer, LayerUnavailable, Server
 from kvpool.core.net import free_port
 from kvpool.errors import SetupError, WorkerUnavailable
 from kvpool.pool.config import MiB
-from kvpool.servers.process import ServerProcess
+from kvpool.servers.process import Ready, ServerProcess
 
 HOST = "127.0.0.1"  #: the master, the segment holders and the engines' Mooncake clients: loopback only
 DISTRIBUTION = "mooncake-transfer-engine-non-cuda"
@@ -112,18 +112,20 @@ class MooncakeStore:
         self.rpc_port, self.metrics_port = free_port(HOST), free_port(HOST)
         self.address = f"{HOST}:{self.rpc_port}"
         self.capacity = 0  #: bytes of the segments mounted so far
+        self.servers: dict[str, Server] = {}  #: the master and the holders, as started (for the chaos bench)
 
-    def _server(self, name: str, args: list[str], log: str) -> ServerProcess:
+    def _start(self, name: str, args: list[str], log: str, ready: Ready) -> None:
         server = ServerProcess(name, args, self.work / log, env={**os.environ, **self.env}, grace_s=10)
         self.stack.callback(server.stop)
-        return server
+        server.start(ready, START_S, SetupError, poll_s=0.2)
+        self.servers[name] = Server(server, ready)
 
     def start_master(self) -> None:
         """``mooncake_master`` with its RPC and its metrics on loopback; until both answer."""
         args = [str(self.bin_dir / "mooncake_master"), f"--rpc_address={HOST}", f"--rpc_port={self.rpc_port}"]
         args += [f"--metrics_host={HOST}", f"--metrics_port={self.metrics_port}"]
         args += [f"--default_kv_lease_ttl={LEASE_TTL_MS}"]
-        self._server("mooncake_master", args, "mooncake-master.log").start(self._master_ready, START_S, SetupError)
+        self._start("mooncake_master", args, "mooncake-master.log", self._master_ready)
 
     def _master_ready(self) -> str | None:
         try:
@@ -139,17 +141,16 @@ class MooncakeStore:
         args = [str(self.bin_dir / "mooncake_client"), f"--host={HOST}", f"--port={free_port(HOST)}"]
         args += [f"--global_segment_size={segment_bytes}", f"--master_server_address={self.address}"]
         args += ["--metadata_server=P2PHANDSHAKE", "--protocol=tcp"]
-        want = self.capacity + segment_bytes
-        server = self._server(f"mooncake_client {i}", args, f"mooncake-client{i}.log")
-        server.start(lambda: self._capacity_ready(want), START_S, SetupError, poll_s=0.2)
-        self.capacity = want
+        self.capacity += segment_bytes
+        self._start(f"mooncake_client {i}", args, f"mooncake-client{i}.log", self._all_mounted)
 
-    def _capacity_ready(self, want: int) -> str | None:
+    def _all_mounted(self) -> str | None:
+        """None once the master counts every segment started so far (a holder started anew mounts its own again)."""
         try:
             have = master_metrics(self.metrics_port).get("master_total_capacity_bytes", 0.0)
         except OSError as exc:
             return str(exc)
-        return None if have >= want else f"the master counts {have:.0f} of {want} segment bytes"
+        return None if have >= self.capacity else f"the master counts {have:.0f} of {self.capacity} segment bytes"
 
     def engine_config(self) -> dict[str, Any]:
         """The engines' ``MOONCAKE_CONFIG_PATH`` file: put onto the holders' segments, over TCP."""
@@ -205,6 +206,7 @@ def layer(args: argparse.Namespace, work: Path) -> Iterator[Layer]:
             empty=store.empty,
             env={**env, "MOONCAKE_CONFIG_PATH": str(config)},
             note=note,
+            servers=store.servers,
         )
 
 
