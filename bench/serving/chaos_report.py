@@ -59,12 +59,17 @@ def row(kind: str, answers: list[Answer], pooled: float, ref: list[Answer], tole
 def seen(counters: dict[str, float]) -> str:
     """The engines' kvpool fault counters a run moved, short: ``vllm:kvpool_transfer_faults_total{late}`` as
     ``late``, ``vllm:kvpool_misses_total{evicted}`` as ``miss evicted``, ``vllm:kvpool_errors_total{save}`` as
-    ``save errors`` ("none": none moved)."""
+    ``save errors``, Mooncake Store's ``vllm:mooncake_store_operation_failed_keys_total{get}`` as ``get keys failed``
+    ("none": none moved)."""
     said = []
     for name, n in sorted(counters.items()):
         metric, _, label = name.partition("{")
         label = label.rstrip("}")
-        shown = {"vllm:kvpool_misses_total": f"miss {label}", "vllm:kvpool_errors_total": f"{label} errors"}
+        shown = {
+            "vllm:kvpool_misses_total": f"miss {label}",
+            "vllm:kvpool_errors_total": f"{label} errors",
+            "vllm:mooncake_store_operation_failed_keys_total": f"{label} keys failed",
+        }
         said.append(f"{shown.get(metric, label)} {n:.0f}")
     return ", ".join(said) or "none"
 
@@ -113,7 +118,8 @@ def table(out: dict[str, Any]) -> Table:
         "the layer below (their /metrics); recovery: from the fault's end to the first token of the first request sent after "
         f"it with TTFT within {RECOVERED:g}x of the same request's in the reference (n/a: none); in the metrics: what "
         "the run moved of the engines' vllm:kvpool_transfer_faults_total{kind}, vllm:kvpool_misses_total{cause} "
-        "(miss ...) and vllm:kvpool_errors_total{direction} (load / save errors), summed over the engines that answer "
+        "(miss ...) and vllm:kvpool_errors_total{direction} (load / save errors) — under Mooncake Store "
+        "vllm:mooncake_store_operation_failed_keys_total{operation} (... keys failed) —, summed over the engines that answer "
         "after the run, beyond what the reference run moved (each run empties the pool first, so its first lookups find "
         "chunks 'removed'); counted in the engines, so a pool node killed takes none with it."
     )

@@ -156,19 +156,20 @@ FAULT_METRICS = {
     "vllm:kvpool_transfer_faults_total": "kind",
     "vllm:kvpool_misses_total": "cause",
     "vllm:kvpool_errors_total": "direction",
+    "vllm:mooncake_store_operation_failed_keys_total": "operation",  # vLLM's MooncakeStoreConnector's
 }
 
 
 def fault_counts(urls: list[str]) -> dict[str, dict[str, float]]:
-    """Per engine, kvpool's connector's :data:`FAULT_METRICS` from its ``/metrics`` (:func:`faults_in`)."""
+    """Per engine, its connector's :data:`FAULT_METRICS` from its ``/metrics`` (:func:`faults_in`)."""
     return {url: faults_in(_get(f"{url}/metrics")) for url in urls}
 
 
 def faults_in(text: str) -> dict[str, float]:
     """An engine's :data:`FAULT_METRICS` in its metrics ``text`` as ``name{value}``, summed over its other labels:
     its transfers with other nodes that went wrong, its lookups and loads that fell short by cause, its chunks not
-    loaded and batches not saved.  Counted in the engine, so a pool node killed meanwhile takes none of them with it;
-    none where an engine runs another layer."""
+    loaded and batches not saved (Mooncake Store's connector: its keys that failed, by operation).  Counted in the
+    engine, so a pool node killed meanwhile takes none of them with it; none where an engine runs no such layer."""
     out: dict[str, float] = {}
     for metric, label in FAULT_METRICS.items():
         for value, n in re.findall(rf'^{metric}{{[^}}]*\b{label}="([^"]+)"[^}}]*}} (\S+)$', text, re.M):

@@ -38,13 +38,16 @@ def test_an_engines_fault_counters_are_read_by_their_label_whatever_the_others()
             'vllm:kvpool_misses_total{cause="node_left",engine="1",model_name="m"} 3.0',
             'vllm:kvpool_errors_total{direction="load",engine="0",model_name="m"} 4.0',
             'vllm:kvpool_tokens_total{engine="0",kind="loaded",model_name="m"} 512.0',
+            'vllm:mooncake_store_operation_failed_keys_total{engine="0",model_name="m",operation="get",status="error"} 15.0',
         ]
     )
     assert faults_in(text) == {
         "vllm:kvpool_transfer_faults_total{late}": 1.0,
         "vllm:kvpool_misses_total{node_left}": 5.0,
         "vllm:kvpool_errors_total{load}": 4.0,
+        "vllm:mooncake_store_operation_failed_keys_total{get}": 15.0,
     }
+    assert seen({"vllm:mooncake_store_operation_failed_keys_total{get}": 15.0}) == "get keys failed 15"
 
 
 def test_a_mixed_series_whose_faults_all_fail_waits_out_each_turn() -> None:
