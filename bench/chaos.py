@@ -25,7 +25,13 @@ cannot delay.  They compute in float32 (``--dtype``; in bfloat16, vLLM's CPU def
 2**-7 when the batch around a request changes).  The trace is scaled as ``bench/serve.py`` scales it; the harness's
 settings this bench has no option for are ``bench/serve.py``'s defaults.
 
-    python bench/chaos.py [--faults peer-stall,...] [--requests 30] [--hold-s 8] [--own-cache] [--model DIR]
+``--layer mooncake`` runs the same schedule on Mooncake Store below vLLM's own ``MooncakeStoreConnector`` instead
+(``bench/serving/mooncake_faults.py``: its segment holder stalled, slowed, its bytes flipped, it or the master killed
+and started again, an engine killed), in a network namespace of its own as ``bench/serve.py`` runs it, so that the
+table says how the peer behaves under the faults kvpool is put through.
+
+    python bench/chaos.py [--layer kvpool|mooncake] [--faults peer-stall,...] [--requests 30] [--hold-s 8] [--own-cache]
+                          [--model DIR]
 """
 
 import argparse

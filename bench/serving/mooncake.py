@@ -59,8 +59,17 @@ START_S = 120.0  #: a master or a holder up (a loaded 2-core host)
 EMPTY_S = 120.0  #: the remover's passes, its start included
 
 #: every engine's ``--kv-transfer-config``: the connector as shipped, putting and getting (its config is the JSON
-#: file ``MOONCAKE_CONFIG_PATH`` names)
+#: file ``MOONCAKE_CONFIG_PATH`` names), and its own ``lookup_rpc_port`` (:func:`kv_transfer`)
 KV_TRANSFER = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+
+
+def kv_transfer(store: "MooncakeStore", i: int) -> dict[str, Any]:
+    """Engine ``i``'s ``--kv-transfer-config``.  Its scheduler asks its worker for lookups over an IPC socket named by
+    the host's name and ``lookup_rpc_port`` (0 unless set), which a worker unlinks and binds anew when it starts: on one
+    host, engines left at the default all ask the last one started, and when that one dies every other engine's
+    scheduler waits for its answer for good (seen: the surviving engine hung after engine-kill).  So each engine
+    gets a number of its own, unique to this store too."""
+    return {**KV_TRANSFER, "kv_connector_extra_config": {"lookup_rpc_port": store.rpc_port * 100 + i}}
 
 
 def mooncake_env() -> dict[str, str]:
@@ -202,7 +211,7 @@ def layer(args: argparse.Namespace, work: Path) -> Iterator[Layer]:
             f"{args.engines} x {args.pool_mib} MiB standalone segments, TCP on loopback, lease {LEASE_TTL_MS // 1000} s"
         )
         yield Layer(
-            kv_transfer=lambda i, host: dict(KV_TRANSFER),
+            kv_transfer=lambda i, host: kv_transfer(store, i),
             empty=store.empty,
             env={**env, "MOONCAKE_CONFIG_PATH": str(config)},
             note=note,
