@@ -55,10 +55,10 @@ class Holder:
     victim: StoreVictim
 
     def pid(self) -> int:
-        pid = self.victim.server(HOLDER).process.pid
-        if pid is None or not self.victim.server(HOLDER).process.running():
+        process = self.victim.server(HOLDER).process
+        if process.pid is None or not process.running():
             raise WorkerUnavailable(f"{HOLDER} is not running")
-        return pid
+        return process.pid
 
     def name(self) -> str:
         return HOLDER
